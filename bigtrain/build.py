@@ -1,0 +1,162 @@
+"""Setup of a run from its config: data, model, precision, backend, resume, callbacks; and `run()`,
+which drives a whole training run and writes final.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bigtrain.config import Config, to_dict, to_yaml
+from bigtrain.data import BatchLoader, SampleStream, eval_batches, prepare_corpus, split_samples
+from bigtrain.errors import AbortRun, ConfigError
+from bigtrain.evaluate import EvalCallback
+from bigtrain.hooks import Callbacks
+from bigtrain.model import build_model, model_flops_per_token, num_params
+from bigtrain.monitor.guard import NonFiniteGuard
+from bigtrain.monitor.telemetry import GradTelemetry
+from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
+from bigtrain.observe.rundir import RunDir
+from bigtrain.observe.wandb_logger import WandbLogger
+from bigtrain.parallel.env import DistEnv, pick_device
+from bigtrain.parallel.local import LocalBackend
+from bigtrain.precision import apply_to_model, detect_hardware, resolve_policy
+from bigtrain.resilience.callback import CheckpointCallback
+from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes, verify
+from bigtrain.resilience.faults import FaultInjector
+from bigtrain.train import Trainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
+    """What may not change on resume without checkpoint.allow_config_change=true."""
+    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+    return {**model, "data.corpus_and_tokenizer": corpus_key, "global_batch_size": global_batch_size}
+
+
+def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
+    if env.world_size != 1:
+        raise ConfigError(f"parallel.backend={cfg.parallel.backend} runs one process, but the launcher started {env.world_size}")
+    out = Path(cfg.train.out_dir)
+    run_dir = RunDir(out, env.is_main)
+    if run_dir.aborted_marker.exists():
+        raise AbortRun(f"{run_dir.aborted_marker} exists: this run gave up earlier ({run_dir.aborted_marker.read_text().strip()}); "
+                       "remove the marker to try again")
+    manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
+    if cfg.checkpoint.resume == "never" and manager.committed():
+        raise ConfigError(f"checkpoint.resume=never but {run_dir.checkpoints} already holds checkpoints; "
+                          "use checkpoint.resume=auto or another train.out_dir")
+
+    device = pick_device(cfg.train.device, env)
+    if cfg.train.num_threads > 0:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+
+    corpus = prepare_corpus(cfg.data, log=log)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
+        raise ConfigError(f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary ({corpus.vocab_size})")
+    train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
+    stream = SampleStream(len(train_samples), cfg.train.seed)
+    loader = BatchLoader(train_samples, stream, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                         env.rank, env.world_size, device)
+    val = eval_batches(val_samples, cfg.train.micro_batch_size, cfg.train.eval_batches, env.rank, env.world_size, device)
+
+    model = build_model(cfg.model, corpus.vocab_size)
+    n_params = num_params(model)
+    policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
+    apply_to_model(model, policy)
+    backend = LocalBackend(model, policy, cfg.optim, device)
+
+    context = {
+        "policy": policy,
+        "num_params": n_params,
+        "flops_per_token": model_flops_per_token(model, cfg.model),
+        "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
+        "config_yaml": to_yaml(cfg),
+        "tokenizer_dir": corpus.tokenizer_dir,
+        "train_samples": len(train_samples),
+    }
+    callbacks = [
+        FaultInjector(cfg.fault, env.rank),
+        NonFiniteGuard(cfg.monitor.nonfinite),
+        EvalCallback(val, cfg.train.eval_every),
+        GradTelemetry(cfg.monitor.every),
+        CheckpointCallback(manager, cfg.checkpoint.every),
+        MetricsLogger(),
+        ConsoleProgress(cfg.train.progress and env.is_main),
+    ]
+    if cfg.wandb.mode != "disabled":
+        callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
+    trainer = Trainer(cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context)
+    context["resume_from"] = _resume(cfg, trainer, manager)
+    return trainer
+
+
+def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any] | None:
+    choice = cfg.checkpoint.resume
+    if choice == "never":
+        return None
+    if choice == "auto":
+        invalid: list[dict[str, str]] = []
+        found = manager.newest_valid(on_invalid=lambda p, why: invalid.append({"path": str(p), "reason": why}))
+        trainer.context["invalid_checkpoints"] = invalid
+        if found is None:
+            return None
+        path, manifest = found
+    else:
+        path = Path(choice)
+        manifest = verify(path)  # raises CheckpointError (exit 2) naming the file that fails
+    changes = identity_changes(manifest["identity"], trainer.context["identity"])
+    if changes and not cfg.checkpoint.allow_config_change:
+        raise ConfigError(f"checkpoint '{path}' was written with different {', '.join(changes)}; "
+                          "set checkpoint.allow_config_change=true to resume anyway")
+    saved = CheckpointManager.load(path, trainer.backend)
+    trainer.load_trainer_state(saved)
+    return {"path": str(path), "step": manifest["step"], "changed": changes}
+
+
+def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
+    """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data."""
+    started = time.time()
+    trainer = build_trainer(cfg, env, log=log)
+    ctx = trainer.context
+    try:
+        trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
+        if env.is_main:
+            log(f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
+                f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}")
+        trainer.event("start", backend=trainer.backend.name, world_size=env.world_size, device=str(trainer.device),
+                      num_params=ctx["num_params"], max_steps=cfg.train.max_steps, precision=ctx["policy"].to_dict(),
+                      global_batch_size=trainer.loader.global_batch_size)
+        for bad in ctx.get("invalid_checkpoints", []):
+            trainer.event("checkpoint_invalid", **bad)
+        if ctx["resume_from"]:
+            trainer.event("resume", **ctx["resume_from"])
+        state = trainer.fit()
+        fingerprint = trainer.backend.fingerprint()
+        final = {
+            "step": state.step,
+            "loss": state.last_loss,
+            "tokens": state.tokens_seen,
+            "samples": state.samples_seen,
+            "anomalies": state.anomalies,
+            "rollbacks": state.rollbacks,
+            "skipped_steps": state.skipped_steps,
+            "fingerprint": fingerprint,
+            "wall_s": round(time.time() - started, 2),
+        }
+        trainer.event("finish", loss=final["loss"], tokens=final["tokens"], fingerprint=fingerprint)
+        trainer.run_dir.write_json("final.json", final)
+        return final
+    finally:
+        trainer.callbacks.close()

@@ -1,0 +1,77 @@
+"""bigtrain's command line: train | ckpt.
+
+Exit codes (DESIGN.md): 0 finished; 2 bad config or input (one line, no traceback); 3 gave up
+after anomalies (ABORTED marker); anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bigtrain.errors import AbortRun, ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bigtrain", description="Train GPT-style language models.")
+    # The deepspeed launcher runs `python -m bigtrain --local_rank=N train ...`.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from YAML configs and key=value overrides")
+    train.add_argument("items", nargs="+", metavar="CONFIG|key=value",
+                       help="YAML files merged left to right, then dotted overrides like train.max_steps=100")
+    train.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank_sub", help=argparse.SUPPRESS)
+
+    ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (("verify", "recompute every file's sha256 against the manifest"), ("inspect", "print the manifest summary")):
+        c = ckpt_sub.add_parser(name, help=text)
+        c.add_argument("path", type=Path)
+    return p
+
+
+def _train(items: list[str], local_rank: int | None) -> int:
+    from bigtrain.build import run
+    from bigtrain.config import load_config
+    from bigtrain.parallel.env import read_env
+
+    files = [i for i in items if "=" not in i]
+    overrides = [i for i in items if "=" in i]
+    cfg = load_config(files, overrides)
+    final = run(cfg, read_env(local_rank))
+    print(json.dumps(final))
+    return 0
+
+
+def _ckpt(command: str, path: Path) -> int:
+    from bigtrain.resilience.checkpoint import verify
+
+    manifest = verify(path)
+    if command == "verify":
+        print(f"ok: {path} ({len(manifest['files'])} files verified, step {manifest['step']})")
+    else:
+        summary = {k: manifest[k] for k in ("step", "backend", "world_size", "data", "config_hash", "versions", "git_commit", "created")}
+        summary["bytes"] = sum(f["size"] for f in manifest["files"].values())
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            local_rank = args.local_rank if args.local_rank is not None else args.local_rank_sub
+            return _train(args.items, local_rank)
+        return _ckpt(args.ckpt_command, args.path)
+    except ConfigError as e:
+        print(f"bigtrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except AbortRun as e:
+        print(f"bigtrain: aborted: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("bigtrain: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,32 @@
+from bigtrain.config.load import load_config, to_dict, to_yaml, validate
+from bigtrain.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    FaultConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "FaultConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "load_config",
+    "to_dict",
+    "to_yaml",
+    "validate",
+]

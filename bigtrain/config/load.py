@@ -1,0 +1,200 @@
+"""Load, merge and validate configs: YAML files left to right, then `key.sub=value` overrides.
+
+The one override path (STYLE 3). A misspelled key, a wrong type or a missing file raises
+`ConfigError` naming the key, what was expected and the closest valid key; the CLI turns it into
+one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from bigtrain.config.schema import Config
+from bigtrain.errors import ConfigError
+
+# Allowed values of enumerated string keys; checked after the merge.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.kind": ("gpt", "hf"),
+    "model.position": ("learned", "rope"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.mlp": ("gelu", "swiglu"),
+    "data.source": ("shakespeare", "files", "hub"),
+    "precision.preset": ("auto", "fp32", "bf16-mixed"),
+    "precision.compute_dtype": ("auto", "bf16", "fp32"),
+    "precision.master_dtype": ("fp32",),
+    "precision.optimizer_state_dtype": ("fp32",),
+    "precision.loss_scaling": ("none",),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "monitor.nonfinite": ("abort", "skip"),
+    "parallel.backend": ("local",),
+    "wandb.mode": ("online", "offline", "disabled"),
+}
+
+# Why a value that the schema names is not accepted yet; appended to the error message.
+NOT_YET = {
+    "precision.compute_dtype": "fp16 compute needs dynamic loss scaling (precision engine)",
+    "precision.optimizer_state_dtype": "bf16/fp16 states need bigtrain's AdamW (precision engine)",
+    "precision.loss_scaling": "loss scaling applies to fp16 compute (precision engine)",
+    "parallel.backend": "fsdp and zero arrive with the sharded backends",
+}
+
+
+def all_keys(schema: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, leaves and sections."""
+    keys = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(all_keys(type(default), key + "."))
+    return keys
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _read_yaml(path: str) -> DictConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' not found (expected a YAML file)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {e}".splitlines()[0]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return OmegaConf.create(data)
+
+
+def _parse_override(item: str) -> DictConfig:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override '{item}' must look like key.sub=value")
+    key = item.split("=", 1)[0]
+    if key not in all_keys():
+        raise ConfigError(f"unknown config key '{key}'{_closest(key)}")
+    return OmegaConf.from_dotlist([item])
+
+
+def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except ConfigKeyError as e:
+        key = e.full_key or str(e.key)
+        raise ConfigError(f"{origin}: unknown config key '{key}'{_closest(key)}") from None
+    except ValidationError as e:
+        key = e.full_key
+        expected = _expected_type(key)
+        raise ConfigError(
+            f"{origin}: key '{key}' got {e.value!r}, expected {expected}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
+
+
+def _expected_type(key: str) -> str:
+    node: Any = Config
+    for part in key.split("."):
+        match = [f for f in fields(node) if f.name == part]
+        if not match:
+            return "a valid value"
+        f = match[0]
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        node = type(default) if is_dataclass(default) else None
+        if node is None:
+            return f"a value of type {f.type}"
+    return "a section"
+
+
+def load_config(files: list[str], overrides: list[str] | None = None) -> Config:
+    """Merge `files` left to right onto the schema's defaults, then `overrides`; validate."""
+    cfg: DictConfig = OmegaConf.structured(Config)
+    for path in files:
+        cfg = _merge_one(cfg, _read_yaml(path), f"config file '{path}'")
+    for item in overrides or []:
+        cfg = _merge_one(cfg, _parse_override(item), f"override '{item}'")
+    config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(config)
+    return config
+
+
+def _get(config: Config, key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(config: Config) -> None:
+    """Checks that span more than one field's type; raises ConfigError naming the key."""
+    for key, allowed in CHOICES.items():
+        value = _get(config, key)
+        if value not in allowed:
+            hint = f" ({NOT_YET[key]})" if key in NOT_YET else ""
+            raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
+    m, t = config.model, config.train
+    if m.kind == "gpt" and m.d_model % m.n_heads:
+        raise ConfigError(f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})")
+    if m.kind == "gpt" and m.position == "rope" and (m.d_model // m.n_heads) % 2:
+        raise ConfigError("key 'model.n_heads': rope needs an even head dim (d_model / n_heads)")
+    if m.kind == "hf" and not (m.hf_config or m.hf_path):
+        raise ConfigError("model.kind=hf needs 'model.hf_config' (a dict) or 'model.hf_path'")
+    if m.kind == "hf" and m.hf_config is not None and "model_type" not in m.hf_config:
+        raise ConfigError("key 'model.hf_config' must name its 'model_type' (e.g. gpt2, llama)")
+    positive = {
+        "model.seq_len": m.seq_len,
+        "train.max_steps": t.max_steps,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum_steps": t.grad_accum_steps,
+        "train.log_every": t.log_every,
+        "train.eval_batches": t.eval_batches,
+        "checkpoint.keep": config.checkpoint.keep,
+        "data.vocab_size": config.data.vocab_size,
+        "data.num_proc": config.data.num_proc,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"key '{key}' got {value}, expected a positive integer")
+    non_negative = {
+        "train.eval_every": t.eval_every,
+        "checkpoint.every": config.checkpoint.every,
+        "monitor.every": config.monitor.every,
+        "optim.warmup_steps": config.optim.warmup_steps,
+        "optim.grad_clip": config.optim.grad_clip,
+        "optim.weight_decay": config.optim.weight_decay,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
+    if not 0.0 < config.optim.lr:
+        raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
+    if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"key 'optim.min_lr_ratio' got {config.optim.min_lr_ratio}, expected 0..1")
+    if not 0.0 < config.data.val_fraction < 0.5:
+        raise ConfigError(f"key 'data.val_fraction' got {config.data.val_fraction}, expected 0 < f < 0.5")
+    if config.data.source == "files" and not config.data.paths:
+        raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
+    if config.data.source == "hub" and not config.data.hub_name:
+        raise ConfigError("data.source=hub needs 'data.hub_name'")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"key 'model.dropout' got {m.dropout}, expected 0 <= p < 1")
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]

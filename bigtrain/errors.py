@@ -1,0 +1,14 @@
+"""Errors that end a run with a documented exit code (DESIGN.md, CLI contract)."""
+
+
+class ConfigError(ValueError):
+    """A user's config, input file or checkpoint is wrong. The CLI prints the message (which names
+    the key or file and what was expected) without a traceback and exits 2."""
+
+    exit_code = 2
+
+
+class AbortRun(RuntimeError):
+    """The run gave up after anomalies; the last good checkpoint is intact. Exit 3."""
+
+    exit_code = 3

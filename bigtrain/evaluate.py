@@ -1,0 +1,26 @@
+"""Validation loss every `train.eval_every` steps, at the last step, and once before a fresh run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigtrain.hooks import Callback
+
+
+class EvalCallback(Callback):
+    priority = 10
+
+    def __init__(self, batches: list, every: int) -> None:
+        self.batches, self.every = batches, every
+
+    def due(self, trainer) -> bool:
+        return self.every > 0 and (trainer.step % self.every == 0 or trainer.is_last_step())
+
+    def on_start(self, trainer) -> None:
+        if self.every > 0 and trainer.step == 0:
+            # Expensive device-to-host synchronization: once, for the starting point of the curve.
+            trainer.context["initial_eval"] = {"val_loss": trainer.backend.eval_loss(self.batches).item()}
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        if self.due(trainer):
+            metrics["val_loss"] = trainer.backend.eval_loss(self.batches)

@@ -1,0 +1,56 @@
+"""The fixed set of hooks through which everything plugs into the loop.
+
+Order of one run (train.py):
+
+    on_start(trainer)                      after setup and resume, before the first step
+    per optimizer step:
+        on_after_backward(trainer, m)      gradients of all micro-batches are in place, not yet
+                                           clipped; `m` is the step's metrics dict (device tensors)
+        on_step_end(trainer, m)            after the optimizer step (or its skip); `m` holds step,
+                                           loss, lr, grad_norm, ... ; callbacks may add keys
+    on_event(trainer, record)              whenever an event is written (any time)
+    on_finish(trainer)                     after the last step, before final.json
+
+Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
+another reads has a lower priority: evaluation (10) and telemetry (20) run before checkpointing
+(50), which runs before metrics logging (80), console (90) and wandb (90).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bigtrain.train import Trainer
+
+
+class Callback:
+    priority: int = 50
+
+    def on_start(self, trainer: Trainer) -> None: ...
+
+    def on_after_backward(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+
+    def on_event(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
+
+    def on_finish(self, trainer: Trainer) -> None: ...
+
+    def close(self) -> None:
+        """Release resources; called on every exit path, also after an error."""
+
+
+class Callbacks:
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.items = sorted(callbacks, key=lambda c: c.priority)
+
+    def __getattr__(self, hook: str):
+        if not hook.startswith("on_") and hook != "close":
+            raise AttributeError(hook)
+
+        def call(*args: Any) -> None:
+            for cb in self.items:
+                getattr(cb, hook)(*args)
+
+        return call

@@ -1,0 +1,37 @@
+"""Models: architecture only. `build_model` picks the built-in GPT or a transformers causal LM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from bigtrain.config.schema import ModelConfig
+from bigtrain.model.gpt import GPT, flops_per_token, num_params
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """Build on the current default device with FP32 weights. `vocab_size` is the tokenizer's."""
+    if cfg.kind == "hf":
+        from bigtrain.model.hf import build_hf
+
+        return build_hf(cfg.hf_config, cfg.hf_path, cfg.vocab_size or vocab_size)
+    return GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab_size))
+
+
+def model_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
+    """Training FLOPs per token of a built model (see gpt.flops_per_token)."""
+    if isinstance(model, GPT):
+        return flops_per_token(model.cfg, num_params(model, non_embedding=True))
+    hf_cfg = model.hf.config  # type: ignore[union-attr]
+    n_layers = getattr(hf_cfg, "num_hidden_layers", getattr(hf_cfg, "n_layer", 0))
+    d_model = getattr(hf_cfg, "hidden_size", getattr(hf_cfg, "n_embd", 0))
+    tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    n = num_params(model) - sum(t.numel() for t in tables)
+    out = model.hf.get_output_embeddings()  # type: ignore[union-attr]
+    if out is not None and any(out.weight is t for t in tables):
+        n += out.weight.numel()  # a tied table still does the output matmul
+    return 6.0 * n + 12.0 * n_layers * d_model * cfg.seq_len
+
+
+__all__ = ["GPT", "build_model", "flops_per_token", "model_flops_per_token", "num_params"]

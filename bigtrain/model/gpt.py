@@ -1,0 +1,207 @@
+"""bigtrain's built-in GPT: architecture only.
+
+GPT-2 style (learned positions, LayerNorm, GELU, biases) and Llama style (rotary positions,
+RMSNorm, SwiGLU, no biases) from one config. Precision, sharding and checkpointing of activations
+are applied from outside: the only precision knob here is `CausalSelfAttention.fp32_softmax`, a
+module attribute that the precision policy sets after the model is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigtrain.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in FP32: the mean of squares loses digits in BF16/FP16.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in FP32 whatever the autocast dtype, returned in the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weight is not None else None
+        bias = self.bias.float() if self.bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+        return y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, heads, seq, head_dim); rotates the two halves of head_dim (GPT-NeoX layout).
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.residual_scaled_init = True  # type: ignore[attr-defined]
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.fp32_softmax = False
+        """Set by the precision policy: compute scores and softmax in FP32 (explicit path)."""
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        p = self.dropout if self.training else 0.0
+        if self.fp32_softmax:
+            y = self._explicit_fp32(q, k, v, p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return self.resid_dropout(self.proj(y))
+
+    def _explicit_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        seq = q.shape[-2]
+        with torch.autocast(q.device.type, enabled=False):
+            scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+            probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            probs = F.dropout(probs, p=p, training=p > 0)
+        # The weighted sum of values goes back to the compute dtype like any other matmul.
+        return probs.to(v.dtype) @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = cfg.d_ff or default_d_ff(cfg)
+        self.up = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.down.residual_scaled_init = True  # type: ignore[attr-defined]
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, value = h.chunk(2, dim=-1)
+            h = F.silu(gate) * value
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.down(h))
+
+
+def default_d_ff(cfg: ModelConfig) -> int:
+    if cfg.mlp == "swiglu":
+        return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
+    return 4 * cfg.d_model
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.vocab_size is not None, "vocab_size is resolved from the tokenizer before building"
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+            # Not persistent: derived from the config, and kept in FP32 whatever the module dtype.
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if getattr(module, "residual_scaled_init", False) else 1.0
+                nn.init.normal_(module.weight, std=std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype."""
+        seq = idx.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(seq, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.lm_head(self.norm_f(x))
+
+
+def num_params(model: nn.Module, non_embedding: bool = False) -> int:
+    """Parameters counted once (tied weights once). non_embedding drops the token and position
+    tables, the count that enters the 6N FLOPs rule."""
+    total = sum(p.numel() for p in model.parameters())
+    if non_embedding:
+        for name in ("tok_emb", "pos_emb"):
+            table = getattr(model, name, None)
+            if table is not None:
+                total -= table.weight.numel()
+        lm_head = getattr(model, "lm_head", None)
+        tok_emb = getattr(model, "tok_emb", None)
+        if lm_head is not None and tok_emb is not None and lm_head.weight is tok_emb.weight:
+            total += lm_head.weight.numel()  # the tied table still does the output matmul
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, n_params_non_embedding: int) -> float:
+    """Training FLOPs per token (forward + backward): 6N for the weight matmuls plus
+    12 * layers * d_model * seq_len for attention scores and values (PaLM appendix B, causal
+    masking not discounted)."""
+    return 6.0 * n_params_non_embedding + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

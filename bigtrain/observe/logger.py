@@ -1,0 +1,95 @@
+"""Metrics at log steps: metrics.jsonl (rank 0) and a console progress bar with loss, tokens/s, ETA."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bigtrain.hooks import Callback
+
+CONSOLE_EVENTS = {"resume", "checkpoint", "anomaly", "abort", "skip_data", "rollback", "lr_backoff", "preempt", "checkpoint_invalid"}
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+class MetricsLogger(Callback):
+    """Turns the step's device tensors into one JSON record every `train.log_every` steps, at the
+    last step and at any non-finite step. Records go to `metrics["record"]` for the console and
+    wandb, which run after this."""
+
+    priority = 80
+
+    def __init__(self) -> None:
+        self.interval_time = 0.0
+        self.interval_tokens = 0
+
+    def on_start(self, trainer) -> None:
+        if "val_loss" in trainer.context.get("initial_eval", {}):
+            trainer.run_dir.metrics({"step": trainer.step, **trainer.context["initial_eval"]})
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        self.interval_time += metrics["step_time"]
+        self.interval_tokens += trainer.tokens_per_step
+        step = metrics["step"]
+        if not (step % trainer.cfg.train.log_every == 0 or trainer.is_last_step() or not metrics["finite"] or "val_loss" in metrics):
+            return
+        # Expensive device-to-host synchronization, at log steps only.
+        record = {k: _scalar(v) for k, v in metrics.items() if k not in ("finite", "step_time")}
+        record["tokens_per_s"] = self.interval_tokens / max(self.interval_time, 1e-9)
+        record["samples_seen"] = trainer.state.samples_seen
+        record["tokens"] = trainer.state.tokens_seen
+        record["skipped_steps"] = trainer.state.skipped_steps
+        if trainer.context.get("flops_per_token") and trainer.context.get("peak_flops"):
+            record["mfu"] = record["tokens_per_s"] * trainer.context["flops_per_token"] / trainer.context["peak_flops"]
+        trainer.state.last_loss = record["loss"]
+        self.interval_time, self.interval_tokens = 0.0, 0
+        trainer.run_dir.metrics(record)
+        metrics["record"] = record
+
+
+class ConsoleProgress(Callback):
+    """tqdm bar on rank 0 (stderr) when stderr is a terminal; otherwise (batch jobs, CI logs) one
+    line per logged step. Events are printed above the bar."""
+
+    priority = 90
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: tqdm | None = None
+
+    def on_start(self, trainer) -> None:
+        if self.enabled:
+            bar = tqdm(total=trainer.cfg.train.max_steps, initial=trainer.step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr, disable=None)
+            self.bar = None if bar.disable else bar
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        record = metrics.get("record")
+        if self.bar is None:
+            if self.enabled and record:
+                val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+                print(f"step {record['step']}/{trainer.cfg.train.max_steps} loss {record['loss']:.4f}{val} "
+                      f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+            return
+        self.bar.update(1)
+        if record:
+            postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "val_loss" in record:
+                postfix["val"] = f"{record['val_loss']:.4f}"
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def on_event(self, trainer, record: dict[str, Any]) -> None:
+        if trainer.env.is_main and record["kind"] in CONSOLE_EVENTS:
+            details = {k: v for k, v in record.items() if k not in ("time", "kind", "step")}
+            line = f"[step {record['step']}] {record['kind']}: {details}"
+            (self.bar.write if self.bar else print)(line, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,73 @@
+"""The run directory's files: config.yaml, metrics.jsonl, events.jsonl, final.json, markers.
+
+Only rank 0 writes the shared files; every rank may read them. Each JSONL line is written whole and
+flushed, so a killed run leaves readable logs up to its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ABORTED = "ABORTED"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Inf: write them as strings so that the line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+class RunDir:
+    def __init__(self, path: Path, is_main: bool) -> None:
+        self.path = path
+        self.is_main = is_main
+        if is_main:
+            path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def aborted_marker(self) -> Path:
+        return self.path / ABORTED
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        with open(self.path / name, "a") as f:
+            f.write(json.dumps(_clean(record)) + "\n")
+            f.flush()
+
+    def metrics(self, record: dict[str, Any]) -> None:
+        self._append("metrics.jsonl", record)
+
+    def event(self, step: int, kind: str, **details: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "step": step, "kind": kind, **details}
+        self._append("events.jsonl", record)
+        return record
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.is_main:
+            tmp = self.path / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.path / name)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        self.write_text(name, json.dumps(_clean(data), indent=1) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,1 @@
+"""Parallelism: process environment and the backends behind one protocol."""

@@ -1,0 +1,197 @@
+"""Checkpoints committed atomically, with a manifest that makes them verifiable.
+
+A checkpoint is written into `checkpoints/.tmp-step_XXXXXXXX/`, every file fsynced, then
+`manifest.json` (step, backend, world size, every file's size and sha256, data cursor and skip
+windows, versions, git commit, config hash) is written last, and the directory is renamed to
+`step_XXXXXXXX`. A directory without a manifest that verifies is never loaded, so a crash during
+a write leaves at most a stale `.tmp-*` directory, which the next save removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bigtrain.errors import ConfigError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PREFIX = "step_"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that does not verify (exit 2 when the user named it)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("bigtrain", "deepspeed", "transformers"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def git_commit() -> str | None:
+    """The commit of the bigtrain source tree, when it is a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a committed checkpoint, after checking every file's size and sha256."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint '{path}' has no {MANIFEST} (never committed, or not a checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint '{path}': {MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint '{path}': unknown manifest format (expected format_version {FORMAT_VERSION})")
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' listed in the manifest is missing")
+        if f.stat().st_size != meta["size"]:
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['size']}")
+        if sha256_file(f) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint '{path}': file '{name}' fails its sha256 check (corrupted)")
+    return manifest
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves, lists, verifies and loads the checkpoints under `root` (out_dir/checkpoints)."""
+
+    def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
+        self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+
+    def committed(self) -> list[Path]:
+        """Committed checkpoint directories, oldest first (verification not implied)."""
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+
+    def save(self, step: int, backend, trainer_state: dict[str, Any], identity: dict[str, Any], config_yaml: str) -> Path:
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
+        tmp.mkdir(parents=True)
+        files = backend.save(tmp)
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        files += ["trainer.json", "rng.pt", "config.yaml"]
+        for name in files:
+            _fsync_file(tmp / name)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "backend": backend.name,
+            "world_size": self.world_size,
+            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
+            "data": trainer_state["data"],
+            "identity": identity,
+            "config_hash": identity_hash(identity),
+            "versions": library_versions(),
+            "git_commit": git_commit(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if final.exists():  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
+            final.rename(self.root / f"{final.name}.replaced-{int(time.time())}")
+        tmp.rename(final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for old in self.committed()[: -self.keep]:
+            shutil.rmtree(old)
+
+    def newest_valid(self, on_invalid=None) -> tuple[Path, dict[str, Any]] | None:
+        """The newest committed checkpoint that verifies; `on_invalid(path, reason)` hears of the
+        ones skipped on the way."""
+        for path in reversed(self.committed()):
+            try:
+                return path, verify(path)
+            except CheckpointError as e:
+                if on_invalid:
+                    on_invalid(path, str(e))
+        return None
+
+    @staticmethod
+    def load(path: Path, backend) -> dict[str, Any]:
+        """Load a verified checkpoint into `backend`; returns the trainer state."""
+        backend.load(path)
+        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+        return json.loads((path / "trainer.json").read_text())
+
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Keys whose value differs between a checkpoint's identity and this run's."""
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))

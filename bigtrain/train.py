@@ -1,0 +1,107 @@
+"""The training loop: small on purpose. Everything else plugs in through the hooks in hooks.py."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bigtrain.config.schema import Config, OptimConfig
+from bigtrain.data.stream import BatchLoader
+from bigtrain.hooks import Callbacks
+from bigtrain.observe.rundir import RunDir
+from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.env import DistEnv
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores (the data cursor lives in the loader's stream)."""
+
+    step: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    anomalies: int = 0
+    rollbacks: int = 0
+    last_loss: float = float("nan")
+
+
+def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then the decay schedule."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant" or max_steps <= cfg.warmup_steps:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - floor) * progress
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Holds the run's parts; `fit()` runs the loop. Built by bigtrain.build.build_trainer."""
+
+    def __init__(self, cfg: Config, env: DistEnv, backend: Backend, loader: BatchLoader, run_dir: RunDir,
+                 callbacks: Callbacks, device: torch.device, context: dict[str, Any]) -> None:
+        self.cfg, self.env, self.backend, self.loader, self.run_dir = cfg, env, backend, loader, run_dir
+        self.callbacks, self.device = callbacks, device
+        self.context = context  # what setup resolved: policy, flops per token, identity, ...
+        self.state = TrainState()
+        self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def event(self, kind: str, **details: Any) -> dict[str, Any]:
+        """Write an event (rank 0) and let callbacks (console, wandb) hear of it."""
+        record = self.run_dir.event(self.state.step, kind, **details)
+        self.callbacks.on_event(self, record)
+        return record
+
+    def is_last_step(self) -> bool:
+        return self.state.step >= self.cfg.train.max_steps
+
+    def fit(self) -> TrainState:
+        self.callbacks.on_start(self)
+        while self.state.step < self.cfg.train.max_steps:
+            metrics = self.train_step()
+            self.callbacks.on_step_end(self, metrics)
+        self.callbacks.on_finish(self)
+        return self.state
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, backend = self.cfg, self.backend
+        started = time.perf_counter()
+        lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim)
+        micro_batches = self.loader.next_step()
+        losses = [backend.forward_backward(x, y, len(micro_batches)) for x, y in micro_batches]
+        metrics: dict[str, Any] = {"step": self.state.step + 1, "loss": torch.stack(losses).mean(), "lr": lr}
+        self.callbacks.on_after_backward(self, metrics)
+        metrics["grad_norm"] = backend.clip_grad_norm(cfg.optim.grad_clip)
+        # Expensive device-to-host synchronization: the step/skip decision needs it, once per step.
+        finite = bool(torch.isfinite(metrics["grad_norm"]) & torch.isfinite(metrics["loss"]))
+        if finite:
+            backend.step(lr)
+        else:
+            backend.zero_grad()
+            self.state.skipped_steps += 1
+        metrics["finite"] = finite
+        self.state.step += 1
+        self.state.samples_seen += self.loader.global_batch_size
+        self.state.tokens_seen += self.tokens_per_step
+        metrics["step_time"] = time.perf_counter() - started  # callbacks' time (eval, checkpoints) not included
+        return metrics
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint needs besides the backend's tensors and the RNG."""
+        return {"state": asdict(self.state), "data": self.loader.stream.state_dict()}
+
+    def load_trainer_state(self, saved: dict[str, Any]) -> None:
+        self.state = TrainState(**saved["state"])
+        self.loader.stream.load_state_dict(saved["data"])

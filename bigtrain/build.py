@@ -4,6 +4,7 @@ which drives a whole training run and writes final.json."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -41,21 +42,31 @@ def seed_everything(seed: int) -> None:
 def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
     """What may not change on resume without checkpoint.allow_config_change=true."""
     model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
-    return {**model, "data.corpus_and_tokenizer": corpus_key, "global_batch_size": global_batch_size}
+    return {
+        **model,
+        "data.corpus_and_tokenizer": corpus_key,
+        "global_batch_size": global_batch_size,
+    }
 
 
 def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     if env.world_size != 1:
-        raise ConfigError(f"parallel.backend={cfg.parallel.backend} runs one process, but the launcher started {env.world_size}")
+        raise ConfigError(
+            f"parallel.backend={cfg.parallel.backend} runs one process, but the launcher started {env.world_size}"
+        )
     out = Path(cfg.train.out_dir)
     run_dir = RunDir(out, env.is_main)
     if run_dir.aborted_marker.exists():
-        raise AbortRun(f"{run_dir.aborted_marker} exists: this run gave up earlier ({run_dir.aborted_marker.read_text().strip()}); "
-                       "remove the marker to try again")
+        raise AbortRun(
+            f"{run_dir.aborted_marker} exists: this run gave up earlier ({run_dir.aborted_marker.read_text().strip()}); "
+            "remove the marker to try again"
+        )
     manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     if cfg.checkpoint.resume == "never" and manager.committed():
-        raise ConfigError(f"checkpoint.resume=never but {run_dir.checkpoints} already holds checkpoints; "
-                          "use checkpoint.resume=auto or another train.out_dir")
+        raise ConfigError(
+            f"checkpoint.resume=never but {run_dir.checkpoints} already holds checkpoints; "
+            "use checkpoint.resume=auto or another train.out_dir"
+        )
 
     device = pick_device(cfg.train.device, env)
     if cfg.train.num_threads > 0:
@@ -64,12 +75,28 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
 
     corpus = prepare_corpus(cfg.data, log=log)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
-        raise ConfigError(f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary ({corpus.vocab_size})")
+        raise ConfigError(
+            f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary ({corpus.vocab_size})"
+        )
     train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
     stream = SampleStream(len(train_samples), cfg.train.seed)
-    loader = BatchLoader(train_samples, stream, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                         env.rank, env.world_size, device)
-    val = eval_batches(val_samples, cfg.train.micro_batch_size, cfg.train.eval_batches, env.rank, env.world_size, device)
+    loader = BatchLoader(
+        train_samples,
+        stream,
+        cfg.train.micro_batch_size,
+        cfg.train.grad_accum_steps,
+        env.rank,
+        env.world_size,
+        device,
+    )
+    val = eval_batches(
+        val_samples,
+        cfg.train.micro_batch_size,
+        cfg.train.eval_batches,
+        env.rank,
+        env.world_size,
+        device,
+    )
 
     model = build_model(cfg.model, corpus.vocab_size)
     n_params = num_params(model)
@@ -108,7 +135,9 @@ def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[s
         return None
     if choice == "auto":
         invalid: list[dict[str, str]] = []
-        found = manager.newest_valid(on_invalid=lambda p, why: invalid.append({"path": str(p), "reason": why}))
+        found = manager.newest_valid(
+            on_invalid=lambda p, why: invalid.append({"path": str(p), "reason": why})
+        )
         trainer.context["invalid_checkpoints"] = invalid
         if found is None:
             return None
@@ -118,11 +147,18 @@ def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[s
         manifest = verify(path)  # raises CheckpointError (exit 2) naming the file that fails
     changes = identity_changes(manifest["identity"], trainer.context["identity"])
     if changes and not cfg.checkpoint.allow_config_change:
-        raise ConfigError(f"checkpoint '{path}' was written with different {', '.join(changes)}; "
-                          "set checkpoint.allow_config_change=true to resume anyway")
+        raise ConfigError(
+            f"checkpoint '{path}' was written with different {', '.join(changes)}; "
+            "set checkpoint.allow_config_change=true to resume anyway"
+        )
     saved = CheckpointManager.load(path, trainer.backend)
     trainer.load_trainer_state(saved)
-    return {"path": str(path), "step": manifest["step"], "changed": changes}
+    restarts = {
+        k.lower(): int(os.environ[k])
+        for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+        if k in os.environ
+    }
+    return {"path": str(path), "changed": changes, **restarts}
 
 
 def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
@@ -133,16 +169,32 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
         if env.is_main:
-            log(f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
-                f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}")
-        trainer.event("start", backend=trainer.backend.name, world_size=env.world_size, device=str(trainer.device),
-                      num_params=ctx["num_params"], max_steps=cfg.train.max_steps, precision=ctx["policy"].to_dict(),
-                      global_batch_size=trainer.loader.global_batch_size)
+            log(
+                f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
+                f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}"
+            )
+        trainer.event(
+            "start",
+            backend=trainer.backend.name,
+            world_size=env.world_size,
+            device=str(trainer.device),
+            num_params=ctx["num_params"],
+            max_steps=cfg.train.max_steps,
+            precision=ctx["policy"].to_dict(),
+            global_batch_size=trainer.loader.global_batch_size,
+        )
         for bad in ctx.get("invalid_checkpoints", []):
             trainer.event("checkpoint_invalid", **bad)
         if ctx["resume_from"]:
             trainer.event("resume", **ctx["resume_from"])
         state = trainer.fit()
+        if state.step < cfg.train.max_steps:
+            trainer.event(
+                "stop",
+                reason=f"train.stop_at_step={cfg.train.stop_at_step}",
+                max_steps=cfg.train.max_steps,
+            )
+            return {"step": state.step, "stopped": True}
         fingerprint = trainer.backend.fingerprint()
         final = {
             "step": state.step,

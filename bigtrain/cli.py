@@ -21,13 +21,27 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train from YAML configs and key=value overrides")
-    train.add_argument("items", nargs="+", metavar="CONFIG|key=value",
-                       help="YAML files merged left to right, then dotted overrides like train.max_steps=100")
-    train.add_argument("--local_rank", "--local-rank", type=int, default=None, dest="local_rank_sub", help=argparse.SUPPRESS)
+    train.add_argument(
+        "items",
+        nargs="+",
+        metavar="CONFIG|key=value",
+        help="YAML files merged left to right, then dotted overrides like train.max_steps=100",
+    )
+    train.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        dest="local_rank_sub",
+        help=argparse.SUPPRESS,
+    )
 
     ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    for name, text in (("verify", "recompute every file's sha256 against the manifest"), ("inspect", "print the manifest summary")):
+    for name, text in (
+        ("verify", "recompute every file's sha256 against the manifest"),
+        ("inspect", "print the manifest summary"),
+    ):
         c = ckpt_sub.add_parser(name, help=text)
         c.add_argument("path", type=Path)
     return p
@@ -53,7 +67,19 @@ def _ckpt(command: str, path: Path) -> int:
     if command == "verify":
         print(f"ok: {path} ({len(manifest['files'])} files verified, step {manifest['step']})")
     else:
-        summary = {k: manifest[k] for k in ("step", "backend", "world_size", "data", "config_hash", "versions", "git_commit", "created")}
+        summary = {
+            k: manifest[k]
+            for k in (
+                "step",
+                "backend",
+                "world_size",
+                "data",
+                "config_hash",
+                "versions",
+                "git_commit",
+                "created",
+            )
+        }
         summary["bytes"] = sum(f["size"] for f in manifest["files"].values())
         print(json.dumps(summary, indent=1))
     return 0

@@ -19,7 +19,9 @@ class EvalCallback(Callback):
     def on_start(self, trainer) -> None:
         if self.every > 0 and trainer.step == 0:
             # Expensive device-to-host synchronization: once, for the starting point of the curve.
-            trainer.context["initial_eval"] = {"val_loss": trainer.backend.eval_loss(self.batches).item()}
+            trainer.context["initial_eval"] = {
+                "val_loss": trainer.backend.eval_loss(self.batches).item()
+            }
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         if self.due(trainer):

@@ -46,9 +46,24 @@ def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
 class Trainer:
     """Holds the run's parts; `fit()` runs the loop. Built by bigtrain.build.build_trainer."""
 
-    def __init__(self, cfg: Config, env: DistEnv, backend: Backend, loader: BatchLoader, run_dir: RunDir,
-                 callbacks: Callbacks, device: torch.device, context: dict[str, Any]) -> None:
-        self.cfg, self.env, self.backend, self.loader, self.run_dir = cfg, env, backend, loader, run_dir
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        backend: Backend,
+        loader: BatchLoader,
+        run_dir: RunDir,
+        callbacks: Callbacks,
+        device: torch.device,
+        context: dict[str, Any],
+    ) -> None:
+        self.cfg, self.env, self.backend, self.loader, self.run_dir = (
+            cfg,
+            env,
+            backend,
+            loader,
+            run_dir,
+        )
         self.callbacks, self.device = callbacks, device
         self.context = context  # what setup resolved: policy, flops per token, identity, ...
         self.state = TrainState()
@@ -64,12 +79,19 @@ class Trainer:
         self.callbacks.on_event(self, record)
         return record
 
+    @property
+    def end_step(self) -> int:
+        """The step this process stops at: max_steps, or train.stop_at_step when earlier."""
+        stop = self.cfg.train.stop_at_step
+        return min(self.cfg.train.max_steps, stop) if stop is not None else self.cfg.train.max_steps
+
     def is_last_step(self) -> bool:
-        return self.state.step >= self.cfg.train.max_steps
+        """True after the last step this process runs (logging, eval and checkpoint are due)."""
+        return self.state.step >= self.end_step
 
     def fit(self) -> TrainState:
         self.callbacks.on_start(self)
-        while self.state.step < self.cfg.train.max_steps:
+        while self.state.step < self.end_step:
             metrics = self.train_step()
             self.callbacks.on_step_end(self, metrics)
         self.callbacks.on_finish(self)
@@ -81,7 +103,11 @@ class Trainer:
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim)
         micro_batches = self.loader.next_step()
         losses = [backend.forward_backward(x, y, len(micro_batches)) for x, y in micro_batches]
-        metrics: dict[str, Any] = {"step": self.state.step + 1, "loss": torch.stack(losses).mean(), "lr": lr}
+        metrics: dict[str, Any] = {
+            "step": self.state.step + 1,
+            "loss": torch.stack(losses).mean(),
+            "lr": lr,
+        }
         self.callbacks.on_after_backward(self, metrics)
         metrics["grad_norm"] = backend.clip_grad_norm(cfg.optim.grad_clip)
         # Expensive device-to-host synchronization: the step/skip decision needs it, once per step.
@@ -95,7 +121,9 @@ class Trainer:
         self.state.step += 1
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step
-        metrics["step_time"] = time.perf_counter() - started  # callbacks' time (eval, checkpoints) not included
+        metrics["step_time"] = (
+            time.perf_counter() - started
+        )  # callbacks' time (eval, checkpoints) not included
         return metrics
 
     def trainer_state(self) -> dict[str, Any]:

@@ -75,7 +75,9 @@ def _read_yaml(path: str) -> DictConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}"
+        )
     return OmegaConf.create(data)
 
 
@@ -97,9 +99,7 @@ def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     except ValidationError as e:
         key = e.full_key
         expected = _expected_type(key)
-        raise ConfigError(
-            f"{origin}: key '{key}' got {e.value!r}, expected {expected}"
-        ) from None
+        raise ConfigError(f"{origin}: key '{key}' got {e.value!r}, expected {expected}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
 
@@ -146,7 +146,9 @@ def validate(config: Config) -> None:
             raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
     m, t = config.model, config.train
     if m.kind == "gpt" and m.d_model % m.n_heads:
-        raise ConfigError(f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})")
+        raise ConfigError(
+            f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})"
+        )
     if m.kind == "gpt" and m.position == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError("key 'model.n_heads': rope needs an even head dim (d_model / n_heads)")
     if m.kind == "hf" and not (m.hf_config or m.hf_path):
@@ -178,16 +180,24 @@ def validate(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
-    if not 0.0 < config.optim.lr:
+    if not config.optim.lr > 0.0:
         raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(f"key 'optim.min_lr_ratio' got {config.optim.min_lr_ratio}, expected 0..1")
+        raise ConfigError(
+            f"key 'optim.min_lr_ratio' got {config.optim.min_lr_ratio}, expected 0..1"
+        )
     if not 0.0 < config.data.val_fraction < 0.5:
-        raise ConfigError(f"key 'data.val_fraction' got {config.data.val_fraction}, expected 0 < f < 0.5")
+        raise ConfigError(
+            f"key 'data.val_fraction' got {config.data.val_fraction}, expected 0 < f < 0.5"
+        )
     if config.data.source == "files" and not config.data.paths:
         raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
     if config.data.source == "hub" and not config.data.hub_name:
         raise ConfigError("data.source=hub needs 'data.hub_name'")
+    if t.stop_at_step is not None and t.stop_at_step <= 0:
+        raise ConfigError(
+            f"key 'train.stop_at_step' got {t.stop_at_step}, expected a positive step or null"
+        )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout' got {m.dropout}, expected 0 <= p < 1")
 

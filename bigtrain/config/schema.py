@@ -129,7 +129,10 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     """Run directory: config, metrics, events, checkpoints, wandb."""
     max_steps: int = 300
-    """Optimizer steps of the whole run; may change on resume."""
+    """Optimizer steps of the whole run; the LR schedule spans them. May change on resume."""
+    stop_at_step: int | None = None
+    """End this process after this step with a committed checkpoint (a `stop` event, exit 0, no
+    final.json), without ending the run: `resume=auto` goes on from there. For time-boxed jobs."""
     seed: int = 1337
     """Seeds the model init and the data order (a pure function of seed and sample index)."""
     micro_batch_size: int = 16

@@ -1,7 +1,13 @@
 """Corpus -> tokens -> packed samples -> a deterministic, resumable, skippable stream per rank."""
 
 from bigtrain.data.corpus import load_documents, strip_play_markup
-from bigtrain.data.stream import BatchLoader, PackedSamples, SampleStream, eval_batches, split_samples
+from bigtrain.data.stream import (
+    BatchLoader,
+    PackedSamples,
+    SampleStream,
+    eval_batches,
+    split_samples,
+)
 from bigtrain.data.tokens import TokenCorpus, load_tokenizer, prepare_corpus
 
 __all__ = [

@@ -18,7 +18,14 @@ import datasets
 from bigtrain.config.schema import DataConfig
 from bigtrain.errors import ConfigError
 
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 STRIP_VERSION = 1
 """Bump when strip_play_markup changes: the token cache of the default corpus depends on it."""
@@ -94,23 +101,31 @@ def load_documents(cfg: DataConfig) -> datasets.Dataset:
     kinds = {FORMATS.get(f.suffix.lower()) for f in files}
     if None in kinds:
         bad = next(f for f in files if f.suffix.lower() not in FORMATS)
-        raise ConfigError(f"data.paths: '{bad}' has an unknown extension (expected one of {sorted(FORMATS)})")
+        raise ConfigError(
+            f"data.paths: '{bad}' has an unknown extension (expected one of {sorted(FORMATS)})"
+        )
     if len(kinds) > 1:
         raise ConfigError(f"data.paths: mixes formats {sorted(kinds)}; use files of one format")
     kind = kinds.pop()
     try:
         if kind == "text":
             # One document per file: keeps paragraphs together and puts EOS between files.
-            ds = datasets.load_dataset("text", data_files=[str(f) for f in files], split="train", sample_by="document")
+            ds = datasets.load_dataset(
+                "text", data_files=[str(f) for f in files], split="train", sample_by="document"
+            )
         else:
             ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
-        raise ConfigError(f"data.paths: could not read {[str(f) for f in files]} as {kind}: {e}".splitlines()[0]) from None
+        raise ConfigError(
+            f"data.paths: could not read {[str(f) for f in files]} as {kind}: {e}".splitlines()[0]
+        ) from None
     return _text_column(ds, cfg.text_key if kind != "text" else "text", f"data.paths {cfg.paths}")
 
 
 def _text_column(ds: datasets.Dataset, key: str, origin: str) -> datasets.Dataset:
     if key not in ds.column_names:
-        raise ConfigError(f"{origin} has no column '{key}' (data.text_key); columns: {ds.column_names}")
+        raise ConfigError(
+            f"{origin} has no column '{key}' (data.text_key); columns: {ds.column_names}"
+        )
     ds = ds.select_columns([key])
     return ds.rename_column(key, "text") if key != "text" else ds

@@ -33,11 +33,16 @@ class PackedSamples:
 
     def get(self, indices: list[int]) -> torch.Tensor:
         """(len(indices), seq_len + 1) int64 tensor."""
-        rows = [self.tokens[(self.first + i) * self.seq_len : (self.first + i + 1) * self.seq_len + 1] for i in indices]
+        rows = [
+            self.tokens[(self.first + i) * self.seq_len : (self.first + i + 1) * self.seq_len + 1]
+            for i in indices
+        ]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
-def split_samples(corpus: TokenCorpus, seq_len: int, val_fraction: float) -> tuple[PackedSamples, PackedSamples]:
+def split_samples(
+    corpus: TokenCorpus, seq_len: int, val_fraction: float
+) -> tuple[PackedSamples, PackedSamples]:
     """Train on the head of the token stream, validate on its tail (no sequence crosses over)."""
     total = (len(corpus) - 1) // seq_len
     n_val = max(1, int(round(total * val_fraction)))
@@ -47,11 +52,18 @@ def split_samples(corpus: TokenCorpus, seq_len: int, val_fraction: float) -> tup
             f"data: the corpus has {len(corpus)} tokens, too few for model.seq_len={seq_len} "
             f"and data.val_fraction={val_fraction} (need at least 2 sequences)"
         )
-    return PackedSamples(corpus.tokens, seq_len, 0, n_train), PackedSamples(corpus.tokens, seq_len, n_train, n_val)
+    return PackedSamples(corpus.tokens, seq_len, 0, n_train), PackedSamples(
+        corpus.tokens, seq_len, n_train, n_val
+    )
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"bigtrain-order:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+    return (
+        int.from_bytes(
+            hashlib.sha256(f"bigtrain-order:{seed}:{epoch}".encode()).digest()[:8], "little"
+        )
+        >> 1
+    )
 
 
 class SampleStream:
@@ -96,7 +108,12 @@ class SampleStream:
         return positions
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, "skip_windows": [list(w) for w in self.skip_windows], "seed": self.seed, "num_samples": self.num_samples}
+        return {
+            "cursor": self.cursor,
+            "skip_windows": [list(w) for w in self.skip_windows],
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
@@ -111,10 +128,24 @@ class SampleStream:
 class BatchLoader:
     """This rank's micro-batches for each optimizer step, as (inputs, targets) int64 tensors."""
 
-    def __init__(self, samples: PackedSamples, stream: SampleStream, micro_batch_size: int, grad_accum_steps: int,
-                 rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        samples: PackedSamples,
+        stream: SampleStream,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
         self.samples, self.stream = samples, stream
-        self.micro, self.accum, self.rank, self.world, self.device = micro_batch_size, grad_accum_steps, rank, world_size, device
+        self.micro, self.accum, self.rank, self.world, self.device = (
+            micro_batch_size,
+            grad_accum_steps,
+            rank,
+            world_size,
+            device,
+        )
 
     @property
     def global_batch_size(self) -> int:
@@ -135,8 +166,14 @@ class BatchLoader:
         return batches
 
 
-def eval_batches(samples: PackedSamples, micro_batch_size: int, num_batches: int, rank: int, world_size: int,
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    samples: PackedSamples,
+    micro_batch_size: int,
+    num_batches: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation sequences at every evaluation; ranks split them, wrapping if short."""
     total = micro_batch_size * num_batches * world_size
     ids = [i % len(samples) for i in range(total)]

@@ -71,9 +71,13 @@ def load_tokenizer(name_or_dir: str):
     try:
         tok = AutoTokenizer.from_pretrained(name_or_dir)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: cannot load '{name_or_dir}': {e}".splitlines()[0]) from None
+        raise ConfigError(
+            f"data.tokenizer: cannot load '{name_or_dir}': {e}".splitlines()[0]
+        ) from None
     if tok.eos_token_id is None:
-        raise ConfigError(f"data.tokenizer '{name_or_dir}' has no EOS token (needed between documents)")
+        raise ConfigError(
+            f"data.tokenizer '{name_or_dir}' has no EOS token (needed between documents)"
+        )
     return tok
 
 
@@ -92,13 +96,17 @@ def _tokenizer_key(cfg: DataConfig) -> str:
 
 def prepare_corpus(cfg: DataConfig, log=print) -> TokenCorpus:
     """Tokenize the corpus (or reuse the cache) and return the packed token memmap."""
-    key = hashlib.sha256(f"{corpus_fingerprint(cfg)}|{_tokenizer_key(cfg)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{corpus_fingerprint(cfg)}|{_tokenizer_key(cfg)}".encode()).hexdigest()[
+        :16
+    ]
     entry = cache_root(cfg) / f"corpus-{key}"
     if not (entry / "meta.json").is_file():
         log(f"data: tokenizing the corpus into {entry}")
         _build_entry(cfg, entry)
     meta = json.loads((entry / "meta.json").read_text())
-    tokens = np.memmap(entry / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],))
+    tokens = np.memmap(
+        entry / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],)
+    )
     tokenizer_dir = str(entry / "tokenizer") if cfg.tokenizer == "bpe" else cfg.tokenizer
     return TokenCorpus(tokens, meta["vocab_size"], meta["eos_id"], tokenizer_dir, key)
 
@@ -126,7 +134,9 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
             ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
             return {"ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
 
-        encoded = docs.map(encode, batched=True, remove_columns=docs.column_names, num_proc=cfg.num_proc)
+        encoded = docs.map(
+            encode, batched=True, remove_columns=docs.column_names, num_proc=cfg.num_proc
+        )
         total = int(sum(encoded["n"]))
         out = np.memmap(tmp / "tokens.bin", dtype=dtype, mode="w+", shape=(total,))
         pos = 0
@@ -136,7 +146,12 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
             pos += flat.size
         out.flush()
         del out
-        meta = {"dtype": np.dtype(dtype).name, "num_tokens": total, "vocab_size": vocab_size, "eos_id": eos}
+        meta = {
+            "dtype": np.dtype(dtype).name,
+            "num_tokens": total,
+            "vocab_size": vocab_size,
+            "eos_id": eos,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             tmp.rename(entry)

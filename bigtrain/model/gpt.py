@@ -74,10 +74,14 @@ class CausalSelfAttention(nn.Module):
         self.fp32_softmax = False
         """Set by the precision policy: compute scores and softmax in FP32 (explicit path)."""
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=-1)
-        q, k, v = (t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
+        )
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         p = self.dropout if self.training else 0.0
@@ -88,7 +92,9 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return self.resid_dropout(self.proj(y))
 
-    def _explicit_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    def _explicit_fp32(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
+    ) -> torch.Tensor:
         seq = q.shape[-2]
         with torch.autocast(q.device.type, enabled=False):
             scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
@@ -133,7 +139,9 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope)
         return x + self.mlp(self.norm2(x))
 
@@ -141,7 +149,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        assert cfg.vocab_size is not None, "vocab_size is resolved from the tokenizer before building"
+        assert cfg.vocab_size is not None, (
+            "vocab_size is resolved from the tokenizer before building"
+        )
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
@@ -162,7 +172,11 @@ class GPT(nn.Module):
         std = self.cfg.init_std
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if getattr(module, "residual_scaled_init", False) else 1.0
+                scale = (
+                    1 / math.sqrt(2 * self.cfg.n_layers)
+                    if getattr(module, "residual_scaled_init", False)
+                    else 1.0
+                )
                 nn.init.normal_(module.weight, std=std * scale)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -173,7 +187,9 @@ class GPT(nn.Module):
         """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype."""
         seq = idx.shape[1]
         if seq > self.cfg.seq_len:
-            raise ValueError(f"sequence of {seq} tokens is longer than model.seq_len={self.cfg.seq_len}")
+            raise ValueError(
+                f"sequence of {seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
+            )
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(seq, device=idx.device))

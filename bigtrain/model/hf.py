@@ -10,7 +10,12 @@ from torch import nn
 
 from bigtrain.errors import ConfigError
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class HFCausalLM(nn.Module):
@@ -24,7 +29,9 @@ class HFCausalLM(nn.Module):
         return self.hf(input_ids=idx, use_cache=False).logits
 
 
-def build_hf(hf_config: dict[str, Any] | None, hf_path: str | None, vocab_size: int | None) -> HFCausalLM:
+def build_hf(
+    hf_config: dict[str, Any] | None, hf_path: str | None, vocab_size: int | None
+) -> HFCausalLM:
     """A causal LM from a local directory (weights loaded when present), a hub name, or a config
     dict with `model_type`. Weights are FP32: the precision policy decides the compute dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -32,12 +39,16 @@ def build_hf(hf_config: dict[str, Any] | None, hf_path: str | None, vocab_size: 
     if hf_path:
         local = Path(hf_path)
         if local.exists() and not (local / "config.json").is_file():
-            raise ConfigError(f"model.hf_path '{hf_path}' has no config.json (expected a transformers model directory)")
+            raise ConfigError(
+                f"model.hf_path '{hf_path}' has no config.json (expected a transformers model directory)"
+            )
         has_weights = local.is_dir() and any((local / f).exists() for f in WEIGHT_FILES)
         if has_weights or not local.exists():  # a local checkpoint, or a hub name
-            model = AutoModelForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
         else:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_path), torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(hf_path), dtype=torch.float32
+            )
     else:
         assert hf_config is not None
         options = dict(hf_config)
@@ -48,7 +59,7 @@ def build_hf(hf_config: dict[str, Any] | None, hf_path: str | None, vocab_size: 
             config = AutoConfig.for_model(model_type, **options)
         except ValueError as e:
             raise ConfigError(f"model.hf_config: {e}".splitlines()[0]) from None
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if vocab_size is not None and model.config.vocab_size < vocab_size:
         raise ConfigError(
             f"model.hf_config/hf_path: vocab_size {model.config.vocab_size} is smaller than the tokenizer's {vocab_size}"

@@ -23,7 +23,14 @@ class NonFiniteGuard(Callback):
         trainer.state.anomalies += 1
         loss, norm = metrics["loss"].item(), metrics["grad_norm"].item()
         metric = "loss" if loss != loss or abs(loss) == float("inf") else "grad_norm"
-        trainer.event("anomaly", type="nonfinite", metric=metric, loss=loss, grad_norm=norm, action=self.action)
+        trainer.event(
+            "anomaly",
+            type="nonfinite",
+            metric=metric,
+            loss=loss,
+            grad_norm=norm,
+            action=self.action,
+        )
         if self.action == "abort":
             reason = f"non-finite {metric} at step {trainer.step} (monitor.nonfinite=abort)"
             if trainer.env.is_main:

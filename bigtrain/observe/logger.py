@@ -10,7 +10,17 @@ from tqdm import tqdm
 
 from bigtrain.hooks import Callback
 
-CONSOLE_EVENTS = {"resume", "checkpoint", "anomaly", "abort", "skip_data", "rollback", "lr_backoff", "preempt", "checkpoint_invalid"}
+CONSOLE_EVENTS = {
+    "resume",
+    "checkpoint",
+    "anomaly",
+    "abort",
+    "skip_data",
+    "rollback",
+    "lr_backoff",
+    "preempt",
+    "checkpoint_invalid",
+}
 
 
 def _scalar(value: Any) -> Any:
@@ -36,7 +46,12 @@ class MetricsLogger(Callback):
         self.interval_time += metrics["step_time"]
         self.interval_tokens += trainer.tokens_per_step
         step = metrics["step"]
-        if not (step % trainer.cfg.train.log_every == 0 or trainer.is_last_step() or not metrics["finite"] or "val_loss" in metrics):
+        if not (
+            step % trainer.cfg.train.log_every == 0
+            or trainer.is_last_step()
+            or not metrics["finite"]
+            or "val_loss" in metrics
+        ):
             return
         # Expensive device-to-host synchronization, at log steps only.
         record = {k: _scalar(v) for k, v in metrics.items() if k not in ("finite", "step_time")}
@@ -45,7 +60,11 @@ class MetricsLogger(Callback):
         record["tokens"] = trainer.state.tokens_seen
         record["skipped_steps"] = trainer.state.skipped_steps
         if trainer.context.get("flops_per_token") and trainer.context.get("peak_flops"):
-            record["mfu"] = record["tokens_per_s"] * trainer.context["flops_per_token"] / trainer.context["peak_flops"]
+            record["mfu"] = (
+                record["tokens_per_s"]
+                * trainer.context["flops_per_token"]
+                / trainer.context["peak_flops"]
+            )
         trainer.state.last_loss = record["loss"]
         self.interval_time, self.interval_tokens = 0.0, 0
         trainer.run_dir.metrics(record)
@@ -64,8 +83,15 @@ class ConsoleProgress(Callback):
 
     def on_start(self, trainer) -> None:
         if self.enabled:
-            bar = tqdm(total=trainer.cfg.train.max_steps, initial=trainer.step, desc="train", unit="step",
-                       dynamic_ncols=True, file=sys.stderr, disable=None)
+            bar = tqdm(
+                total=trainer.cfg.train.max_steps,
+                initial=trainer.step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                disable=None,
+            )
             self.bar = None if bar.disable else bar
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
@@ -73,8 +99,12 @@ class ConsoleProgress(Callback):
         if self.bar is None:
             if self.enabled and record:
                 val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-                print(f"step {record['step']}/{trainer.cfg.train.max_steps} loss {record['loss']:.4f}{val} "
-                      f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+                print(
+                    f"step {record['step']}/{trainer.cfg.train.max_steps} loss {record['loss']:.4f}{val} "
+                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         self.bar.update(1)
         if record:

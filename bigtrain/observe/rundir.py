@@ -52,7 +52,10 @@ class RunDir:
     def metrics(self, record: dict[str, Any]) -> None:
         self._append("metrics.jsonl", record)
 
-    def event(self, step: int, kind: str, **details: Any) -> dict[str, Any]:
+    def event(self, step: int, kind: str, /, **details: Any) -> dict[str, Any]:
+        assert not {"time", "step", "kind"} & set(details), (
+            f"reserved event keys in {sorted(details)}"
+        )
         record = {"time": time.time(), "step": step, "kind": kind, **details}
         self._append("events.jsonl", record)
         return record

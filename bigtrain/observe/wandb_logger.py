@@ -44,12 +44,19 @@ class WandbLogger(Callback):
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         record = metrics.get("record")
         if self.run is not None and record:
-            self.run.log({f"train/{k}" if k != "step" else k: v for k, v in record.items()}, step=record["step"])
+            self.run.log(
+                {f"train/{k}" if k != "step" else k: v for k, v in record.items()},
+                step=record["step"],
+            )
 
     def on_event(self, trainer, record: dict[str, Any]) -> None:
         if self.run is None:
             return
-        flat = {f"events/{record['kind']}/{k}": v for k, v in record.items() if isinstance(v, int | float | str) and k not in ("kind", "time")}
+        flat = {
+            f"events/{record['kind']}/{k}": v
+            for k, v in record.items()
+            if isinstance(v, int | float | str) and k not in ("kind", "time")
+        }
         flat[f"events/{record['kind']}"] = 1
         self.run.log(flat, step=max(record["step"], self.run.step))
 

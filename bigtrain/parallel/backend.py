@@ -27,7 +27,9 @@ class Backend(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_div: float) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_div: float
+    ) -> torch.Tensor:
         """Forward under autocast, backward of loss / loss_div; returns the detached loss."""
 
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -79,4 +81,7 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

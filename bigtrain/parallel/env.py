@@ -38,7 +38,12 @@ def read_env(local_rank_arg: int | None = None) -> DistEnv:
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "env"
         return DistEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), local, launcher)
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return DistEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), _int_env("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else 0, "slurm")
+        return DistEnv(
+            _int_env("SLURM_PROCID"),
+            _int_env("SLURM_NTASKS"),
+            _int_env("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else 0,
+            "slurm",
+        )
     return DistEnv(0, 1, local_rank_arg or 0, "none")
 
 

@@ -9,15 +9,24 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from bigtrain.config.schema import OptimConfig
-from bigtrain.parallel.backend import adamw_param_groups, canonical_name, lm_loss, weights_fingerprint
+from bigtrain.parallel.backend import (
+    adamw_param_groups,
+    canonical_name,
+    lm_loss,
+    weights_fingerprint,
+)
 from bigtrain.precision.policy import PrecisionPolicy
 
 
 class LocalBackend:
     name = "local"
 
-    def __init__(self, model: nn.Module, policy: PrecisionPolicy, optim: OptimConfig, device: torch.device) -> None:
-        assert all(p.dtype == policy.master_dtype for p in model.parameters()), "master weights must be built in FP32"
+    def __init__(
+        self, model: nn.Module, policy: PrecisionPolicy, optim: OptimConfig, device: torch.device
+    ) -> None:
+        assert all(p.dtype == policy.master_dtype for p in model.parameters()), (
+            "master weights must be built in FP32"
+        )
         self.model = model.to(device)
         self.policy = policy
         self.device = device
@@ -32,9 +41,13 @@ class LocalBackend:
         )
 
     def _autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.autocast)
+        return torch.autocast(
+            self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.autocast
+        )
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_div: float) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_div: float
+    ) -> torch.Tensor:
         with self._autocast():
             logits = self.model(inputs)
         loss = lm_loss(logits, targets)
@@ -52,7 +65,11 @@ class LocalBackend:
         return total / len(batches)
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(canonical_name(n), p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        return [
+            (canonical_name(n), p.grad)
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        ]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -75,11 +92,15 @@ class LocalBackend:
         return ["model.safetensors", "optimizer.pt"]
 
     def load(self, directory: Path) -> None:
-        missing, unexpected = load_model(self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device))
+        missing, unexpected = load_model(
+            self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device)
+        )
         assert not missing and not unexpected, (missing, unexpected)
         # weights_only: only tensors and plain containers are unpickled, never arbitrary objects.
         state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state)
 
     def fingerprint(self) -> str:
-        return weights_fingerprint([(canonical_name(n), p) for n, p in self.model.named_parameters()])
+        return weights_fingerprint(
+            [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        )

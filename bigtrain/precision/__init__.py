@@ -11,4 +11,12 @@ from bigtrain.precision.policy import (
     resolve_policy,
 )
 
-__all__ = ["DTYPES", "Hardware", "PrecisionPolicy", "apply_to_model", "detect_hardware", "dtype_name", "resolve_policy"]
+__all__ = [
+    "DTYPES",
+    "Hardware",
+    "PrecisionPolicy",
+    "apply_to_model",
+    "detect_hardware",
+    "dtype_name",
+    "resolve_policy",
+]

@@ -72,7 +72,11 @@ class PrecisionPolicy:
             ("gradient reduction", dtype_name(self.reduce_dtype), self.reasons["reduce"]),
             ("optimizer states", dtype_name(self.optimizer_state_dtype), self.reasons["states"]),
             ("loss scaling", self.loss_scaling, self.reasons["loss_scaling"]),
-            ("attention softmax", "fp32" if self.fp32_softmax else "compute dtype", self.reasons["softmax"]),
+            (
+                "attention softmax",
+                "fp32" if self.fp32_softmax else "compute dtype",
+                self.reasons["softmax"],
+            ),
             ("norms and loss", "fp32", "always: low-precision reductions lose digits"),
             ("tf32 matmuls", "on" if self.allow_tf32 else "off", self.reasons["tf32"]),
         ]
@@ -96,7 +100,10 @@ def _auto_compute(hw: Hardware) -> tuple[str, str]:
         major, minor = hw.cuda_capability
         if major >= 8:
             return "bf16", f"auto: {hw.name} (sm{major}{minor}) has BF16 tensor cores"
-        return "fp32", f"auto: {hw.name} (sm{major}{minor}) has no BF16; fp16 + loss scaling arrives with the precision engine"
+        return (
+            "fp32",
+            f"auto: {hw.name} (sm{major}{minor}) has no BF16; fp16 + loss scaling arrives with the precision engine",
+        )
     if hw.cpu_bf16:
         return "bf16", "auto: the CPU has native BF16 (avx512_bf16/AMX)"
     return "fp32", "auto: the CPU has no native BF16"
@@ -116,10 +123,14 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
     reasons["master"] = "FP32 master weights: small updates vanish in low precision"
     reasons["reduce"] = "gradients are FP32 (accumulated on FP32 parameters)"
     reasons["states"] = f"precision.optimizer_state_dtype={cfg.optimizer_state_dtype}"
-    reasons["loss_scaling"] = "not needed: " + ("FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range")
+    reasons["loss_scaling"] = "not needed: " + (
+        "FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range"
+    )
     if cfg.fp32_softmax is None:
         fp32_softmax = num_params >= FP32_SOFTMAX_PARAMS
-        reasons["softmax"] = f"auto: {num_params / 1e9:.2f}B parameters {'>=' if fp32_softmax else '<'} 7B"
+        reasons["softmax"] = (
+            f"auto: {num_params / 1e9:.2f}B parameters {'>=' if fp32_softmax else '<'} 7B"
+        )
     else:
         fp32_softmax = cfg.fp32_softmax
         reasons["softmax"] = f"precision.fp32_softmax={fp32_softmax}"

@@ -19,6 +19,13 @@ class CheckpointCallback(Callback):
         step = trainer.step
         if trainer.is_last_step() or (self.every > 0 and step % self.every == 0):
             started = time.perf_counter()
-            path = self.manager.save(step, trainer.backend, trainer.trainer_state(), trainer.context["identity"],
-                                     trainer.context["config_yaml"])
-            trainer.event("checkpoint", path=str(path), seconds=round(time.perf_counter() - started, 3))
+            path = self.manager.save(
+                step,
+                trainer.backend,
+                trainer.trainer_state(),
+                trainer.context["identity"],
+                trainer.context["config_yaml"],
+            )
+            trainer.event(
+                "checkpoint", path=str(path), seconds=round(time.perf_counter() - started, 3)
+            )

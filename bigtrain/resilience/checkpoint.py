@@ -9,6 +9,7 @@ a write leaves at most a stale `.tmp-*` directory, which the next save removes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -63,10 +64,8 @@ def library_versions() -> dict[str, str]:
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("bigtrain", "deepspeed", "transformers"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             versions[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
     return versions
 
 
@@ -74,7 +73,9 @@ def git_commit() -> str | None:
     """The commit of the bigtrain source tree, when it is a git checkout."""
     root = Path(__file__).resolve().parents[2]
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -84,21 +85,31 @@ def verify(path: Path) -> dict[str, Any]:
     """The manifest of a committed checkpoint, after checking every file's size and sha256."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint '{path}' has no {MANIFEST} (never committed, or not a checkpoint)")
+        raise CheckpointError(
+            f"checkpoint '{path}' has no {MANIFEST} (never committed, or not a checkpoint)"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint '{path}': {MANIFEST} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint '{path}': unknown manifest format (expected format_version {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"checkpoint '{path}': unknown manifest format (expected format_version {FORMAT_VERSION})"
+        )
     for name, meta in manifest["files"].items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' listed in the manifest is missing")
+            raise CheckpointError(
+                f"checkpoint '{path}': file '{name}' listed in the manifest is missing"
+            )
         if f.stat().st_size != meta["size"]:
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['size']}")
+            raise CheckpointError(
+                f"checkpoint '{path}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['size']}"
+            )
         if sha256_file(f) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint '{path}': file '{name}' fails its sha256 check (corrupted)")
+            raise CheckpointError(
+                f"checkpoint '{path}': file '{name}' fails its sha256 check (corrupted)"
+            )
     return manifest
 
 
@@ -126,10 +137,21 @@ class CheckpointManager:
         """Committed checkpoint directories, oldest first (verification not implied)."""
         if not self.root.is_dir():
             return []
-        dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+        dirs = [
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+        ]
+        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
 
-    def save(self, step: int, backend, trainer_state: dict[str, Any], identity: dict[str, Any], config_yaml: str) -> Path:
+    def save(
+        self,
+        step: int,
+        backend,
+        trainer_state: dict[str, Any],
+        identity: dict[str, Any],
+        config_yaml: str,
+    ) -> Path:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         if tmp.exists():
@@ -147,7 +169,10 @@ class CheckpointManager:
             "step": step,
             "backend": backend.name,
             "world_size": self.world_size,
-            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
+            "files": {
+                name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                for name in files
+            },
             "data": trainer_state["data"],
             "identity": identity,
             "config_hash": identity_hash(identity),
@@ -158,7 +183,9 @@ class CheckpointManager:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
-        if final.exists():  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
+        if (
+            final.exists()
+        ):  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
             final.rename(self.root / f"{final.name}.replaced-{int(time.time())}")
         tmp.rename(final)
         _fsync_dir(self.root)

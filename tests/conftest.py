@@ -1,0 +1,93 @@
+"""Shared fixtures: a small real corpus (two Shakespeare plays) and a micro model config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bigtrain.config import Config, load_config
+from bigtrain.data.corpus import shakespeare_files, strip_play_markup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One token cache for the whole session: each corpus is tokenized once."""
+    return tmp_path_factory.mktemp("bigtrain-cache")
+
+
+@pytest.fixture(scope="session")
+def corpus_files(tmp_path_factory) -> list[Path]:
+    """Two plays as plain text files (about 230 KB of real text)."""
+    root = tmp_path_factory.mktemp("corpus")
+    files = []
+    for src in shakespeare_files()[:2]:
+        dst = root / (src.stem + ".txt")
+        dst.write_text(strip_play_markup(src.read_text()))
+        files.append(dst)
+    return files
+
+
+def micro_overrides(out_dir: Path, corpus_files: list[Path], cache_dir: Path) -> list[str]:
+    paths = "[" + ",".join(str(p) for p in corpus_files) + "]"
+    return [
+        f"train.out_dir={out_dir}",
+        "data.source=files",
+        f"data.paths={paths}",
+        f"data.cache_dir={cache_dir}",
+        "data.vocab_size=384",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.d_model=64",
+        "model.seq_len=32",
+        "train.micro_batch_size=8",
+        "train.max_steps=20",
+        "train.log_every=5",
+        "train.eval_every=10",
+        "train.eval_batches=2",
+        "train.progress=false",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=5",
+        "checkpoint.every=10",
+        "wandb.mode=disabled",
+    ]
+
+
+@pytest.fixture
+def micro(tmp_path, corpus_files, cache_dir):
+    """micro(*overrides) -> Config of a micro GPT on the test corpus, out_dir under tmp_path."""
+
+    def make(*overrides: str, out: str = "run") -> Config:
+        return load_config(
+            [], micro_overrides(tmp_path / out, corpus_files, cache_dir) + list(overrides)
+        )
+
+    return make
+
+
+@pytest.fixture
+def micro_args(tmp_path, corpus_files, cache_dir):
+    def make(*overrides: str, out: str = "run") -> list[str]:
+        return micro_overrides(tmp_path / out, corpus_files, cache_dir) + list(overrides)
+
+    return make
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`python -m bigtrain ARGS` in a fresh process, from the repository root."""
+    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "bigtrain", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )

@@ -1,0 +1,40 @@
+import torch
+
+from bigtrain.config.schema import ModelConfig
+from bigtrain.model import build_model, model_flops_per_token
+
+TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 16}
+
+
+def test_hf_gpt2_from_dict_config():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="hf", hf_config=TINY_GPT2, seq_len=16), vocab_size=50)
+    assert model.hf.config.vocab_size == 50
+    logits = model(torch.randint(0, 50, (2, 16)))
+    assert logits.shape == (2, 16, 50)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model_flops_per_token(model, ModelConfig(kind="hf", seq_len=16)) > 0
+
+
+def test_hf_local_pretrained_directory_loads_the_weights(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="hf", hf_config=TINY_GPT2, seq_len=16), vocab_size=50)
+    model.hf.save_pretrained(tmp_path / "pretrained")
+    loaded = build_model(
+        ModelConfig(kind="hf", hf_path=str(tmp_path / "pretrained"), seq_len=16), vocab_size=50
+    )
+    idx = torch.randint(0, 50, (1, 16))
+    torch.testing.assert_close(
+        loaded.eval()(idx), model.eval()(idx)
+    )  # eval: GPT-2's dropout defaults to 0.1
+
+
+def test_hf_config_only_directory_builds_fresh_weights(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="hf", hf_config=TINY_GPT2, seq_len=16), vocab_size=50)
+    model.hf.config.save_pretrained(tmp_path / "cfg-only")
+    fresh = build_model(
+        ModelConfig(kind="hf", hf_path=str(tmp_path / "cfg-only"), seq_len=16), vocab_size=50
+    )
+    assert fresh.hf.config.n_layer == 2
+    assert not torch.equal(fresh.hf.transformer.wte.weight, model.hf.transformer.wte.weight)

@@ -1,0 +1,24 @@
+import json
+from pathlib import Path
+
+from bigtrain.build import run
+from bigtrain.parallel.env import DistEnv
+
+
+def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = micro("train.max_steps=5", "wandb.mode=offline", "train.stop_at_step=3")
+    run(cfg, DistEnv(), log=lambda *_: None)
+    out = Path(cfg.train.out_dir)
+    run_id = (out / "wandb_run_id").read_text().strip()
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(run_id)
+    logs = list(runs[0].glob("run-*.wandb"))  # the offline record log that `wandb sync` uploads
+    assert len(logs) == 1
+    data = logs[0].read_bytes()
+    assert b"train/loss" in data and b"micro_batch_size" in data and b"events/checkpoint" in data
+
+    run(micro("train.max_steps=5", "wandb.mode=offline"), DistEnv(), log=lambda *_: None)  # resumed
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))
+    assert json.loads((out / "final.json").read_text())["step"] == 5

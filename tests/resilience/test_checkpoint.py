@@ -1,0 +1,137 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from bigtrain.build import run
+from bigtrain.errors import ConfigError
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.parallel.env import DistEnv
+from bigtrain.parallel.local import LocalBackend
+from bigtrain.resilience.checkpoint import CheckpointError, CheckpointManager, verify
+from tests.conftest import run_cli
+
+ENV = DistEnv()
+QUIET = {"log": lambda *_: None}
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(micro):
+    cfg = micro("train.max_steps=10")
+    run(cfg, ENV, **QUIET)
+    path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000010"
+    manifest = verify(path)
+    assert set(manifest["files"]) == {
+        "model.safetensors",
+        "optimizer.pt",
+        "trainer.json",
+        "rng.pt",
+        "config.yaml",
+    }
+    assert manifest["step"] == 10 and manifest["backend"] == "local" and manifest["world_size"] == 1
+    assert manifest["data"]["cursor"] == 80 and manifest["data"]["skip_windows"] == []
+    assert {"torch", "python"} <= set(manifest["versions"])
+    assert len(manifest["config_hash"]) == 16
+    for name, meta in manifest["files"].items():
+        assert (path / name).stat().st_size == meta["size"]
+
+
+def test_keep_prunes_old_checkpoints(micro):
+    cfg = micro("train.max_steps=20", "checkpoint.every=5", "checkpoint.keep=2")
+    run(cfg, ENV, **QUIET)
+    names = sorted(p.name for p in (Path(cfg.train.out_dir) / "checkpoints").iterdir())
+    assert names == ["step_00000015", "step_00000020"]
+
+
+def test_interrupted_write_leaves_the_previous_checkpoint_loadable(micro, monkeypatch):
+    cfg = micro("train.max_steps=20", "checkpoint.every=10")
+    original = LocalBackend.save
+
+    def crash_on_second_save(self, directory):
+        files = original(self, directory)
+        if directory.name.endswith("00000020"):
+            raise KeyboardInterrupt("killed mid-write")  # files written, no manifest, no rename
+        return files
+
+    monkeypatch.setattr(LocalBackend, "save", crash_on_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, ENV, **QUIET)
+    root = Path(cfg.train.out_dir) / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_00000020", "step_00000010"]
+    found = CheckpointManager(root, keep=3).newest_valid()
+    assert found is not None and found[0].name == "step_00000010"
+
+    monkeypatch.setattr(LocalBackend, "save", original)
+    final = run(
+        cfg, ENV, **QUIET
+    )  # resumes from step 10, rewrites step 20, cleans the stale tmp dir
+    assert final["step"] == 20
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]
+    straight = run(micro("train.max_steps=20", "checkpoint.every=10", out="straight"), ENV, **QUIET)
+    assert final["fingerprint"] == straight["fingerprint"]
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous(micro):
+    cfg = micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20")
+    run(cfg, ENV, **QUIET)
+    root = Path(cfg.train.out_dir) / "checkpoints"
+    weights = root / "step_00000020" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors' fails its sha256 check"):
+        verify(root / "step_00000020")
+
+    final = run(micro("train.max_steps=20", "checkpoint.every=10"), ENV, **QUIET)
+    assert final["step"] == 20
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    invalid = [e for e in events if e["kind"] == "checkpoint_invalid"]
+    assert len(invalid) == 1 and "step_00000020" in invalid[0]["path"]
+    resume = [e for e in events if e["kind"] == "resume"]
+    assert resume[-1]["path"].endswith("step_00000010")
+    # the corrupted one was kept aside, not deleted
+    assert any(p.name.startswith("step_00000020.replaced-") for p in root.iterdir())
+
+
+def test_directory_without_manifest_is_never_loaded(micro):
+    cfg = micro("train.max_steps=10")
+    run(cfg, ENV, **QUIET)
+    root = Path(cfg.train.out_dir) / "checkpoints"
+    (root / "step_00000010" / "manifest.json").unlink()
+    assert CheckpointManager(root, keep=3).newest_valid() is None
+
+
+def test_changed_model_on_resume_is_refused_unless_allowed(micro):
+    run(micro("train.max_steps=10"), ENV, **QUIET)
+    with pytest.raises(ConfigError, match="different model.d_model"):
+        run(micro("train.max_steps=20", "model.d_model=32"), ENV, **QUIET)
+    with pytest.raises(ConfigError, match="different global_batch_size"):
+        run(micro("train.max_steps=20", "train.micro_batch_size=4"), ENV, **QUIET)
+    # the run's length may change freely; other settings too with the explicit switch
+    final = run(
+        micro(
+            "train.max_steps=12", "train.micro_batch_size=4", "checkpoint.allow_config_change=true"
+        ),
+        ENV,
+        **QUIET,
+    )
+    assert final["step"] == 12
+
+
+def test_ckpt_cli_verify_and_inspect(micro):
+    cfg = micro("train.max_steps=5", "checkpoint.every=5")
+    run(cfg, ENV, **QUIET)
+    path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000005"
+    ok = run_cli("ckpt", "verify", str(path))
+    assert ok.returncode == 0 and "5 files verified" in ok.stdout
+    summary = json.loads(run_cli("ckpt", "inspect", str(path)).stdout)
+    assert summary["step"] == 5 and summary["bytes"] > 0
+    (path / "trainer.json").write_text("{}")
+    bad = run_cli("ckpt", "verify", str(path))
+    assert bad.returncode == 2 and "trainer.json" in bad.stderr and "Traceback" not in bad.stderr
+    assert (path / "model.safetensors").exists()  # verification never deletes anything
+
+
+def test_resume_from_an_explicit_bad_path_exits_2(micro_args, tmp_path):
+    result = run_cli("train", *micro_args(f"checkpoint.resume={tmp_path / 'nowhere'}"))
+    assert result.returncode == 2
+    assert "has no manifest.json" in result.stderr

@@ -1,0 +1,116 @@
+import pytest
+
+from bigtrain.config import load_config, to_yaml
+from bigtrain.errors import ConfigError
+from tests.conftest import ROOT, run_cli
+
+
+def test_defaults_and_merge_order(tmp_path):
+    a = tmp_path / "a.yaml"
+    b = tmp_path / "b.yaml"
+    a.write_text("train:\n  max_steps: 7\n  seed: 1\nmodel:\n  d_model: 96\n")
+    b.write_text("train:\n  max_steps: 9\n")
+    cfg = load_config(
+        [str(a), str(b)], ["train.seed=5", "data.paths=[x.txt,y.txt]", "data.source=files"]
+    )
+    assert cfg.train.max_steps == 9  # later file wins
+    assert cfg.train.seed == 5  # overrides win over files
+    assert cfg.model.d_model == 96  # earlier file kept where later ones are silent
+    assert cfg.data.paths == ["x.txt", "y.txt"]
+    assert cfg.checkpoint.resume == "auto"  # schema default
+
+
+def test_required_keys_exist():
+    cfg = load_config([], [])
+    for key in (
+        "train.out_dir",
+        "train.max_steps",
+        "train.seed",
+        "train.log_every",
+        "train.eval_every",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "checkpoint.resume",
+        "wandb.mode",
+        "parallel.backend",
+        "precision.compute_dtype",
+        "precision.optimizer_state_dtype",
+        "precision.loss_scaling",
+    ):
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+
+
+def test_tiny_yaml_loads_and_round_trips(tmp_path):
+    cfg = load_config([str(ROOT / "configs" / "tiny.yaml")])
+    assert cfg.data.source == "shakespeare"
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(to_yaml(cfg))
+    assert load_config([str(dumped)]) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.max_stpes=5"],
+            "unknown config key 'train.max_stpes' (did you mean 'train.max_steps'?)",
+        ),
+        (["trian.seed=1"], "unknown config key 'trian.seed' (did you mean 'train.seed'?)"),
+        (["train.max_steps=ten"], "key 'train.max_steps' got 'ten', expected a value of type int"),
+        (
+            ["wandb.mode=loud"],
+            "key 'wandb.mode' got 'loud', expected one of ['online', 'offline', 'disabled']",
+        ),
+        (["model.n_heads=3"], "key 'model.n_heads' (3) must divide model.d_model (128)"),
+        (["train.max_steps=0"], "key 'train.max_steps' got 0, expected a positive integer"),
+        (
+            ["precision.master_dtype=fp16"],
+            "key 'precision.master_dtype' got 'fp16', expected one of ['fp32']",
+        ),
+        (["data.source=files"], "data.source=files needs 'data.paths'"),
+        (["max_steps"], "override 'max_steps' must look like key.sub=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config([], overrides)
+    assert message in str(err.value)
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([str(bad)])
+    assert f"config file '{bad}'" in str(err.value)
+    assert "optim.learning_rate" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["train", "missing.yaml"], "config file 'missing.yaml' not found"),
+        (["train", "configs/tiny.yaml", "train.lr=1"], "unknown config key 'train.lr'"),
+        (
+            ["train", "configs/tiny.yaml", "train.seed=abc"],
+            "key 'train.seed' got 'abc', expected a value of type int",
+        ),
+    ],
+)
+def test_cli_config_errors_exit_2_without_traceback(args, expected):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0  # one line
+
+
+def test_cli_accepts_local_rank_before_and_after_subcommand():
+    for args in (
+        ["--local_rank=0", "train", "nope.yaml"],
+        ["train", "--local_rank=0", "nope.yaml"],
+    ):
+        result = run_cli(*args)
+        assert result.returncode == 2
+        assert "config file 'nope.yaml' not found" in result.stderr

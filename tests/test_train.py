@@ -1,0 +1,162 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bigtrain.build import run
+from bigtrain.config.schema import OptimConfig
+from bigtrain.errors import AbortRun
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.parallel.env import DistEnv
+from bigtrain.train import lr_at
+from tests.conftest import run_cli
+
+ENV = DistEnv()
+
+
+def test_lr_schedule_by_hand():
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_at(0, 110, cfg) == pytest.approx(0.1)
+    assert lr_at(9, 110, cfg) == pytest.approx(1.0)
+    assert lr_at(60, 110, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, 110, cfg) == pytest.approx(0.1)
+    linear = OptimConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    assert lr_at(25, 100, linear) == pytest.approx(0.75)
+
+
+def test_short_run_loss_falls_and_writes_the_run_directory(micro):
+    cfg = micro("train.max_steps=30", "optim.lr=1e-2")
+    final = run(cfg, ENV, log=lambda *_: None)
+    out = cfg.train.out_dir
+    metrics = read_jsonl(Path(out) / "metrics.jsonl")
+    train = [m for m in metrics if "loss" in m]
+    assert train[0]["step"] == 5 and train[-1]["step"] == 30
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
+    vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    assert len(vals) == 4  # before training, steps 10, 20, 30
+    assert vals[-1] < vals[0] - 0.8
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"):
+        assert key in train[-1], key
+    assert train[-1]["samples_seen"] == 30 * 8
+    kinds = [e["kind"] for e in read_jsonl(Path(out) / "events.jsonl")]
+    assert kinds == ["start", "checkpoint", "checkpoint", "checkpoint", "finish"]
+    saved = json.loads((Path(out) / "final.json").read_text())
+    assert saved == final
+    assert (
+        saved["loss"] == train[-1]["loss"]
+        and saved["step"] == 30
+        and saved["tokens"] == 30 * 8 * 32
+    )
+    assert len(saved["fingerprint"]) == 64
+
+
+def test_precision_policy_is_in_the_start_event(micro):
+    cfg = micro("train.max_steps=1", "precision.compute_dtype=fp32")
+    run(cfg, ENV, log=lambda *_: None)
+    start = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")[0]
+    assert start["precision"]["compute"] == {
+        "choice": "fp32",
+        "reason": "precision.compute_dtype=fp32",
+    }
+
+
+def test_gradient_accumulation_matches_a_larger_micro_batch(micro):
+    """Same global batch (16) as 2 x 8 or 1 x 16: same samples, same mean loss, same weights (FP32)."""
+    a = run(
+        micro(
+            "train.max_steps=4",
+            "precision.compute_dtype=fp32",
+            "train.micro_batch_size=8",
+            "train.grad_accum_steps=2",
+            out="a",
+        ),
+        ENV,
+        log=lambda *_: None,
+    )
+    b = run(
+        micro(
+            "train.max_steps=4",
+            "precision.compute_dtype=fp32",
+            "train.micro_batch_size=16",
+            out="b",
+        ),
+        ENV,
+        log=lambda *_: None,
+    )
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_resume_is_bit_exact(micro):
+    straight = run(micro("train.max_steps=40", out="straight"), ENV, log=lambda *_: None)
+    first = run(
+        micro("train.max_steps=40", "train.stop_at_step=20", out="resumed"),
+        ENV,
+        log=lambda *_: None,
+    )
+    assert first == {"step": 20, "stopped": True}
+    resumed = run(micro("train.max_steps=40", out="resumed"), ENV, log=lambda *_: None)
+    assert resumed["fingerprint"] == straight["fingerprint"]
+    assert resumed["loss"] == straight["loss"]
+    assert resumed["samples"] == straight["samples"]
+    events = read_jsonl(Path(micro().train.out_dir).parent / "resumed" / "events.jsonl")
+    resume = [e for e in events if e["kind"] == "resume"]
+    assert (
+        len(resume) == 1 and resume[0]["step"] == 20 and resume[0]["path"].endswith("step_00000020")
+    )
+
+
+def test_nonfinite_skip_counts_and_goes_on(micro):
+    cfg = micro("train.max_steps=6", "monitor.nonfinite=skip", "fault.nan_grad_step=[3]")
+    final = run(cfg, ENV, log=lambda *_: None)
+    assert final["skipped_steps"] == 1 and final["anomalies"] == 1
+    assert math.isfinite(final["loss"])
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    anomaly = [e for e in events if e["kind"] == "anomaly"]
+    assert len(anomaly) == 1 and anomaly[0]["step"] == 3 and anomaly[0]["metric"] == "grad_norm"
+
+
+def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
+    args = micro_args("train.max_steps=12", "checkpoint.every=5", "fault.nan_loss_step=[7]")
+    result = run_cli("train", *args)
+    assert result.returncode == 3, result.stderr
+    assert "non-finite loss at step 7" in result.stderr
+    out = tmp_path / "run"
+    assert (out / "ABORTED").is_file()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [
+        "step_00000005"
+    ]  # none after the anomaly
+    kinds = [e["kind"] for e in read_jsonl(out / "events.jsonl")]
+    assert kinds[-2:] == ["anomaly", "abort"]
+    assert not (out / "final.json").exists()
+    again = run_cli("train", *args)
+    assert again.returncode == 3 and "ABORTED exists" in again.stderr
+
+
+def test_grad_telemetry_at_monitor_steps(micro):
+    cfg = micro("train.max_steps=5", "monitor.every=5")
+    run(cfg, ENV, log=lambda *_: None)
+    record = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")[-1]
+    assert record["step"] == 5
+    assert set(record["grad_norms"]) == set(record["grad_max"])
+    assert "blocks.0.attn.qkv.weight" in record["grad_norms"]
+    assert all(
+        record["grad_max"][k] <= record["grad_norms"][k] + 1e-6 for k in record["grad_norms"]
+    )
+
+
+def test_resume_never_refuses_a_directory_with_checkpoints(micro):
+    run(micro("train.max_steps=10"), ENV, log=lambda *_: None)
+    from bigtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.resume=never but"):
+        run(micro("train.max_steps=10", "checkpoint.resume=never"), ENV, log=lambda *_: None)
+
+
+def test_aborted_marker_blocks_a_restart(micro):
+    cfg = micro("train.max_steps=2")
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True)
+    (out / "ABORTED").write_text("earlier anomaly\n")
+    with pytest.raises(AbortRun, match="earlier anomaly"):
+        run(cfg, ENV, log=lambda *_: None)

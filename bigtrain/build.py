@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import BatchLoader, SampleStream, eval_batches, prepare_corpus, split_samples
-from bigtrain.errors import AbortRun, ConfigError
+from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch
 from bigtrain.evaluate import EvalCallback
 from bigtrain.hooks import Callbacks
 from bigtrain.model import build_model, model_flops_per_token, num_params
@@ -24,11 +25,21 @@ from bigtrain.monitor.telemetry import GradTelemetry
 from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
 from bigtrain.observe.rundir import RunDir
 from bigtrain.observe.wandb_logger import WandbLogger
-from bigtrain.parallel.env import DistEnv, pick_device
+from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
+from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.env import (
+    DistEnv,
+    all_gather_objects,
+    barrier,
+    init_process_group,
+    pick_device,
+    shutdown,
+)
+from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.precision import apply_to_model, detect_hardware, resolve_policy
+from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
 from bigtrain.resilience.callback import CheckpointCallback
-from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes, verify
+from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes
 from bigtrain.resilience.faults import FaultInjector
 from bigtrain.train import Trainer
 
@@ -49,17 +60,35 @@ def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[s
     }
 
 
+def make_backend(
+    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
+) -> Backend:
+    """Apply the model transforms, then wrap with the configured backend (the one place that
+    knows which backends exist)."""
+    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
+    if cfg.parallel.compile:
+        apply_compile(model)
+    if cfg.parallel.backend == "fsdp":
+        return FSDPBackend(model, policy, cfg.optim, device, cfg.parallel.reshard_after_forward)
+    if cfg.parallel.backend == "zero":
+        from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
+
+        return ZeroBackend(model, policy, cfg, device)
+    return LocalBackend(model, policy, cfg.optim, device)
+
+
 def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
-    if env.world_size != 1:
+    if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
-            f"parallel.backend={cfg.parallel.backend} runs one process, but the launcher started {env.world_size}"
+            f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
+            "use parallel.backend=fsdp or zero"
         )
     out = Path(cfg.train.out_dir)
     run_dir = RunDir(out, env.is_main)
     if run_dir.aborted_marker.exists():
         raise AbortRun(
-            f"{run_dir.aborted_marker} exists: this run gave up earlier ({run_dir.aborted_marker.read_text().strip()}); "
-            "remove the marker to try again"
+            f"{run_dir.aborted_marker} exists: this run gave up earlier "
+            f"({run_dir.aborted_marker.read_text().strip()}); remove the marker to try again"
         )
     manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     if cfg.checkpoint.resume == "never" and manager.committed():
@@ -69,45 +98,53 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         )
 
     device = pick_device(cfg.train.device, env)
+    init_process_group(
+        env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
+    )
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
 
-    corpus = prepare_corpus(cfg.data, log=log)
+    # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
+    if env.is_main:
+        corpus = prepare_corpus(cfg.data, log=log)
+    barrier()
+    if not env.is_main:
+        corpus = prepare_corpus(cfg.data, log=lambda *_: None)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
-            f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary ({corpus.vocab_size})"
+            f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({corpus.vocab_size})"
         )
     train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
     stream = SampleStream(len(train_samples), cfg.train.seed)
+    t = cfg.train
     loader = BatchLoader(
         train_samples,
         stream,
-        cfg.train.micro_batch_size,
-        cfg.train.grad_accum_steps,
+        t.micro_batch_size,
+        t.grad_accum_steps,
         env.rank,
         env.world_size,
         device,
     )
     val = eval_batches(
-        val_samples,
-        cfg.train.micro_batch_size,
-        cfg.train.eval_batches,
-        env.rank,
-        env.world_size,
-        device,
+        val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
     )
 
-    model = build_model(cfg.model, corpus.vocab_size)
+    model = build_model(
+        cfg.model, corpus.vocab_size
+    )  # same seed on every rank: same initial weights
     n_params = num_params(model)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
-    backend = LocalBackend(model, policy, cfg.optim, device)
+    flops_per_token = model_flops_per_token(model, cfg.model)
+    backend = make_backend(cfg, model, policy, device)
 
     context = {
         "policy": policy,
         "num_params": n_params,
-        "flops_per_token": model_flops_per_token(model, cfg.model),
+        "flops_per_token": flops_per_token,
         "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
         "config_yaml": to_yaml(cfg),
         "tokenizer_dir": corpus.tokenizer_dir,
@@ -144,14 +181,26 @@ def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[s
         path, manifest = found
     else:
         path = Path(choice)
-        manifest = verify(path)  # raises CheckpointError (exit 2) naming the file that fails
+        manifest = manager.verify(
+            path
+        )  # raises CheckpointError (exit 2) naming the file that fails
+    if manifest["backend"] != trainer.backend.name:
+        raise ConfigError(
+            f"checkpoint '{path}' was written by parallel.backend={manifest['backend']}, "
+            f"this run uses {trainer.backend.name}: checkpoints load on the backend that wrote them"
+        )
+    if manifest["backend"] == "zero" and manifest["world_size"] != trainer.env.world_size:
+        raise ConfigError(
+            f"checkpoint '{path}' holds ZeRO partitions for {manifest['world_size']} ranks; DeepSpeed "
+            f"loads them at that world size only (this run has {trainer.env.world_size}); use fsdp to reshard"
+        )
     changes = identity_changes(manifest["identity"], trainer.context["identity"])
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
             f"checkpoint '{path}' was written with different {', '.join(changes)}; "
             "set checkpoint.allow_config_change=true to resume anyway"
         )
-    saved = CheckpointManager.load(path, trainer.backend)
+    saved = manager.load(path, trainer.backend)
     trainer.load_trainer_state(saved)
     restarts = {
         k.lower(): int(os.environ[k])
@@ -196,6 +245,12 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             )
             return {"step": state.step, "stopped": True}
         fingerprint = trainer.backend.fingerprint()
+        fingerprints = all_gather_objects(fingerprint)
+        if len(set(fingerprints)) != 1:
+            trainer.event(
+                "error", reason="replicas disagree on the final weights", fingerprints=fingerprints
+            )
+            raise ReplicaMismatch(f"ranks hold different final weights: {fingerprints}")
         final = {
             "step": state.step,
             "loss": state.last_loss,
@@ -212,3 +267,4 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
         return final
     finally:
         trainer.callbacks.close()
+        shutdown()

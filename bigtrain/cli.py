@@ -1,7 +1,7 @@
 """bigtrain's command line: train | ckpt.
 
 Exit codes (DESIGN.md): 0 finished; 2 bad config or input (one line, no traceback); 3 gave up
-after anomalies (ABORTED marker); anything else is a crash.
+after anomalies (ABORTED marker); 5 ranks ended with different weights; anything else is a crash.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from bigtrain.errors import AbortRun, ConfigError
+from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,8 +55,10 @@ def _train(items: list[str], local_rank: int | None) -> int:
     files = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]
     cfg = load_config(files, overrides)
-    final = run(cfg, read_env(local_rank))
-    print(json.dumps(final))
+    env = read_env(local_rank)
+    final = run(cfg, env)
+    if env.is_main:
+        print(json.dumps(final))
     return 0
 
 
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except AbortRun as e:
         print(f"bigtrain: aborted: {e}", file=sys.stderr)
+        return e.exit_code
+    except ReplicaMismatch as e:
+        print(f"bigtrain: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("bigtrain: interrupted", file=sys.stderr)

@@ -12,3 +12,9 @@ class AbortRun(RuntimeError):
     """The run gave up after anomalies; the last good checkpoint is intact. Exit 3."""
 
     exit_code = 3
+
+
+class ReplicaMismatch(RuntimeError):
+    """Ranks ended with different weights where they must agree: a bug or silent corruption."""
+
+    exit_code = 5

@@ -102,28 +102,27 @@ class Trainer:
         started = time.perf_counter()
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim)
         micro_batches = self.loader.next_step()
-        losses = [backend.forward_backward(x, y, len(micro_batches)) for x, y in micro_batches]
-        metrics: dict[str, Any] = {
-            "step": self.state.step + 1,
-            "loss": torch.stack(losses).mean(),
-            "lr": lr,
-        }
+        n = len(micro_batches)
+        losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
+        step = self.state.step + 1
+        metrics: dict[str, Any] = {"step": step, "local_loss": torch.stack(losses).mean(), "lr": lr}
         self.callbacks.on_after_backward(self, metrics)
+        # Loss and gradient norm are reduced over ranks, so every rank takes the same decision.
+        metrics["loss"] = backend.reduce_mean(metrics.pop("local_loss"))
         metrics["grad_norm"] = backend.clip_grad_norm(cfg.optim.grad_clip)
         # Expensive device-to-host synchronization: the step/skip decision needs it, once per step.
         finite = bool(torch.isfinite(metrics["grad_norm"]) & torch.isfinite(metrics["loss"]))
         if finite:
             backend.step(lr)
         else:
-            backend.zero_grad()
+            backend.skip_step()
             self.state.skipped_steps += 1
         metrics["finite"] = finite
         self.state.step += 1
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step
-        metrics["step_time"] = (
-            time.perf_counter() - started
-        )  # callbacks' time (eval, checkpoints) not included
+        # The step's own time; callbacks (eval, checkpoints) are not included.
+        metrics["step_time"] = time.perf_counter() - started
         return metrics
 
     def trainer_state(self) -> dict[str, Any]:

@@ -34,7 +34,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("abort", "skip"),
-    "parallel.backend": ("local",),
+    "parallel.backend": ("local", "fsdp", "zero"),
+    "parallel.activation_checkpointing": ("none", "block"),
     "wandb.mode": ("online", "offline", "disabled"),
 }
 
@@ -43,7 +44,6 @@ NOT_YET = {
     "precision.compute_dtype": "fp16 compute needs dynamic loss scaling (precision engine)",
     "precision.optimizer_state_dtype": "bf16/fp16 states need bigtrain's AdamW (precision engine)",
     "precision.loss_scaling": "loss scaling applies to fp16 compute (precision engine)",
-    "parallel.backend": "fsdp and zero arrive with the sharded backends",
 }
 
 
@@ -194,6 +194,14 @@ def validate(config: Config) -> None:
         raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
     if config.data.source == "hub" and not config.data.hub_name:
         raise ConfigError("data.source=hub needs 'data.hub_name'")
+    if config.parallel.zero_stage not in (1, 2, 3):
+        raise ConfigError(
+            f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"
+        )
+    if config.parallel.timeout_s <= 0:
+        raise ConfigError(
+            f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"
+        )
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(
             f"key 'train.stop_at_step' got {t.stop_at_step}, expected a positive step or null"

@@ -178,7 +178,19 @@ class MonitorConfig:
 @dataclass
 class ParallelConfig:
     backend: str = "local"
-    """`local`: one process (fsdp and zero arrive with the sharded backends)."""
+    """`local`: one process, one device. `fsdp`: PyTorch FSDP2 (fully_shard per block and the root).
+    `zero`: DeepSpeed ZeRO (`zero_stage`). The world size comes from the launcher."""
+    zero_stage: int = 2
+    """ZeRO stage for backend=zero: 1 shards optimizer states, 2 also gradients, 3 also weights."""
+    activation_checkpointing: str = "none"
+    """`none` or `block`: recompute each transformer block's activations in backward."""
+    compile: bool = False
+    """torch.compile each transformer block (in place; parameter names unchanged)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
+    backward (ZeRO-2-like speed)."""
+    timeout_s: float = 600.0
+    """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 
 
 @dataclass

@@ -1,20 +1,25 @@
 """The backend protocol: what the loop asks of local, FSDP2 and ZeRO alike.
 
 The loop never branches on the backend. A backend owns the wrapped model and the optimizer, runs
-forward/backward under the precision policy, exposes its local gradients, clips, steps, and saves
-and loads its own tensors; the checkpoint manager adds the trainer state, the atomic commit and
-the manifest around `save`/`load`.
+forward/backward under the precision policy, exposes its local gradient shards, clips, steps or
+skips, and saves and loads its own tensors; the checkpoint manager adds the trainer state, the
+atomic commit and the manifest around `save`/`load`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from bigtrain.config.schema import OptimConfig
+from bigtrain.precision.policy import PrecisionPolicy
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -25,51 +30,64 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Backend(Protocol):
     name: str
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    device: torch.device
 
     def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_div: float
+        self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
-        """Forward under autocast, backward of loss / loss_div; returns the detached loss."""
+        """Forward and backward of one micro-batch (gradients summed to the mean over the step's
+        micro-batches and, on the last one, over ranks); returns this rank's detached loss."""
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a scalar over ranks (identity in one process)."""
 
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Mean loss over batches, no grad, averaged over ranks; a device tensor."""
+        """Mean loss over this rank's batches and over ranks, without gradients."""
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's gradient tensors (local shards on sharded backends), by canonical name."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm before clipping (a device tensor); clips when max_norm > 0."""
+        """Global gradient norm before clipping (a device tensor, equal on every rank); the
+        gradients are clipped to max_norm when it is > 0 (ZeRO clips inside its step)."""
 
     def step(self, lr: float) -> None:
         """Optimizer step at learning rate `lr`, then zero the gradients."""
 
-    def zero_grad(self) -> None: ...
+    def skip_step(self) -> None:
+        """Discard this step's gradients without touching weights or optimizer state."""
 
-    def save(self, directory: Path) -> list[str]:
-        """Write this backend's tensors into `directory`; returns the file names written."""
+    def save(self, directory: Path) -> None:
+        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)."""
 
     def load(self, directory: Path) -> None:
-        """Load what `save` wrote (possibly at another world size, where the backend reshards)."""
+        """Load what `save` wrote (at another world size where the backend reshards)."""
 
     def fingerprint(self) -> str:
-        """sha256 of the full FP32 master weights in canonical (name-sorted) order."""
+        """sha256 of the full FP32 master weights in canonical order (a collective)."""
+
+    def local_state(self) -> dict[str, Any]:
+        """Host copy of this rank's shard of master weights and optimizer state (snapshots)."""
+
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """Restore what local_state returned, on the same world size."""
 
 
 def canonical_name(name: str) -> str:
-    """Parameter names without wrapper prefixes (compile, DDP, DeepSpeed), so fingerprints and
-    telemetry agree across backends."""
-    for prefix in ("_orig_mod.", "module."):
+    """Parameter names without wrapper prefixes (compile, DDP, DeepSpeed, activation
+    checkpointing), so fingerprints and telemetry agree across backends."""
+    for prefix in ("_orig_mod.", "module.", "_checkpoint_wrapped_module."):
         name = name.replace(prefix, "")
     return name
 
 
-def weights_fingerprint(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]]) -> str:
     """sha256 over (name, shape, FP32 bytes) in name order: equal for equal weights whatever the
-    backend or world size that held them."""
+    backend or world size that held them. Tensors come from callables so that a sharded backend
+    gathers one parameter at a time, in the same order on every rank."""
     h = hashlib.sha256()
-    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
-        data = tensor.detach().to("cpu", torch.float32).contiguous()
+    for name, get in sorted(named, key=lambda item: item[0]):
+        data = get().detach().to("cpu", torch.float32).contiguous()
         h.update(f"{name}:{tuple(data.shape)};".encode())
         h.update(data.numpy().tobytes())
     return h.hexdigest()
@@ -85,3 +103,136 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def make_adamw(params: list[dict], optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    # fused AdamW is CUDA's fast path; on CPU foreach is the fast one.
+    return torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        fused=device.type == "cuda",
+        foreach=None if device.type == "cuda" else True,
+    )
+
+
+class TorchBackend:
+    """What local and FSDP2 share: a torch optimizer over the model's (possibly sharded) FP32
+    parameters, autocast where the policy asks for it, and torch.distributed reductions."""
+
+    name = "torch"
+
+    def __init__(
+        self, model: nn.Module, policy: PrecisionPolicy, optim: OptimConfig, device: torch.device
+    ) -> None:
+        self.model, self.policy, self.device = model, policy, device
+        self.optimizer = make_adamw(adamw_param_groups(model, optim.weight_decay), optim, device)
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(
+            self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.autocast
+        )
+
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
+    ) -> torch.Tensor:
+        self.before_backward(micro_step == num_micro_steps - 1)
+        with self.autocast():
+            logits = self.model(inputs)
+        loss = lm_loss(logits, targets)
+        (loss / num_micro_steps).backward()
+        return loss.detach()
+
+    def before_backward(self, last_micro_step: bool) -> None:
+        """FSDP2 syncs gradients on the last micro-batch only."""
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            value = value.clone()
+            dist.all_reduce(
+                value, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
+            )
+            if dist.get_backend() != "nccl":  # gloo has no AVG
+                value /= dist.get_world_size()
+        return value
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            with self.autocast():
+                total += lm_loss(self.model(inputs), targets)
+        self.model.train()
+        return self.reduce_mean(total / len(batches))
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (canonical_name(n), local_tensor(p.grad))
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        ]
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor: a partial sum over shards -> the global norm
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def local_state(self) -> dict[str, Any]:
+        params = self._params()
+        return {
+            "params": [local_tensor(p).detach().to("cpu", copy=True) for p in params],
+            "optim": [{k: to_cpu(v) for k, v in self.optimizer.state[p].items()} for p in params],
+        }
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        # In place: the shards keep their storage (and DTensor layout); only values change.
+        for p, saved, saved_optim in zip(
+            self._params(), state["params"], state["optim"], strict=True
+        ):
+            local_tensor(p).copy_(saved)
+            if not saved_optim:
+                self.optimizer.state.pop(p, None)
+                continue
+            current = self.optimizer.state[p]
+            assert set(current) == set(saved_optim), (
+                "a snapshot restores onto an optimizer in the same phase"
+            )
+            for key, value in saved_optim.items():
+                if isinstance(value, torch.Tensor):
+                    local_tensor(current[key]).copy_(value)
+                else:
+                    current[key] = value
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return local_tensor(obj).detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    return obj

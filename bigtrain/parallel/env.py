@@ -1,11 +1,16 @@
-"""Where this process sits: rank, world size, local rank, read from torchrun / deepspeed / SLURM."""
+"""Where this process sits: rank, world size, local rank, from torchrun / deepspeed / SLURM; and the
+process group."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import socket
+import subprocess
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.errors import ConfigError
 
@@ -21,6 +26,10 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
 
 def _int_env(name: str) -> int:
     value = os.environ[name]
@@ -30,20 +39,52 @@ def _int_env(name: str) -> int:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def slurm_master_addr(nodelist: str) -> str:
+    """First host of a SLURM node list (`node[01-04]` and friends), expanded by scontrol."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(
+            f"SLURM_JOB_NODELIST={nodelist!r}: cannot expand it with scontrol ({e})"
+        ) from None
+    hosts = out.stdout.split()
+    if out.returncode != 0 or not hosts:
+        raise ConfigError(
+            f"SLURM_JOB_NODELIST={nodelist!r}: scontrol show hostnames failed: {out.stderr.strip()}"
+        )
+    return hosts[0]
+
+
 def read_env(local_rank_arg: int | None = None) -> DistEnv:
     """torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK (deepspeed may pass
-    --local_rank instead); `srun` sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID."""
+    --local_rank instead); `srun` sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. Under SLURM the
+    rendezvous variables are derived here so that torch.distributed and DeepSpeed find them."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         local = _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ else (local_rank_arg or 0)
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "env"
         return DistEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), local, launcher)
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return DistEnv(
+        env = DistEnv(
             _int_env("SLURM_PROCID"),
             _int_env("SLURM_NTASKS"),
             _int_env("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else 0,
             "slurm",
         )
+        if env.world_size > 1:
+            if "MASTER_ADDR" not in os.environ:
+                os.environ["MASTER_ADDR"] = slurm_master_addr(
+                    os.environ.get("SLURM_JOB_NODELIST", "localhost")
+                )
+            # A port per job, so that two jobs sharing a node do not collide.
+            os.environ.setdefault(
+                "MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+            )
+            os.environ.update(
+                RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank)
+            )
+        return env
     return DistEnv(0, 1, local_rank_arg or 0, "none")
 
 
@@ -56,3 +97,65 @@ def pick_device(choice: str, env: DistEnv) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(
+    env: DistEnv, device: torch.device, timeout_s: float, required: bool
+) -> None:
+    """NCCL on CUDA, gloo on CPU, with a timeout so that a lost rank cannot hang the others forever.
+    `required`: the backend needs a group even in one process (FSDP2, DeepSpeed)."""
+    if dist.is_initialized() or (env.world_size == 1 and not required):
+        return
+    if env.world_size == 1:  # a group of one, for sharded backends run without a launcher
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(env.local_rank))
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ConfigError(
+                f"{env.world_size} processes but {var} is not set (launch with torchrun, deepspeed or srun)"
+            )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_objects(obj):
+    """[obj of rank 0, obj of rank 1, ...]; [obj] in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_true(flag: bool) -> bool:
+    """True on every rank iff flag is True on every rank."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from bigtrain.errors import ConfigError
+from bigtrain.parallel.env import all_gather_objects, barrier
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -81,8 +82,7 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of a committed checkpoint, after checking every file's size and sha256."""
+def read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -96,7 +96,12 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint '{path}': unknown manifest format (expected format_version {FORMAT_VERSION})"
         )
-    for name, meta in manifest["files"].items():
+    return manifest
+
+
+def check_files(path: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Size and sha256 of each listed file; raises CheckpointError naming the first that fails."""
+    for name, meta in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(
@@ -110,7 +115,17 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint '{path}': file '{name}' fails its sha256 check (corrupted)"
             )
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a committed checkpoint, after checking every file's size and sha256."""
+    manifest = read_manifest(path)
+    check_files(path, manifest["files"])
     return manifest
+
+
+def _list_files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
 def rng_state() -> dict[str, Any]:
@@ -128,7 +143,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    """Saves, lists, verifies and loads the checkpoints under `root` (out_dir/checkpoints)."""
+    """Saves, lists, verifies and loads the checkpoints under `root` (out_dir/checkpoints).
+
+    Every rank calls save/verify/load together. The directory must be shared by all ranks (as it
+    is for DCP and DeepSpeed): each rank writes its part, hashes its share of the files, rank 0
+    writes the manifest and commits by rename once every rank is done."""
 
     def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
@@ -154,64 +173,90 @@ class CheckpointManager:
     ) -> Path:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
-        tmp.mkdir(parents=True)
-        files = backend.save(tmp)
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        files += ["trainer.json", "rng.pt", "config.yaml"]
-        for name in files:
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
+            tmp.mkdir(parents=True)
+        barrier()
+        backend.save(tmp)
+        torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+        barrier()
+        # Each rank fsyncs and hashes its share of the files; rank 0 assembles the manifest.
+        names = _list_files(tmp)
+        mine = {}
+        for name in names[self.rank :: self.world_size]:
             _fsync_file(tmp / name)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "backend": backend.name,
-            "world_size": self.world_size,
-            "files": {
-                name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-                for name in files
-            },
-            "data": trainer_state["data"],
-            "identity": identity,
-            "config_hash": identity_hash(identity),
-            "versions": library_versions(),
-            "git_commit": git_commit(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_file(tmp / MANIFEST)
-        _fsync_dir(tmp)
-        if (
-            final.exists()
-        ):  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
-            final.rename(self.root / f"{final.name}.replaced-{int(time.time())}")
-        tmp.rename(final)
-        _fsync_dir(self.root)
-        self._prune()
+            mine[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+        if self.rank == 0:
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "backend": backend.name,
+                "world_size": self.world_size,
+                "files": dict(sorted(files.items())),
+                "data": trainer_state["data"],
+                "identity": identity,
+                "config_hash": identity_hash(identity),
+                "versions": library_versions(),
+                "git_commit": git_commit(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _fsync_file(tmp / MANIFEST)
+            _fsync_dir(tmp)
+            if (
+                final.exists()
+            ):  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
+                final.rename(self.root / f"{final.name}.replaced-{int(time.time())}")
+            tmp.rename(final)
+            _fsync_dir(self.root)
+            self._prune()
+        barrier()
         return final
 
     def _prune(self) -> None:
         for old in self.committed()[: -self.keep]:
             shutil.rmtree(old)
 
+    def verify(self, path: Path) -> dict[str, Any]:
+        """verify() shared out over the ranks; every rank gets the same answer (or exception)."""
+        try:
+            manifest = read_manifest(path)
+            names = sorted(manifest["files"])
+            check_files(
+                path, {n: manifest["files"][n] for n in names[self.rank :: self.world_size]}
+            )
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in all_gather_objects(error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        return manifest
+
     def newest_valid(self, on_invalid=None) -> tuple[Path, dict[str, Any]] | None:
         """The newest committed checkpoint that verifies; `on_invalid(path, reason)` hears of the
         ones skipped on the way."""
         for path in reversed(self.committed()):
             try:
-                return path, verify(path)
+                return path, self.verify(path)
             except CheckpointError as e:
                 if on_invalid:
                     on_invalid(path, str(e))
         return None
 
-    @staticmethod
-    def load(path: Path, backend) -> dict[str, Any]:
-        """Load a verified checkpoint into `backend`; returns the trainer state."""
+    def load(self, path: Path, backend) -> dict[str, Any]:
+        """Load a verified checkpoint into `backend`; returns the trainer state. Each rank gets its
+        own RNG state back, or rank 0's when the world grew."""
         backend.load(path)
-        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        set_rng_state(
+            torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=True)
+        )
         return json.loads((path / "trainer.json").read_text())
 
 

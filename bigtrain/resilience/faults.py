@@ -25,7 +25,7 @@ class FaultInjector(Callback):
             trainer.event("fault", type="nan_grad", tensor=name)
         if step in self.cfg.nan_loss_step:
             # A NaN loss poisons every gradient through backward; inject both.
-            metrics["loss"] = metrics["loss"] * float("nan")
+            metrics["local_loss"] = metrics["local_loss"] * float("nan")
             for _, grad in named:
                 grad.fill_(float("nan"))
             trainer.event("fault", type="nan_loss")

@@ -24,7 +24,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
         "model.safetensors",
         "optimizer.pt",
         "trainer.json",
-        "rng.pt",
+        "rng_rank0.pt",
         "config.yaml",
     }
     assert manifest["step"] == 10 and manifest["backend"] == "local" and manifest["world_size"] == 1

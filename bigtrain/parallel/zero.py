@@ -1,0 +1,210 @@
+"""DeepSpeed ZeRO stage 1/2/3 behind the backend protocol.
+
+The DeepSpeed config is generated from bigtrain's config (`deepspeed_config`), so users never
+keep two configs in step. The optimizer is bigtrain's (a client optimizer: DeepSpeed hands it the
+flat FP32 partitions), which is how the low-precision-state AdamW will plug in: DeepSpeed has no
+config key for the optimizer state dtype.
+
+Mixed precision maps onto DeepSpeed's own scheme: with BF16 compute the module's parameters are
+BF16 copies, the FP32 master weights live in the ZeRO optimizer's partitions, gradients are
+accumulated and reduced in FP32 (`data_types.grad_accum_dtype`, `communication_data_type`).
+Clipping happens inside DeepSpeed's step (`gradient_clipping`); the norm the loop sees is computed
+here from the local gradient partitions, before that step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bigtrain.config.schema import Config
+from bigtrain.parallel.backend import (
+    adamw_param_groups,
+    canonical_name,
+    lm_loss,
+    make_adamw,
+    to_cpu,
+    weights_fingerprint,
+)
+from bigtrain.precision.policy import PrecisionPolicy, dtype_name
+
+TAG = "zero"
+
+
+def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config dict for this run, derived from bigtrain's config and policy."""
+    t = cfg.train
+    ds: dict[str, Any] = {
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # bigtrain's AdamW is a client optimizer; ZeRO accepts it only with this switch.
+        "zero_allow_untested_optimizer": True,
+        "communication_data_type": dtype_name(policy.reduce_dtype),
+        "data_types": {"grad_accum_dtype": dtype_name(policy.reduce_dtype)},
+        "steps_per_print": 2**62,  # bigtrain logs; keep DeepSpeed's own step log quiet
+        "wall_clock_breakdown": False,
+    }
+    if policy.compute_dtype == torch.bfloat16:
+        # check_grad_overflow: a non-finite gradient discards the step (bigtrain's skip relies on it).
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    return ds
+
+
+class ZeroBackend:
+    name = "zero"
+
+    def __init__(
+        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
+    ) -> None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
+        self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
+        model = model.to(device)
+        optimizer = make_adamw(adamw_param_groups(model, cfg.optim.weight_decay), cfg.optim, device)
+        self.ds_config = deepspeed_config(cfg, policy, dist.get_world_size())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
+        )
+        self.model = self.engine.module
+        self._params = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
+    ) -> torch.Tensor:
+        assert num_micro_steps == self.ds_config["gradient_accumulation_steps"]
+        loss = lm_loss(self.engine(inputs), targets)
+        self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        if micro_step < num_micro_steps - 1:
+            self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+        return loss.detach()
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / dist.get_world_size()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        self.engine.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            total += lm_loss(self.engine(inputs), targets)
+        self.engine.train()
+        return self.reduce_mean(total / len(batches))
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's partition of each gradient after the boundary backward (no communication).
+        Parameters this rank holds no part of are left out."""
+        from deepspeed.utils import safe_get_local_grad
+
+        out = []
+        for name, p in self._params:
+            if self.stage == 3:
+                grad = safe_get_local_grad(p)
+            else:
+                mapping = getattr(p, "_hp_mapping", None)
+                if mapping is None:
+                    continue
+                grad = mapping.get_lp_grad_fragment(p._index_in_param_group)
+                address = mapping.lp_fragment_address
+                if grad.numel() == p.numel() and address.numel != p.numel():
+                    # A full-size accumulation buffer: only this rank's fragment counts.
+                    grad = grad.flatten().narrow(0, address.start, address.numel)
+            if grad is not None and grad.numel():
+                out.append((name, grad))
+        return out
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [g for _, g in self.named_grads()]
+        sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
+        if grads:
+            sumsq = torch.stack(torch._foreach_norm([g.float() for g in grads], 2)).pow(2).sum()
+        dist.all_reduce(sumsq, op=dist.ReduceOp.SUM)  # partitions are disjoint: a sum of squares
+        return sumsq.sqrt()
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, lr: float) -> None:
+        self._set_lr(lr)
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        assert self.engine.skipped_steps == skipped, (
+            "DeepSpeed skipped a step that bigtrain found finite"
+        )
+
+    def skip_step(self) -> None:
+        # DeepSpeed has no public "discard these gradients"; its overflow path does exactly that
+        # for non-finite gradients. A non-finite loss with finite gradients is made to look the same.
+        grads = [g for _, g in self.named_grads()]
+        if grads:
+            grads[0].view(-1)[0] = float("nan")
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        assert self.engine.skipped_steps == skipped + 1, (
+            "DeepSpeed applied a step that bigtrain skipped"
+        )
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=TAG)
+
+    def load(self, directory: Path) -> None:
+        # DeepSpeed unpickles its files fully: the manifest's sha256 were verified before this.
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=TAG, load_lr_scheduler_states=False
+        )
+        assert path is not None, f"DeepSpeed found no checkpoint in {directory}"
+
+    def fingerprint(self) -> str:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return weights_fingerprint(
+            (name, lambda p=p: safe_get_full_fp32_param(p)) for name, p in self._params
+        )
+
+    # Snapshots copy this rank's FP32 partitions and the client optimizer's moments, and restore
+    # them in place. DeepSpeed's load_state_dict wants every rank's state (it re-partitions), so
+    # this goes through the ZeRO optimizer's flat partitions instead (internals, pinned by tests).
+    def _fp32_flats(self) -> list[torch.Tensor]:
+        if self.stage == 3:
+            return list(self.optimizer.fp32_partitioned_groups_flat)
+        return list(self.optimizer.single_partition_of_fp32_groups)
+
+    def local_state(self) -> dict[str, Any]:
+        flats = self._fp32_flats()
+        base = self.optimizer.optimizer  # the client AdamW, holding the flat partitions
+        return {
+            "fp32": [f.detach().to("cpu", copy=True) for f in flats],
+            "optim": [to_cpu(dict(base.state.get(f, {}))) for f in flats],
+        }
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        base = self.optimizer.optimizer
+        for flat, saved, saved_optim in zip(
+            self._fp32_flats(), state["fp32"], state["optim"], strict=True
+        ):
+            flat.copy_(saved)
+            if not saved_optim:
+                base.state.pop(flat, None)
+                continue
+            for key, value in saved_optim.items():
+                if isinstance(value, torch.Tensor):
+                    base.state[flat][key].copy_(value)
+                else:
+                    base.state[flat][key] = value
+        # Refresh the module's compute copies from the restored FP32 master.
+        if self.stage == 3:
+            for i in range(len(self.optimizer.fp32_partitioned_groups_flat)):
+                self.optimizer._reassign_or_swap_out_partitioned_parameters(i)
+        else:
+            self.optimizer.update_lp_params()

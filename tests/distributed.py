@@ -1,0 +1,61 @@
+"""run_distributed(fn, world_size, *args): fn(*args) in world_size spawned processes on gloo.
+
+Each process gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun would set them;
+fn must be a module-level function (spawn pickles it by name). Returns [result of rank 0, ...];
+an exception in any rank fails the call with that rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from bigtrain.parallel.env import free_port
+
+
+def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    try:
+        result = ("ok", fn(*args))
+    except BaseException:  # report to the parent, which fails the test with it
+        result = ("error", traceback.format_exc())
+    with open(Path(out_dir) / f"{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600):
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, world_size, free_port(), out_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        while not context.join(timeout=timeout):
+            pass
+        outcomes = [
+            pickle.loads((Path(out_dir) / f"{rank}.pkl").read_bytes()) for rank in range(world_size)
+        ]
+        errors = [
+            f"rank {rank} failed:\n{value}"
+            for rank, (status, value) in enumerate(outcomes)
+            if status == "error"
+        ]
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [value for _, value in outcomes]

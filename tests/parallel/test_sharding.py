@@ -1,0 +1,266 @@
+"""FSDP2 and ZeRO internals on 2 gloo ranks: FP32 master shards, BF16 compute, gradient views,
+skips, snapshots, checkpoints across world sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from bigtrain.build import build_trainer, run
+from bigtrain.config import load_config
+from bigtrain.errors import ConfigError
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.parallel.env import read_env, shutdown
+from tests.conftest import micro_overrides
+from tests.distributed import run_distributed
+
+
+def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
+    return micro_overrides(tmp / name, corpus_files, cache_dir) + list(extra)
+
+
+def inspect_shards(args: list[str]) -> dict:
+    """Build a trainer, run one step with hooks on every Linear, report dtypes and shard sizes."""
+    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    try:
+        seen = set()
+        for m in trainer.backend.model.modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(
+                    lambda mod, i, o: seen.add((str(mod.weight.dtype), str(o.dtype)))
+                )
+        trainer.train_step()
+        model = trainer.backend.model
+        if trainer.backend.name == "fsdp":
+            master = [(p.to_local().numel(), p.numel(), str(p.dtype)) for p in model.parameters()]
+        else:
+            opt = trainer.backend.optimizer
+            flat = (
+                getattr(opt, "single_partition_of_fp32_groups", None)
+                or opt.fp32_partitioned_groups_flat
+            )
+            master = [(f.numel(), None, str(f.dtype)) for f in flat]
+        total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        return {"linear": sorted(seen), "master": master, "total": total}
+    finally:
+        trainer.callbacks.close()
+        shutdown()
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_master_weights_fp32_and_sharded_compute_bf16(tmp_path, corpus_files, cache_dir, backend):
+    args = _args(
+        tmp_path,
+        backend,
+        corpus_files,
+        cache_dir,
+        f"parallel.backend={backend}",
+        "parallel.zero_stage=3",
+        "precision.compute_dtype=bf16",
+        "train.eval_every=0",
+    )
+    ranks = run_distributed(inspect_shards, 2, args)
+    for r in ranks:
+        assert r["linear"] == [("torch.bfloat16", "torch.bfloat16")]  # matmuls see BF16 weights
+        assert {dtype for _, _, dtype in r["master"]} == {"torch.float32"}
+        local = sum(n for n, _, _ in r["master"])
+        assert 0.45 * r["total"] <= local <= 0.55 * r["total"], (
+            local,
+            r["total"],
+        )  # about half each
+
+
+def skip_on_nan(args: list[str]) -> dict:
+    final = run(load_config([], args), read_env(), log=lambda *_: None)
+    events = read_jsonl(Path(load_config([], args).train.out_dir) / "events.jsonl")
+    return {"final": final, "anomalies": [e["step"] for e in events if e["kind"] == "anomaly"]}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_nan_on_one_rank_is_skipped_by_both(tmp_path, corpus_files, cache_dir, backend):
+    args = _args(
+        tmp_path,
+        backend,
+        corpus_files,
+        cache_dir,
+        f"parallel.backend={backend}",
+        "train.max_steps=6",
+        "monitor.nonfinite=skip",
+        "fault.rank=1",
+        "fault.nan_grad_step=[3]",
+        "fault.nan_loss_step=[5]",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+    )
+    r0, r1 = run_distributed(skip_on_nan, 2, args)
+    assert r0["final"]["skipped_steps"] == r1["final"]["skipped_steps"] == 2
+    assert r0["anomalies"] == [3, 5]
+    assert r0["final"]["fingerprint"] == r1["final"]["fingerprint"]
+    assert r0["final"]["loss"] == pytest.approx(r1["final"]["loss"])
+
+
+def train(args: list[str]) -> dict:
+    return run(load_config([], args), read_env(), log=lambda *_: None)
+
+
+def test_fsdp_checkpoint_reshards_between_world_sizes(tmp_path, corpus_files, cache_dir):
+    two = [
+        "parallel.backend=fsdp",
+        "train.micro_batch_size=8",
+        "checkpoint.every=5",
+        "train.eval_every=0",
+    ]
+    one = [
+        "parallel.backend=fsdp",
+        "train.micro_batch_size=8",
+        "train.grad_accum_steps=2",
+        "checkpoint.every=5",
+        "train.eval_every=0",
+    ]
+    # save at 2 ranks, load at 1: the loaded weights are the saved ones, and training continues
+    saved = run_distributed(
+        train, 2, _args(tmp_path, "a", corpus_files, cache_dir, *two, "train.max_steps=5")
+    )[0]
+    loaded = run_distributed(
+        train, 1, _args(tmp_path, "a", corpus_files, cache_dir, *one, "train.max_steps=5")
+    )[0]
+    assert loaded["fingerprint"] == saved["fingerprint"]
+    continued = run_distributed(
+        train, 1, _args(tmp_path, "a", corpus_files, cache_dir, *one, "train.max_steps=8")
+    )[0]
+    assert continued["step"] == 8 and continued["fingerprint"] != saved["fingerprint"]
+    # and the reverse: save at 1, load at 2
+    saved = run_distributed(
+        train, 1, _args(tmp_path, "b", corpus_files, cache_dir, *one, "train.max_steps=5")
+    )[0]
+    loaded = run_distributed(
+        train, 2, _args(tmp_path, "b", corpus_files, cache_dir, *two, "train.max_steps=5")
+    )[0]
+    assert loaded["fingerprint"] == saved["fingerprint"]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_sharded_resume_is_bit_exact(tmp_path, corpus_files, cache_dir, backend):
+    opts = [
+        f"parallel.backend={backend}",
+        "train.micro_batch_size=8",
+        "train.max_steps=10",
+        "train.eval_every=0",
+        "checkpoint.every=5",
+    ]
+    straight = run_distributed(train, 2, _args(tmp_path, "s", corpus_files, cache_dir, *opts))[0]
+    run_distributed(
+        train, 2, _args(tmp_path, "r", corpus_files, cache_dir, *opts, "train.stop_at_step=5")
+    )
+    resumed = run_distributed(train, 2, _args(tmp_path, "r", corpus_files, cache_dir, *opts))[0]
+    assert resumed["fingerprint"] == straight["fingerprint"]
+    manifest = json.loads(
+        (tmp_path / "r" / "checkpoints" / "step_00000005" / "manifest.json").read_text()
+    )
+    assert manifest["backend"] == backend and manifest["world_size"] == 2
+    assert "rng_rank1.pt" in manifest["files"]
+
+
+def zero_refuses_other_world_size(args: list[str]) -> str:
+    try:
+        run(load_config([], args), read_env(), log=lambda *_: None)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        shutdown()
+    return "no error"
+
+
+def test_zero_checkpoint_at_another_world_size_is_refused(tmp_path, corpus_files, cache_dir):
+    opts = [
+        "parallel.backend=zero",
+        "train.micro_batch_size=8",
+        "train.eval_every=0",
+        "checkpoint.every=2",
+    ]
+    run_distributed(
+        train, 2, _args(tmp_path, "z", corpus_files, cache_dir, *opts, "train.max_steps=2")
+    )
+    message = run_distributed(
+        zero_refuses_other_world_size,
+        1,
+        _args(
+            tmp_path,
+            "z",
+            corpus_files,
+            cache_dir,
+            *opts,
+            "train.grad_accum_steps=2",
+            "train.max_steps=4",
+        ),
+    )[0]
+    assert "ZeRO partitions for 2 ranks" in message
+
+
+def snapshot_round_trip(args: list[str]) -> tuple[str, str, str]:
+    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        snap = trainer.backend.local_state()
+        before = trainer.backend.fingerprint()
+        for _ in range(2):
+            trainer.train_step()
+        moved = trainer.backend.fingerprint()
+        trainer.backend.load_local_state(snap)
+        return before, moved, trainer.backend.fingerprint()
+    finally:
+        trainer.callbacks.close()
+        shutdown()
+
+
+@pytest.mark.parametrize("backend", ["local", "fsdp", "zero2", "zero3"])
+def test_snapshot_restores_the_local_shards(tmp_path, corpus_files, cache_dir, backend):
+    world = 1 if backend == "local" else 2
+    name, stage = {
+        "local": ("local", 2),
+        "fsdp": ("fsdp", 2),
+        "zero2": ("zero", 2),
+        "zero3": ("zero", 3),
+    }[backend]
+    args = _args(
+        tmp_path,
+        backend,
+        corpus_files,
+        cache_dir,
+        f"parallel.backend={name}",
+        f"parallel.zero_stage={stage}",
+        "train.eval_every=0",
+        "precision.compute_dtype=bf16",
+    )
+    for before, moved, restored in run_distributed(snapshot_round_trip, world, args):
+        assert moved != before and restored == before
+
+
+def zero_grad_norm_matches_deepspeed(args: list[str]) -> tuple[float, float]:
+    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    try:
+        metrics = trainer.train_step()
+        return float(metrics["grad_norm"]), float(trainer.backend.engine.get_global_grad_norm())
+    finally:
+        trainer.callbacks.close()
+        shutdown()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_gradient_partitions_give_deepspeeds_norm(tmp_path, corpus_files, cache_dir, stage):
+    args = _args(
+        tmp_path,
+        f"z{stage}",
+        corpus_files,
+        cache_dir,
+        "parallel.backend=zero",
+        f"parallel.zero_stage={stage}",
+        "train.eval_every=0",
+        "precision.compute_dtype=bf16",
+    )
+    for ours, theirs in run_distributed(zero_grad_norm_matches_deepspeed, 2, args):
+        assert ours == pytest.approx(theirs, rel=1e-4)

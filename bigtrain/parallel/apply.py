@@ -13,15 +13,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     """The model's list of transformer blocks: the largest ModuleList of same-type modules
     (`blocks` in bigtrain's GPT, `transformer.h` in GPT-2, `model.layers` in Llama)."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module)
-            and len({type(m) for m in module}) == 1
-        ):
-            if best is None or len(module) > len(best):
-                best = module
+    candidates = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1
+    ]
+    best = max(candidates, key=len, default=None)
     assert best is not None, f"no transformer blocks found in {type(model).__name__}"
     return best
 

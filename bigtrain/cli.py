@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | ckpt.
+"""bigtrain's command line: train | plan | ckpt.
 
 Exit codes (DESIGN.md): 0 finished; 2 bad config or input (one line, no traceback); 3 gave up
 after anomalies (ABORTED marker); 5 ranks ended with different weights; anything else is a crash.
@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
         help=argparse.SUPPRESS,
     )
 
+    plan = sub.add_parser(
+        "plan", help="precision policy and memory per rank, without building the model"
+    )
+    plan.add_argument("items", nargs="+", metavar="CONFIG|key=value")
+    plan.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+
     ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
@@ -59,6 +65,19 @@ def _train(items: list[str], local_rank: int | None) -> int:
     final = run(cfg, env)
     if env.is_main:
         print(json.dumps(final))
+    return 0
+
+
+def _plan(items: list[str], world_size: int) -> int:
+    from bigtrain.config import load_config
+    from bigtrain.parallel.env import DistEnv, pick_device
+    from bigtrain.plan import plan_text
+    from bigtrain.precision import detect_hardware
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
+    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    print(plan_text(cfg, world_size, detect_hardware(pick_device(cfg.train.device, DistEnv()))))
     return 0
 
 
@@ -88,11 +107,20 @@ def _ckpt(command: str, path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # parse_known_args: overrides may come after options (`plan cfg.yaml --world-size 2 key=value`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "items")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.items += extra
     try:
         if args.command == "train":
             local_rank = args.local_rank if args.local_rank is not None else args.local_rank_sub
             return _train(args.items, local_rank)
+        if args.command == "plan":
+            return _plan(args.items, args.world_size)
         return _ckpt(args.ckpt_command, args.path)
     except ConfigError as e:
         print(f"bigtrain: error: {e}", file=sys.stderr)

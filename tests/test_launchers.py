@@ -1,0 +1,116 @@
+"""End to end through the real launchers: torchrun (fsdp) and the deepspeed launcher (zero), 2 CPU
+processes each, on configs/tiny.yaml for a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.parallel.env import free_port
+from tests.conftest import ROOT
+
+
+def launch(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny(out, cache_dir, backend: str) -> list[str]:
+    return [
+        "configs/tiny.yaml",
+        f"train.out_dir={out}",
+        f"data.cache_dir={cache_dir}",
+        f"parallel.backend={backend}",
+        "train.max_steps=6",
+        "train.micro_batch_size=8",
+        "train.eval_every=3",
+        "checkpoint.every=3",
+        "wandb.mode=disabled",
+    ]
+
+
+def check_run(out, world_size: int) -> None:
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 6 and final["tokens"] == 6 * 16 * 128
+    start = read_jsonl(out / "events.jsonl")[0]
+    assert start["world_size"] == world_size and start["global_batch_size"] == 16
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000003",
+        "step_00000006",
+    ]
+
+
+@pytest.mark.e2e
+def test_torchrun_fsdp(tmp_path, cache_dir):
+    out = tmp_path / "fsdp"
+    result = launch(
+        [
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "bigtrain",
+            "train",
+            *tiny(out, cache_dir, "fsdp"),
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_run(out, 2)
+
+
+@pytest.mark.e2e
+def test_deepspeed_launcher_zero(tmp_path, cache_dir):
+    out = tmp_path / "zero"
+    result = launch(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "bigtrain",
+            "train",
+            *tiny(out, cache_dir, "zero"),
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_run(out, 2)
+
+
+def test_launch_scripts_have_help():
+    for script in ("launch/torchrun.sh", "launch/deepspeed.sh"):
+        result = subprocess.run(
+            ["bash", script, "--help"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert (
+            result.returncode == 0
+            and "Variables" in result.stdout
+            and "set -euo" not in result.stdout
+        )
+
+
+def test_local_backend_refuses_several_processes(tmp_path, cache_dir):
+    result = launch(
+        [
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "bigtrain",
+            "train",
+            *tiny(tmp_path / "x", cache_dir, "local"),
+        ]
+    )
+    assert result.returncode != 0
+    assert "parallel.backend=local runs one process, but the launcher started 2" in result.stderr

@@ -44,7 +44,9 @@ def timed(files: list[str], overrides: list[str], steps: int) -> dict:
             losses.append(float(trainer.train_step()["loss"]))
         start = time.perf_counter()
         for _ in range(steps):
-            losses.append(float(trainer.train_step()["loss"]))  # host sync per step, both sides alike
+            losses.append(
+                float(trainer.train_step()["loss"])
+            )  # host sync per step, both sides alike
         seconds = time.perf_counter() - start
         return {"tokens_per_s": steps * trainer.tokens_per_step / seconds, "losses": losses}
     finally:
@@ -60,23 +62,51 @@ def main() -> None:
     files = [i for i in args.items if "=" not in i] or [str(ROOT / "configs" / "tiny.yaml")]
     user = [i for i in args.items if "=" in i]
     out = tempfile.mkdtemp(prefix="bigtrain-scaling-")
-    base = ["wandb.mode=disabled", "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
-            "train.max_steps=100000"]
+    base = [
+        "wandb.mode=disabled",
+        "train.progress=false",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "train.max_steps=100000",
+    ]
     micro = load_config(files, user).train.micro_batch_size
     if micro % 2:
         raise SystemExit(f"train.micro_batch_size={micro} must be even: 2 ranks split it")
     results = {}
     for dtype in ("bf16", "fp32"):
-        single = timed(files, [*base, f"train.out_dir={out}/local-{dtype}", f"precision.compute_dtype={dtype}", *user],
-                       args.steps)
+        single = timed(
+            files,
+            [
+                *base,
+                f"train.out_dir={out}/local-{dtype}",
+                f"precision.compute_dtype={dtype}",
+                *user,
+            ],
+            args.steps,
+        )
         results[("local", dtype)] = single
-        for name, extra in (("fsdp", ["parallel.backend=fsdp"]), ("zero2", ["parallel.backend=zero", "parallel.zero_stage=2"])):
-            overrides = [*base, f"train.out_dir={out}/{name}-{dtype}", f"precision.compute_dtype={dtype}", *user, *extra,
-                         f"train.micro_batch_size={micro // 2}"]
+        for name, extra in (
+            ("fsdp", ["parallel.backend=fsdp"]),
+            ("zero2", ["parallel.backend=zero", "parallel.zero_stage=2"]),
+        ):
+            overrides = [
+                *base,
+                f"train.out_dir={out}/{name}-{dtype}",
+                f"precision.compute_dtype={dtype}",
+                *user,
+                *extra,
+                f"train.micro_batch_size={micro // 2}",
+            ]
             results[(name, dtype)] = run_distributed(timed, 2, files, overrides, args.steps)[0]
-    summary = {"bench": "scaling", "steps": args.steps, "world_size": 2,
-               "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"}
-    print(f"{'backend':<10} {'dtype':<5} {'tokens/s':>10} {'vs 1 proc':>10} {'max rel loss diff (fp32)':>26}")
+    summary = {
+        "bench": "scaling",
+        "steps": args.steps,
+        "world_size": 2,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+    }
+    print(
+        f"{'backend':<10} {'dtype':<5} {'tokens/s':>10} {'vs 1 proc':>10} {'max rel loss diff (fp32)':>26}"
+    )
     for (name, dtype), r in results.items():
         ref = results[("local", dtype)]
         ratio = r["tokens_per_s"] / ref["tokens_per_s"]

@@ -70,11 +70,20 @@ class ZeroBackend:
         model = model.to(device)
         optimizer = make_adamw(adamw_param_groups(model, cfg.optim.weight_decay), cfg.optim, device)
         self.ds_config = deepspeed_config(cfg, policy, dist.get_world_size())
+        # DeepSpeed casts the module to BF16 and builds its FP32 master partitions from that
+        # cast, which would round the initial weights to BF16. Keep the FP32 init, put it back.
+        init = [p.detach().to("cpu", copy=True) for p in model.parameters()]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config
         )
         self.model = self.engine.module
         self._params = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        if policy.compute_dtype != torch.float32:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for (_, p), value in zip(self._params, init, strict=True):
+                safe_set_full_fp32_param(p, value.to(device))
+            self._refresh_compute_copies()
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
@@ -202,7 +211,11 @@ class ZeroBackend:
                     base.state[flat][key].copy_(value)
                 else:
                     base.state[flat][key] = value
-        # Refresh the module's compute copies from the restored FP32 master.
+        self._refresh_compute_copies()
+
+    def _refresh_compute_copies(self) -> None:
+        """The module's compute-dtype parameters from the FP32 master partitions (and all-gathered
+        where ZeRO-1/2 keep them whole)."""
         if self.stage == 3:
             for i in range(len(self.optimizer.fp32_partitioned_groups_flat)):
                 self.optimizer._reassign_or_swap_out_partitioned_parameters(i)

@@ -264,3 +264,65 @@ def test_zero_gradient_partitions_give_deepspeeds_norm(tmp_path, corpus_files, c
     )
     for ours, theirs in run_distributed(zero_grad_norm_matches_deepspeed, 2, args):
         assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def initial_fingerprint(args: list[str]) -> str:
+    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    try:
+        return trainer.backend.fingerprint()
+    finally:
+        trainer.callbacks.close()
+        shutdown()
+
+
+def test_fingerprint_is_the_same_for_the_same_weights_on_every_backend(
+    tmp_path, corpus_files, cache_dir
+):
+    """Same seed, no step yet: identical weights, so identical fingerprints, whatever holds them."""
+    prints = {}
+    for backend, world, extra in (
+        ("local", 1, []),
+        ("fsdp", 2, []),
+        ("zero", 2, ["parallel.zero_stage=3"]),
+        ("zero", 2, ["parallel.zero_stage=1", "precision.compute_dtype=bf16"]),
+    ):
+        args = _args(
+            tmp_path,
+            f"{backend}{extra}",
+            corpus_files,
+            cache_dir,
+            f"parallel.backend={backend}",
+            *extra,
+        )
+        ranks = run_distributed(initial_fingerprint, world, args)
+        assert len(set(ranks)) == 1
+        prints[f"{backend}{extra}"] = ranks[0]
+    assert len(set(prints.values())) == 1, prints
+
+
+@pytest.mark.parametrize("backend", ["local", "fsdp"])
+def test_activation_checkpointing_keeps_the_losses(tmp_path, corpus_files, cache_dir, backend):
+    world = 1 if backend == "local" else 2
+    opts = [
+        f"parallel.backend={backend}",
+        "precision.compute_dtype=fp32",
+        "train.max_steps=4",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+    ]
+    plain = run_distributed(train, world, _args(tmp_path, "plain", corpus_files, cache_dir, *opts))[
+        0
+    ]
+    ac = run_distributed(
+        train,
+        world,
+        _args(
+            tmp_path,
+            "ac",
+            corpus_files,
+            cache_dir,
+            *opts,
+            "parallel.activation_checkpointing=block",
+        ),
+    )[0]
+    assert ac["fingerprint"] == plain["fingerprint"]  # recomputation is the same arithmetic

@@ -74,11 +74,12 @@ class Backend(Protocol):
 
 
 def canonical_name(name: str) -> str:
-    """Parameter names without wrapper prefixes (compile, DDP, DeepSpeed, activation
+    """Parameter names without wrapper components (compile, DDP, DeepSpeed, activation
     checkpointing), so fingerprints and telemetry agree across backends."""
-    for prefix in ("_orig_mod.", "module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
 
 
 def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]]) -> str:

@@ -23,9 +23,12 @@ LAUNCH_VARS = (
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    saved = dict(os.environ)  # read_env writes rendezvous variables for SLURM: undo them all
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_single_process_defaults(clean_env):

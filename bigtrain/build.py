@@ -69,12 +69,12 @@ def make_backend(
     if cfg.parallel.compile:
         apply_compile(model)
     if cfg.parallel.backend == "fsdp":
-        return FSDPBackend(model, policy, cfg.optim, device, cfg.parallel.reshard_after_forward)
+        return FSDPBackend(model, policy, cfg, device)
     if cfg.parallel.backend == "zero":
         from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
 
         return ZeroBackend(model, policy, cfg, device)
-    return LocalBackend(model, policy, cfg.optim, device)
+    return LocalBackend(model, policy, cfg, device)
 
 
 def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:

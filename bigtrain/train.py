@@ -15,6 +15,7 @@ from bigtrain.hooks import Callbacks
 from bigtrain.observe.rundir import RunDir
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
+from bigtrain.precision.clip import ClipThreshold
 
 
 @dataclass
@@ -67,6 +68,15 @@ class Trainer:
         self.callbacks, self.device = callbacks, device
         self.context = context  # what setup resolved: policy, flops per token, identity, ...
         self.state = TrainState()
+        self.policy = context["policy"]
+        self.phase = self.policy.phases[0]  # the backend starts in the first phase
+        p = cfg.precision
+        self.clip = ClipThreshold(
+            cfg.optim.grad_clip,
+            self.policy.adaptive_clip,
+            p.adaptive_clip_percentile,
+            p.adaptive_clip_window,
+        )
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
 
     @property
@@ -100,6 +110,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
+        self._enter_phase()
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim)
         micro_batches = self.loader.next_step()
         n = len(micro_batches)
@@ -109,15 +120,21 @@ class Trainer:
         self.callbacks.on_after_backward(self, metrics)
         # Loss and gradient norm are reduced over ranks, so every rank takes the same decision.
         metrics["loss"] = backend.reduce_mean(metrics.pop("local_loss"))
-        metrics["grad_norm"] = backend.clip_grad_norm(cfg.optim.grad_clip)
+        metrics["grad_norm"] = backend.clip_grad_norm(self.clip.value())
         # Expensive device-to-host synchronization: the step/skip decision needs it, once per step.
         finite = bool(torch.isfinite(metrics["grad_norm"]) & torch.isfinite(metrics["loss"]))
         if finite:
             backend.step(lr)
+            if self.clip.adaptive:
+                self.clip.record(float(metrics["grad_norm"]))  # host read: adaptive clipping only
         else:
             backend.skip_step()
             self.state.skipped_steps += 1
+        scale = backend.update_loss_scale(overflow=not finite)
+        if scale is not None:
+            metrics["loss_scale"], metrics["scale_update"] = scale.scale, scale
         metrics["finite"] = finite
+        metrics["precision_phase"] = self.phase.name
         self.state.step += 1
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step
@@ -125,10 +142,30 @@ class Trainer:
         metrics["step_time"] = time.perf_counter() - started
         return metrics
 
+    def _enter_phase(self) -> None:
+        """Switch precision phase when this step crosses into a new one (also right after a resume)."""
+        phase = self.policy.phase_at(self.state.step, self.cfg.train.max_steps)
+        if phase != self.phase:
+            self.event(
+                "precision_phase", previous=self.phase.name, phase=phase.name, until=phase.until
+            )
+            self.backend.set_phase(phase)
+            self.phase = phase
+
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides the backend's tensors and the RNG."""
-        return {"state": asdict(self.state), "data": self.loader.stream.state_dict()}
+        scaler = getattr(self.backend, "scaler", None)
+        return {
+            "state": asdict(self.state),
+            "data": self.loader.stream.state_dict(),
+            "clip": self.clip.state_dict(),
+            "loss_scaler": scaler.state_dict() if scaler else None,
+        }
 
     def load_trainer_state(self, saved: dict[str, Any]) -> None:
         self.state = TrainState(**saved["state"])
         self.loader.stream.load_state_dict(saved["data"])
+        self.clip.load_state_dict(saved.get("clip", {"history": []}))
+        scaler = getattr(self.backend, "scaler", None)
+        if scaler is not None and saved.get("loss_scaler"):
+            scaler.load_state_dict(saved["loss_scaler"])

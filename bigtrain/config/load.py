@@ -26,11 +26,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "swiglu"),
     "data.source": ("shakespeare", "files", "hub"),
-    "precision.preset": ("auto", "fp32", "bf16-mixed"),
-    "precision.compute_dtype": ("auto", "bf16", "fp32"),
+    "precision.preset": ("auto", "fp32", "bf16-mixed", "fp16-mixed"),
+    "precision.compute_dtype": ("auto", "bf16", "fp16", "fp32"),
     "precision.master_dtype": ("fp32",),
-    "precision.optimizer_state_dtype": ("fp32",),
-    "precision.loss_scaling": ("none",),
+    "precision.optimizer_state_dtype": ("fp32", "bf16", "fp16"),
+    "precision.optimizer_state_rounding": ("stochastic", "nearest"),
+    "precision.optimizer_state_scaling": ("per_tensor", "none"),
+    "precision.loss_scaling": ("auto", "dynamic", "static", "none"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("abort", "skip"),
@@ -40,10 +42,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # Why a value that the schema names is not accepted yet; appended to the error message.
-NOT_YET = {
-    "precision.compute_dtype": "fp16 compute needs dynamic loss scaling (precision engine)",
-    "precision.optimizer_state_dtype": "bf16/fp16 states need bigtrain's AdamW (precision engine)",
-    "precision.loss_scaling": "loss scaling applies to fp16 compute (precision engine)",
+HINTS = {
+    "precision.master_dtype": "FP16/BF16 master weights lose small updates; keep FP32 masters",
 }
 
 
@@ -142,7 +142,7 @@ def validate(config: Config) -> None:
     for key, allowed in CHOICES.items():
         value = _get(config, key)
         if value not in allowed:
-            hint = f" ({NOT_YET[key]})" if key in NOT_YET else ""
+            hint = f" ({HINTS[key]})" if key in HINTS else ""
             raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
     m, t = config.model, config.train
     if m.kind == "gpt" and m.d_model % m.n_heads:

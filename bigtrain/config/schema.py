@@ -81,25 +81,64 @@ class DataConfig:
 
 
 @dataclass
+class PrecisionPhase:
+    until: float = 1.0
+    """This phase lasts until this fraction of train.max_steps (phases are in order)."""
+    compute_dtype: str = "bf16"
+    """Compute dtype of the phase: `bf16`, `fp16` or `fp32`."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """Module name patterns kept entirely in FP32 during the phase (added to precision.fp32_modules)."""
+
+
+@dataclass
 class PrecisionConfig:
     preset: str = "auto"
-    """`auto` chooses from the hardware; `fp32` and `bf16-mixed` fix the compute dtype. Explicit keys
-    below override the preset. Resolved once at start and printed with reasons."""
+    """`auto` chooses from the hardware and model size; `fp32`, `bf16-mixed`, `fp16-mixed` fix the
+    compute dtype (and loss scaling). Explicit keys below override the preset. Resolved once at
+    start and printed with a reason per line."""
     compute_dtype: str = "auto"
-    """Dtype of matmuls under autocast: `auto`, `bf16`, `fp32` (`fp16` arrives with loss scaling)."""
+    """Dtype of the matmuls: `auto`, `bf16`, `fp16` (needs loss scaling) or `fp32`."""
     master_dtype: str = "fp32"
     """Dtype of the parameters the optimizer updates. Only `fp32` is valid: low-precision master
     weights lose small updates."""
     optimizer_state_dtype: str = "fp32"
-    """Dtype of Adam's moments: `fp32` (bf16/fp16 states arrive with the precision engine)."""
-    loss_scaling: str = "none"
-    """`none`, `dynamic` or `static`. Needed with fp16 compute only; with bf16 it is a config error
-    unless asked for by the precision engine."""
+    """Dtype Adam's moments are stored in: `fp32`, `bf16` (stochastic rounding) or `fp16`
+    (per-tensor scaling). Math is FP32 either way (bigtrain's AdamW)."""
+    optimizer_state_rounding: str = "stochastic"
+    """BF16 states: `stochastic` (unbiased) or `nearest` (stalls on small updates; for studies)."""
+    optimizer_state_scaling: str = "per_tensor"
+    """FP16 states: `per_tensor` power-of-two scaling. `none` is refused (the second moment
+    underflows in FP16 without it)."""
+    loss_scaling: str = "auto"
+    """`auto` (dynamic with fp16 compute, none otherwise), `dynamic`, `static` or `none`."""
+    loss_scale: float = 65536.0
+    """Initial (dynamic) or fixed (static) loss scale."""
+    loss_scale_growth_interval: int = 2000
+    """Dynamic: double the scale after this many steps without overflow."""
+    loss_scale_hysteresis: int = 2
+    """Dynamic: overflows tolerated (steps skipped) before the scale is halved."""
+    loss_scale_min: float = 1.0
+    """Dynamic: an overflow at this scale is an anomaly, not another halving."""
+    allow_bf16_loss_scaling: bool = False
+    """Loss scaling with BF16 compute is almost always a mistake (BF16 has FP32's range); set this
+    to ask for it anyway."""
     fp32_softmax: bool | None = None
     """Compute the attention softmax in FP32 through the explicit attention path. None: auto
     (on for models of 7B parameters and more)."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """Module name patterns (fnmatch, e.g. `lm_head`, `*.attn.qkv`) kept entirely in FP32."""
     allow_tf32: bool = True
     """Allow TF32 for FP32 matmuls on CUDA (sm80+)."""
+    adaptive_clip: bool | None = None
+    """Clip at a running percentile of recent healthy gradient norms instead of optim.grad_clip.
+    None: auto (on from 20B parameters)."""
+    adaptive_clip_percentile: float = 95.0
+    """Percentile of the last `adaptive_clip_window` healthy gradient norms used as the clip value."""
+    adaptive_clip_window: int = 100
+    """Healthy steps remembered by adaptive clipping."""
+    schedule: list[PrecisionPhase] = field(default_factory=list)
+    """Phases by fraction of the run, e.g. FP32 for the first 5%, BF16 to 99%, BF16 with chosen
+    modules in FP32 for the rest. Empty: the resolved compute dtype throughout."""
 
 
 @dataclass
@@ -217,6 +256,8 @@ class FaultConfig:
     """Steps at which the loss of `rank` becomes NaN before backward (a drill for the monitor)."""
     nan_grad_step: list[int] = field(default_factory=list)
     """Steps at which one gradient of `rank` gets a NaN after backward."""
+    inf_grad_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` gets an Inf after backward (an FP16 overflow drill)."""
 
 
 @dataclass

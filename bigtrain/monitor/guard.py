@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from bigtrain.errors import AbortRun
 from bigtrain.hooks import Callback
 
@@ -20,9 +22,19 @@ class NonFiniteGuard(Callback):
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         if metrics["finite"]:
             return
+        update = metrics.get("scale_update")
+        if update is not None and bool(torch.isfinite(metrics["loss"])) and not update.at_min:
+            # FP16 overflow under loss scaling: the step is skipped and the scale backs off. Normal,
+            # counted in skipped_steps, and never silent.
+            trainer.event(
+                "overflow", loss_scale=update.scale, scale_change=update.changed or "none"
+            )
+            return
         trainer.state.anomalies += 1
         loss, norm = metrics["loss"].item(), metrics["grad_norm"].item()
         metric = "loss" if loss != loss or abs(loss) == float("inf") else "grad_norm"
+        if update is not None and update.at_min:
+            metric = "loss_scale_at_minimum"
         trainer.event(
             "anomaly",
             type="nonfinite",

@@ -54,7 +54,11 @@ class MetricsLogger(Callback):
         ):
             return
         # Expensive device-to-host synchronization, at log steps only.
-        record = {k: _scalar(v) for k, v in metrics.items() if k not in ("finite", "step_time")}
+        record = {
+            k: _scalar(v)
+            for k, v in metrics.items()
+            if k not in ("finite", "step_time", "scale_update")
+        }
         record["tokens_per_s"] = self.interval_tokens / max(self.interval_time, 1e-9)
         record["samples_seen"] = trainer.state.samples_seen
         record["tokens"] = trainer.state.tokens_seen

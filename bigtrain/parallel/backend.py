@@ -18,8 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.config.schema import OptimConfig
-from bigtrain.precision.policy import PrecisionPolicy
+from bigtrain.config.schema import Config
+from bigtrain.precision.adamw import LowPrecisionAdamW
+from bigtrain.precision.islands import FP32Islands
+from bigtrain.precision.policy import Phase, PrecisionPolicy
+from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,15 @@ class Backend(Protocol):
     name: str
     model: nn.Module
     device: torch.device
+
+    def set_phase(self, phase: Phase) -> None:
+        """Switch compute dtype and FP32 modules to a precision phase's (from the next forward)."""
+
+    def loss_scale(self) -> float | None:
+        """The current loss scale, None without loss scaling."""
+
+    def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
+        """After the step decision: back off or grow the scale; None without loss scaling."""
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
@@ -106,8 +118,21 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def make_adamw(params: list[dict], optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    # fused AdamW is CUDA's fast path; on CPU foreach is the fast one.
+def make_adamw(
+    params: list[dict], cfg: Config, policy: PrecisionPolicy, device: torch.device
+) -> torch.optim.Optimizer:
+    """torch's AdamW for FP32 states (fused on CUDA, foreach on CPU); bigtrain's AdamW for
+    BF16/FP16 states (math in FP32)."""
+    optim = cfg.optim
+    if policy.optimizer_state_dtype != torch.float32:
+        return LowPrecisionAdamW(
+            params,
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            state_dtype=policy.optimizer_state_dtype,
+            rounding=cfg.precision.optimizer_state_rounding,
+        )
     return torch.optim.AdamW(
         params,
         lr=optim.lr,
@@ -120,20 +145,35 @@ def make_adamw(params: list[dict], optim: OptimConfig, device: torch.device) -> 
 
 class TorchBackend:
     """What local and FSDP2 share: a torch optimizer over the model's (possibly sharded) FP32
-    parameters, autocast where the policy asks for it, and torch.distributed reductions."""
+    parameters, autocast in the current phase's dtype, FP32 islands, loss scaling for FP16, and
+    torch.distributed reductions."""
 
     name = "torch"
+    uses_autocast = True
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, optim: OptimConfig, device: torch.device
+        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
     ) -> None:
         self.model, self.policy, self.device = model, policy, device
-        self.optimizer = make_adamw(adamw_param_groups(model, optim.weight_decay), optim, device)
+        self.optimizer = make_adamw(
+            adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
+        )
+        self.scaler = (
+            LossScaler(cfg.precision, policy.loss_scaling == "dynamic")
+            if policy.loss_scaling != "none"
+            else None
+        )
+        self.islands = FP32Islands(model, device.type)
+        self.set_phase(policy.phases[0])
+
+    def set_phase(self, phase: Phase) -> None:
+        """Compute dtype and FP32 modules of a precision phase, effective from the next forward."""
+        self.compute_dtype = phase.compute_dtype
+        self.islands.set(phase.fp32_modules)
 
     def autocast(self) -> torch.autocast:
-        return torch.autocast(
-            self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.autocast
-        )
+        enabled = self.uses_autocast and self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
@@ -142,8 +182,15 @@ class TorchBackend:
         with self.autocast():
             logits = self.model(inputs)
         loss = lm_loss(logits, targets)
-        (loss / num_micro_steps).backward()
+        scale = self.scaler.scale if self.scaler else 1.0
+        (loss * (scale / num_micro_steps)).backward()
         return loss.detach()
+
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler else None
+
+    def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
+        return self.scaler.update(overflow) if self.scaler else None
 
     def before_backward(self, last_micro_step: bool) -> None:
         """FSDP2 syncs gradients on the last micro-batch only."""
@@ -177,6 +224,8 @@ class TorchBackend:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler and self.scaler.scale != 1.0:  # unscale first: clip and log true gradients
+            torch._foreach_mul_([p.grad for p in params], 1.0 / self.scaler.scale)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor: a partial sum over shards -> the global norm
             norm = norm.full_tensor()

@@ -13,17 +13,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bigtrain.config.schema import OptimConfig
+from bigtrain.config.schema import Config
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, canonical_name, weights_fingerprint
 from bigtrain.precision.policy import PrecisionPolicy
 
 
+def gathers_in_compute_dtype(policy: PrecisionPolicy) -> bool:
+    """One phase and no FP32 modules: FSDP2 all-gathers parameters in the compute dtype (half the
+    traffic) and casts once. A precision schedule or FP32 modules need the FP32 weights at compute
+    time, so then FSDP2 gathers FP32 and autocast picks each op's dtype, phase by phase."""
+    return len(policy.phases) == 1 and not policy.fp32_modules
+
+
 def fsdp_mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
-    """The policy's FSDP2 form: parameters all-gathered in the compute dtype, gradients
-    reduce-scattered in the reduction dtype (FP32), master shards kept FP32."""
+    """The policy's FSDP2 form: parameters all-gathered in the compute dtype (or FP32, see
+    gathers_in_compute_dtype), gradients reduce-scattered in FP32, master shards kept FP32."""
+    param_dtype = policy.compute_dtype if gathers_in_compute_dtype(policy) else torch.float32
     return MixedPrecisionPolicy(
-        param_dtype=policy.compute_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=None
+        param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=None
     )
 
 
@@ -31,26 +39,20 @@ class FSDPBackend(TorchBackend):
     name = "fsdp"
 
     def __init__(
-        self,
-        model: nn.Module,
-        policy: PrecisionPolicy,
-        optim: OptimConfig,
-        device: torch.device,
-        reshard_after_forward: bool = True,
+        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
     ) -> None:
         assert dist.is_initialized(), "FSDP2 needs a process group"
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp = fsdp_mixed_precision(policy)
+        reshard = cfg.parallel.reshard_after_forward
         model = model.to(device)
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds embeddings, final norm and lm_head (tied weights stay in one group).
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        super().__init__(model, policy, optim, device)
-
-    def autocast(self) -> torch.autocast:
-        # FSDP2 casts parameters to the compute dtype itself; autocast would only add casts.
-        return torch.autocast(self.device.type, enabled=False)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
+        self.uses_autocast = not gathers_in_compute_dtype(policy)
+        super().__init__(model, policy, cfg, device)
 
     def before_backward(self, last_micro_step: bool) -> None:
         # Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.

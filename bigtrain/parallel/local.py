@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from bigtrain.config.schema import OptimConfig
+from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.backend import TorchBackend, canonical_name, weights_fingerprint
 from bigtrain.precision.policy import PrecisionPolicy
@@ -18,12 +18,12 @@ class LocalBackend(TorchBackend):
     name = "local"
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, optim: OptimConfig, device: torch.device
+        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
     ) -> None:
         assert all(p.dtype == policy.master_dtype for p in model.parameters()), (
             "master weights must be built in FP32"
         )
-        super().__init__(model.to(device), policy, optim, device)
+        super().__init__(model.to(device), policy, cfg, device)
 
     def _canonical_state(self) -> dict[str, torch.Tensor]:
         """The model's tensors by canonical name, each storage once (tied weights share one), so a

@@ -14,6 +14,7 @@ here from the local gradient partitions, before that step.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bigtrain.config.schema import Config
+from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.parallel.backend import (
     adamw_param_groups,
     canonical_name,
@@ -30,7 +32,8 @@ from bigtrain.parallel.backend import (
     to_cpu,
     weights_fingerprint,
 )
-from bigtrain.precision.policy import PrecisionPolicy, dtype_name
+from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
+from bigtrain.precision.scaler import ScaleUpdate
 
 TAG = "zero"
 
@@ -54,7 +57,36 @@ def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> d
     if policy.compute_dtype == torch.bfloat16:
         # check_grad_overflow: a non-finite gradient discards the step (bigtrain's skip relies on it).
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    elif policy.compute_dtype == torch.float16:
+        p = cfg.precision
+        dynamic = policy.loss_scaling == "dynamic"
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0 if dynamic else p.loss_scale,  # 0 means dynamic in DeepSpeed
+            "initial_scale_power": int(math.log2(p.loss_scale)),
+            "loss_scale_window": p.loss_scale_growth_interval,
+            "hysteresis": p.loss_scale_hysteresis,
+            "min_loss_scale": p.loss_scale_min,
+        }
     return ds
+
+
+def check_zero_precision(cfg: Config, policy: PrecisionPolicy) -> None:
+    """What the ZeRO backend cannot do, as config errors naming the key and the reason."""
+    if len(policy.phases) > 1:
+        raise ConfigError(
+            "precision.schedule is not supported with parallel.backend=zero: DeepSpeed casts the module to "
+            "one compute dtype at initialize and builds its FP32 partitions from it; use fsdp or local"
+        )
+    if policy.fp32_modules:
+        raise ConfigError(
+            "precision.fp32_modules is not supported with parallel.backend=zero: DeepSpeed keeps every "
+            "module's compute copy in the compute dtype; use fsdp or local"
+        )
+    if policy.loss_scaling != "none" and policy.compute_dtype != torch.float16:
+        raise ConfigError(
+            "precision.loss_scaling with parallel.backend=zero applies to fp16 compute only"
+        )
 
 
 class ZeroBackend:
@@ -65,10 +97,13 @@ class ZeroBackend:
     ) -> None:
         import deepspeed
 
+        check_zero_precision(cfg, policy)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
         model = model.to(device)
-        optimizer = make_adamw(adamw_param_groups(model, cfg.optim.weight_decay), cfg.optim, device)
+        optimizer = make_adamw(
+            adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
+        )
         self.ds_config = deepspeed_config(cfg, policy, dist.get_world_size())
         # DeepSpeed casts the module to BF16 and builds its FP32 master partitions from that
         # cast, which would round the initial weights to BF16. Keep the FP32 init, put it back.
@@ -78,12 +113,33 @@ class ZeroBackend:
         )
         self.model = self.engine.module
         self._params = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        self._last_scale = self.loss_scale()
+        self._min_scale = cfg.precision.loss_scale_min
         if policy.compute_dtype != torch.float32:
             from deepspeed.utils import safe_set_full_fp32_param
 
             for (_, p), value in zip(self._params, init, strict=True):
                 safe_set_full_fp32_param(p, value.to(device))
             self._refresh_compute_copies()
+
+    def set_phase(self, phase: Phase) -> None:
+        assert phase.compute_dtype == self.policy.compute_dtype, (
+            "check_zero_precision allows one phase"
+        )
+
+    def loss_scale(self) -> float | None:
+        return (
+            float(self.optimizer.loss_scale) if self.policy.compute_dtype == torch.float16 else None
+        )
+
+    def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
+        """DeepSpeed's scaler already reacted inside engine.step(); report where it stands."""
+        scale = self.loss_scale()
+        if scale is None:
+            return None
+        previous, self._last_scale = self._last_scale, scale
+        changed = "backoff" if scale < previous else "growth" if scale > previous else ""
+        return ScaleUpdate(scale, overflow, changed=changed)
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
@@ -137,7 +193,8 @@ class ZeroBackend:
         if grads:
             sumsq = torch.stack(torch._foreach_norm([g.float() for g in grads], 2)).pow(2).sum()
         dist.all_reduce(sumsq, op=dist.ReduceOp.SUM)  # partitions are disjoint: a sum of squares
-        return sumsq.sqrt()
+        scale = self.loss_scale() or 1.0  # FP16: DeepSpeed's gradients are still scaled here
+        return sumsq.sqrt() / scale
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -154,6 +211,12 @@ class ZeroBackend:
     def skip_step(self) -> None:
         # DeepSpeed has no public "discard these gradients"; its overflow path does exactly that
         # for non-finite gradients. A non-finite loss with finite gradients is made to look the same.
+        scale = self.loss_scale()
+        if scale is not None and scale <= self._min_scale:
+            # DeepSpeed would raise at its minimum scale; bigtrain reports the anomaly instead.
+            raise AbortRun(
+                f"FP16 overflow at the minimum loss scale {scale} (precision.loss_scale_min)"
+            )
         grads = [g for _, g in self.named_grads()]
         if grads:
             grads[0].view(-1)[0] = float("nan")

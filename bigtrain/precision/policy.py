@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from bigtrain.config.schema import PrecisionConfig
+from bigtrain.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_SOFTMAX_PARAMS = 7_000_000_000
@@ -48,6 +49,21 @@ def detect_hardware(device: torch.device) -> Hardware:
     return Hardware("cpu", f"CPU ({torch.backends.cpu.get_cpu_capability()})", cpu_bf16=cpu_bf16)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A span of the run [start, until) as fractions of max_steps, with its compute dtype."""
+
+    start: float
+    until: float
+    compute_dtype: torch.dtype
+    fp32_modules: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        extra = f"+fp32[{','.join(self.fp32_modules)}]" if self.fp32_modules else ""
+        return f"{dtype_name(self.compute_dtype)}{extra}"
+
+
 @dataclass
 class PrecisionPolicy:
     master_dtype: torch.dtype
@@ -57,6 +73,9 @@ class PrecisionPolicy:
     loss_scaling: str
     fp32_softmax: bool
     allow_tf32: bool
+    fp32_modules: tuple[str, ...] = ()
+    adaptive_clip: bool = False
+    phases: tuple[Phase, ...] = ()
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -64,9 +83,17 @@ class PrecisionPolicy:
         """Whether forward passes run under torch.autocast (compute dtype below FP32)."""
         return self.compute_dtype != torch.float32
 
+    def phase_at(self, step: int, max_steps: int) -> Phase:
+        """The phase that optimizer step `step` (0-based) falls in."""
+        fraction = step / max(1, max_steps)
+        for phase in self.phases:
+            if fraction < phase.until:
+                return phase
+        return self.phases[-1]
+
     def rows(self) -> list[tuple[str, str, str]]:
         """(component, choice, reason) rows of the printed table."""
-        return [
+        rows = [
             ("master weights", dtype_name(self.master_dtype), self.reasons["master"]),
             ("compute", dtype_name(self.compute_dtype), self.reasons["compute"]),
             ("gradient reduction", dtype_name(self.reduce_dtype), self.reasons["reduce"]),
@@ -78,8 +105,18 @@ class PrecisionPolicy:
                 self.reasons["softmax"],
             ),
             ("norms and loss", "fp32", "always: low-precision reductions lose digits"),
+            ("fp32 modules", ",".join(self.fp32_modules) or "-", self.reasons["fp32_modules"]),
             ("tf32 matmuls", "on" if self.allow_tf32 else "off", self.reasons["tf32"]),
+            (
+                "gradient clipping",
+                "adaptive" if self.adaptive_clip else "fixed",
+                self.reasons["clip"],
+            ),
         ]
+        if len(self.phases) > 1:
+            spans = ", ".join(f"{p.name} to {p.until:.0%}" for p in self.phases)
+            rows.append(("schedule", f"{len(self.phases)} phases", spans))
+        return rows
 
     def table(self) -> str:
         width = max(len(r[0]) for r in self.rows())
@@ -94,38 +131,89 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
-def _auto_compute(hw: Hardware) -> tuple[str, str]:
+FP16_REFUSED_PARAMS = 20_000_000_000
+
+
+def _auto_compute(hw: Hardware, num_params: int) -> tuple[str, str]:
     if hw.device_type == "cuda":
         assert hw.cuda_capability is not None
         major, minor = hw.cuda_capability
         if major >= 8:
             return "bf16", f"auto: {hw.name} (sm{major}{minor}) has BF16 tensor cores"
+        if num_params >= FP16_REFUSED_PARAMS:
+            raise ConfigError(
+                f"precision.preset=auto: {num_params / 1e9:.0f}B parameters need BF16, which {hw.name} "
+                f"(sm{major}{minor}) lacks; FP16 is refused from 20B (set precision.compute_dtype=fp32 to run anyway)"
+            )
         return (
-            "fp32",
-            f"auto: {hw.name} (sm{major}{minor}) has no BF16; fp16 + loss scaling arrives with the precision engine",
+            "fp16",
+            f"auto: {hw.name} (sm{major}{minor}) has no BF16: FP16 with dynamic loss scaling",
         )
     if hw.cpu_bf16:
         return "bf16", "auto: the CPU has native BF16 (avx512_bf16/AMX)"
     return "fp32", "auto: the CPU has no native BF16"
 
 
-def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> PrecisionPolicy:
-    reasons: dict[str, str] = {}
+def _compute(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> tuple[str, str]:
     if cfg.compute_dtype != "auto":
-        compute = cfg.compute_dtype
-        reasons["compute"] = f"precision.compute_dtype={compute}"
-    elif cfg.preset == "fp32":
-        compute, reasons["compute"] = "fp32", "precision.preset=fp32"
-    elif cfg.preset == "bf16-mixed":
-        compute, reasons["compute"] = "bf16", "precision.preset=bf16-mixed"
-    else:
-        compute, reasons["compute"] = _auto_compute(hw)
+        return cfg.compute_dtype, f"precision.compute_dtype={cfg.compute_dtype}"
+    presets = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+    if cfg.preset in presets:
+        return presets[cfg.preset], f"precision.preset={cfg.preset}"
+    return _auto_compute(hw, num_params)
+
+
+def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> PrecisionPolicy:
+    """Every component's dtype from the config, the hardware and the model size, each with its
+    reason; contradictions raise ConfigError naming the keys."""
+    reasons: dict[str, str] = {}
+    compute, reasons["compute"] = _compute(cfg, hw, num_params)
     reasons["master"] = "FP32 master weights: small updates vanish in low precision"
-    reasons["reduce"] = "gradients are FP32 (accumulated on FP32 parameters)"
-    reasons["states"] = f"precision.optimizer_state_dtype={cfg.optimizer_state_dtype}"
-    reasons["loss_scaling"] = "not needed: " + (
-        "FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range"
-    )
+    reasons["reduce"] = "FP32: sums of many small gradients lose digits in 16 bits"
+
+    if compute == "fp16" and num_params >= FP16_REFUSED_PARAMS:
+        raise ConfigError(
+            f"precision.compute_dtype=fp16 with {num_params / 1e9:.0f}B parameters: FP16 is refused from 20B "
+            "(activations overflow its range); use bf16"
+        )
+    scaling = cfg.loss_scaling
+    if scaling == "auto":
+        scaling = "dynamic" if compute == "fp16" else "none"
+        reasons["loss_scaling"] = (
+            "auto: FP16 gradients underflow without it"
+            if compute == "fp16"
+            else "auto: not needed, "
+            + ("FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range")
+        )
+    else:
+        reasons["loss_scaling"] = f"precision.loss_scaling={scaling}"
+    if compute == "fp16" and scaling == "none":
+        raise ConfigError(
+            "precision.compute_dtype=fp16 with precision.loss_scaling=none: FP16 gradients underflow; "
+            "use loss_scaling=dynamic (or auto)"
+        )
+    if compute == "bf16" and scaling != "none" and not cfg.allow_bf16_loss_scaling:
+        raise ConfigError(
+            f"precision.loss_scaling={scaling} with precision.compute_dtype=bf16: BF16 needs no loss scaling; "
+            "set precision.allow_bf16_loss_scaling=true if you mean it"
+        )
+    if compute == "fp32" and scaling != "none":
+        raise ConfigError(
+            f"precision.loss_scaling={scaling} with FP32 compute does nothing useful; use none"
+        )
+
+    state = cfg.optimizer_state_dtype
+    if state == "fp16" and cfg.optimizer_state_scaling == "none":
+        raise ConfigError(
+            "precision.optimizer_state_dtype=fp16 with precision.optimizer_state_scaling=none: Adam's "
+            "second moment underflows in FP16 without scaling; use per_tensor"
+        )
+    reasons["states"] = {
+        "fp32": "precision.optimizer_state_dtype=fp32",
+        "bf16": f"precision.optimizer_state_dtype=bf16, {cfg.optimizer_state_rounding} rounding, math in FP32",
+        "fp16": "precision.optimizer_state_dtype=fp16, per-tensor scaling, math in FP32",
+    }[state]
+
     if cfg.fp32_softmax is None:
         fp32_softmax = num_params >= FP32_SOFTMAX_PARAMS
         reasons["softmax"] = (
@@ -134,22 +222,72 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
     else:
         fp32_softmax = cfg.fp32_softmax
         reasons["softmax"] = f"precision.fp32_softmax={fp32_softmax}"
+    reasons["fp32_modules"] = "precision.fp32_modules" if cfg.fp32_modules else "none asked for"
+
+    if cfg.adaptive_clip is None:
+        adaptive = num_params >= FP16_REFUSED_PARAMS
+        reasons["clip"] = (
+            f"auto: {num_params / 1e9:.2f}B parameters {'>=' if adaptive else '<'} 20B"
+        )
+    else:
+        adaptive = cfg.adaptive_clip
+        reasons["clip"] = f"precision.adaptive_clip={adaptive}"
+
     if hw.device_type == "cuda" and hw.cuda_capability and hw.cuda_capability[0] >= 8:
         allow_tf32 = cfg.allow_tf32
         reasons["tf32"] = f"precision.allow_tf32={cfg.allow_tf32}"
     else:
         allow_tf32 = False
         reasons["tf32"] = "no TF32 on this hardware"
+
+    phases = _phases(cfg, compute, scaling)
     return PrecisionPolicy(
         master_dtype=DTYPES[cfg.master_dtype],
         compute_dtype=DTYPES[compute],
         reduce_dtype=torch.float32,
-        optimizer_state_dtype=DTYPES[cfg.optimizer_state_dtype],
-        loss_scaling=cfg.loss_scaling,
+        optimizer_state_dtype=DTYPES[state],
+        loss_scaling=scaling,
         fp32_softmax=fp32_softmax,
         allow_tf32=allow_tf32,
+        fp32_modules=tuple(cfg.fp32_modules),
+        adaptive_clip=adaptive,
+        phases=phases,
         reasons=reasons,
     )
+
+
+def _phases(cfg: PrecisionConfig, compute: str, scaling: str) -> tuple[Phase, ...]:
+    if not cfg.schedule:
+        return (Phase(0.0, 1.0, DTYPES[compute], tuple(cfg.fp32_modules)),)
+    phases, start = [], 0.0
+    for i, p in enumerate(cfg.schedule):
+        key = f"precision.schedule[{i}]"
+        if p.compute_dtype not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(
+                f"{key}.compute_dtype got {p.compute_dtype!r}, expected bf16, fp16 or fp32"
+            )
+        if not start < p.until <= 1.0:
+            raise ConfigError(
+                f"{key}.until got {p.until}, expected a fraction above the previous phase's ({start}) and <= 1"
+            )
+        if p.compute_dtype == "fp16" and scaling == "none":
+            raise ConfigError(
+                f"{key}.compute_dtype=fp16 needs precision.loss_scaling=dynamic or static"
+            )
+        phases.append(
+            Phase(
+                start,
+                p.until,
+                DTYPES[p.compute_dtype],
+                tuple(cfg.fp32_modules) + tuple(p.fp32_modules),
+            )
+        )
+        start = p.until
+    if start != 1.0:
+        raise ConfigError(
+            f"precision.schedule: the last phase ends at {start}, expected until: 1.0"
+        )
+    return tuple(phases)
 
 
 def apply_to_model(model: torch.nn.Module, policy: PrecisionPolicy) -> None:

@@ -19,10 +19,14 @@ class FaultInjector(Callback):
             return
         step = metrics["step"]
         named = trainer.backend.named_grads()
-        if step in self.cfg.nan_grad_step:
-            name, grad = named[0]
-            grad.view(-1)[0] = float("nan")
-            trainer.event("fault", type="nan_grad", tensor=name)
+        for kind, steps, value in (
+            ("nan_grad", self.cfg.nan_grad_step, float("nan")),
+            ("inf_grad", self.cfg.inf_grad_step, float("inf")),
+        ):
+            if step in steps:
+                name, grad = named[0]
+                grad.view(-1)[0] = value
+                trainer.event("fault", type=kind, tensor=name)
         if step in self.cfg.nan_loss_step:
             # A NaN loss poisons every gradient through backward; inject both.
             metrics["local_loss"] = metrics["local_loss"] * float("nan")

@@ -1,0 +1,70 @@
+"""FP32 islands: modules chosen by name pattern run entirely in FP32 under autocast.
+
+Hooks applied from outside the model: before a matching module runs, autocast is switched off and
+its floating inputs are cast to FP32; after it, autocast is restored. The set of patterns can
+change between precision phases.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from bigtrain.errors import ConfigError
+
+
+def matching_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    from bigtrain.parallel.backend import canonical_name
+
+    out = []
+    for name, module in model.named_modules():
+        cname = canonical_name(name)
+        if cname and any(fnmatch.fnmatchcase(cname, p) for p in patterns):
+            out.append((cname, module))
+    return out
+
+
+class FP32Islands:
+    def __init__(self, model: nn.Module, device_type: str) -> None:
+        self.model, self.device_type = model, device_type
+        self.patterns: tuple[str, ...] = ()
+        self.names: list[str] = []
+        self._handles: list = []
+
+    def set(self, patterns: tuple[str, ...]) -> None:
+        if patterns == self.patterns:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.patterns = [], patterns
+        matched = matching_modules(self.model, patterns)
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in matched):
+                raise ConfigError(
+                    f"precision.fp32_modules: pattern '{pattern}' matches no module of the model"
+                )
+        # Only the outermost matches get hooks: their children run inside the FP32 context.
+        outer = [
+            (n, m)
+            for n, m in matched
+            if not any(n.startswith(o + ".") for o, _ in matched if o != n)
+        ]
+        self.names = [n for n, _ in outer]
+        for _, module in outer:
+            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+
+    def _enter(self, module, args, kwargs):
+        ctx = torch.autocast(self.device_type, enabled=False)
+        ctx.__enter__()
+        module._bigtrain_fp32_ctx = getattr(module, "_bigtrain_fp32_ctx", []) + [ctx]
+
+        def up(x):
+            return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+
+        return tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+
+    def _exit(self, module, args, output):
+        module._bigtrain_fp32_ctx.pop().__exit__(None, None, None)

@@ -75,7 +75,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     # --- encoding: what is stored for each moment --------------------------------------------------
 
     def _encode(self, state: dict[str, Any], key: str, value: torch.Tensor) -> None:
-        if key == "exp_avg_sq" and self.state_dtype != torch.float32:
+        if key == "exp_avg_sq" and self.state_dtype == torch.float16:
             value = value.sqrt()  # stored as sqrt(v): half the exponent range, same update
         if self.state_dtype == torch.float16:
             scale = fp16_scale_for(value)
@@ -94,7 +94,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         value = state[key].float()
         if self.state_dtype == torch.float16:
             value = value / state[key + "_scale"]
-        if key == "exp_avg_sq" and self.state_dtype != torch.float32:
+        if key == "exp_avg_sq" and self.state_dtype == torch.float16:
             value = value.square()
         return value
 
@@ -112,9 +112,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    zeros = torch.zeros_like(param, dtype=torch.float32)  # local shard shape
-                    self._encode(state, "exp_avg", zeros)
-                    self._encode(state, "exp_avg_sq", zeros)
+                    for (
+                        key
+                    ) in STATE_KEYS:  # local shard shape; one tensor each (FP32 stores in place)
+                        self._encode(state, key, torch.zeros_like(param, dtype=torch.float32))
                 state["step"] += 1
                 step = state["step"].item()
                 m = self._decode(state, "exp_avg").mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -143,7 +144,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for index, state in saved["state"].items():
             p = params[index]
-            out = {"step": state["step"]}
+            out = {"step": state["step"].clone()}
             for key in STATE_KEYS:
                 out[key] = _like(p, self._decode(state, key))
             saved["state"][index] = out

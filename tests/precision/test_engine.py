@@ -201,3 +201,57 @@ def test_low_precision_states_reach_the_fp32_loss(micro):
             micro(*opts, f"precision.optimizer_state_dtype={dtype}", out=dtype), DistEnv(), **QUIET
         )["loss"]
         assert loss == pytest.approx(ref, rel=0.01), (dtype, loss, ref)
+
+
+def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
+    from bigtrain.errors import AbortRun
+
+    cfg = micro(
+        "precision.compute_dtype=fp16",
+        "precision.loss_scale=2",
+        "precision.loss_scale_min=2",
+        "precision.loss_scale_hysteresis=1",
+        "fault.inf_grad_step=[2]",
+        "train.max_steps=4",
+        "checkpoint.every=0",
+        "train.eval_every=0",
+    )
+    with pytest.raises(AbortRun, match="loss_scale_at_minimum"):
+        run(cfg, DistEnv(), **QUIET)
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    anomaly = [e for e in events if e["kind"] == "anomaly"]
+    assert anomaly[0]["step"] == 2 and anomaly[0]["metric"] == "loss_scale_at_minimum"
+
+
+def test_adaptive_clipping_uses_the_percentile_of_healthy_norms():
+    from bigtrain.precision.clip import ClipThreshold
+
+    clip = ClipThreshold(fixed=1.0, adaptive=True, percentile=50, window=100)
+    for norm in range(1, 10):
+        clip.record(float(norm))
+    assert clip.value() == 1.0  # fewer than 10 healthy steps: the fixed value
+    clip.record(10.0)
+    assert clip.value() == pytest.approx(5.5)  # median of 1..10
+    restored = ClipThreshold(fixed=1.0, adaptive=True, percentile=50, window=100)
+    restored.load_state_dict(clip.state_dict())
+    assert restored.value() == clip.value()
+    assert ClipThreshold(fixed=1.0, adaptive=False, percentile=50, window=100).value() == 1.0
+
+
+def test_adaptive_clipping_in_a_run(micro):
+    cfg = micro(
+        "precision.adaptive_clip=true",
+        "precision.adaptive_clip_window=20",
+        "train.max_steps=14",
+        "train.log_every=1",
+        "optim.grad_clip=0.01",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+    )
+    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    trainer.fit()
+    trainer.callbacks.close()
+    assert (
+        len(trainer.clip.history) == 14 and trainer.clip.value() > 0.01
+    )  # learned from the norms seen
+    assert trainer.context["policy"].to_dict()["gradient clipping"]["choice"] == "adaptive"

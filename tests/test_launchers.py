@@ -13,6 +13,8 @@ from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import free_port
 from tests.conftest import ROOT
 
+TORCHRUN_2 = ("torchrun", "--nproc-per-node", "2", "--master-port")
+
 
 def launch(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -51,10 +53,7 @@ def test_torchrun_fsdp(tmp_path, cache_dir):
     out = tmp_path / "fsdp"
     result = launch(
         [
-            "torchrun",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
+            *TORCHRUN_2,
             str(free_port()),
             "-m",
             "bigtrain",
@@ -101,10 +100,7 @@ def test_launch_scripts_have_help():
 def test_local_backend_refuses_several_processes(tmp_path, cache_dir):
     result = launch(
         [
-            "torchrun",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
+            *TORCHRUN_2,
             str(free_port()),
             "-m",
             "bigtrain",

@@ -214,24 +214,13 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         "fp16": "precision.optimizer_state_dtype=fp16, per-tensor scaling, math in FP32",
     }[state]
 
-    if cfg.fp32_softmax is None:
-        fp32_softmax = num_params >= FP32_SOFTMAX_PARAMS
-        reasons["softmax"] = (
-            f"auto: {num_params / 1e9:.2f}B parameters {'>=' if fp32_softmax else '<'} 7B"
-        )
-    else:
-        fp32_softmax = cfg.fp32_softmax
-        reasons["softmax"] = f"precision.fp32_softmax={fp32_softmax}"
+    fp32_softmax, reasons["softmax"] = _size_rule(
+        cfg.fp32_softmax, "fp32_softmax", num_params, FP32_SOFTMAX_PARAMS
+    )
     reasons["fp32_modules"] = "precision.fp32_modules" if cfg.fp32_modules else "none asked for"
-
-    if cfg.adaptive_clip is None:
-        adaptive = num_params >= FP16_REFUSED_PARAMS
-        reasons["clip"] = (
-            f"auto: {num_params / 1e9:.2f}B parameters {'>=' if adaptive else '<'} 20B"
-        )
-    else:
-        adaptive = cfg.adaptive_clip
-        reasons["clip"] = f"precision.adaptive_clip={adaptive}"
+    adaptive, reasons["clip"] = _size_rule(
+        cfg.adaptive_clip, "adaptive_clip", num_params, FP16_REFUSED_PARAMS
+    )
 
     if hw.device_type == "cuda" and hw.cuda_capability and hw.cuda_capability[0] >= 8:
         allow_tf32 = cfg.allow_tf32
@@ -253,6 +242,19 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         adaptive_clip=adaptive,
         phases=phases,
         reasons=reasons,
+    )
+
+
+def _size_rule(
+    explicit: bool | None, key: str, num_params: int, threshold: int
+) -> tuple[bool, str]:
+    """An on/off choice that `auto` (None) makes by model size, with its reason."""
+    if explicit is not None:
+        return explicit, f"precision.{key}={explicit}"
+    on = num_params >= threshold
+    return (
+        on,
+        f"auto: {num_params / 1e9:.2f}B parameters {'>=' if on else '<'} {threshold // 10**9}B",
     )
 
 

@@ -1,5 +1,3 @@
-import sys
+from bigtrain.cli import entry
 
-from bigtrain.cli import main
-
-sys.exit(main())
+entry()

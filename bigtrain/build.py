@@ -215,6 +215,7 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
     started = time.time()
     trainer = build_trainer(cfg, env, log=log)
     ctx = trainer.context
+    clean = False  # every rank reached the end without an error (shutdown may then barrier)
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
         if env.is_main:
@@ -243,6 +244,7 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
                 reason=f"train.stop_at_step={cfg.train.stop_at_step}",
                 max_steps=cfg.train.max_steps,
             )
+            clean = True
             return {"step": state.step, "stopped": True}
         fingerprint = trainer.backend.fingerprint()
         fingerprints = all_gather_objects(fingerprint)
@@ -264,7 +266,8 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
         }
         trainer.event("finish", loss=final["loss"], tokens=final["tokens"], fingerprint=fingerprint)
         trainer.run_dir.write_json("final.json", final)
+        clean = True
         return final
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean)

@@ -134,3 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigtrain: interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The `bigtrain` console script and `python -m bigtrain`."""
+    code = main()
+    env = sys.modules.get("bigtrain.parallel.env")  # imported only by runs that may go distributed
+    if env is not None:
+        env.hard_exit_after_distributed(code)
+    sys.exit(code)

@@ -82,7 +82,7 @@ def measure(args: list[str]) -> dict:
         }
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 @pytest.mark.parametrize(("backend", "world"), [("local", 1), ("fsdp", 2), ("zero", 2)])

@@ -4,15 +4,19 @@ process group."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from bigtrain.errors import ConfigError
+
+USED_PROCESS_GROUP = False  # set once this process initialised a process group
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ def init_process_group(
                 f"{env.world_size} processes but {var} is not set (launch with torchrun, deepspeed or srun)"
             )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    global USED_PROCESS_GROUP
+    USED_PROCESS_GROUP = True
     dist.init_process_group(
         backend,
         rank=env.rank,
@@ -156,6 +162,26 @@ def all_true(flag: bool) -> bool:
     return bool(t.item())
 
 
-def shutdown() -> None:
+def shutdown(clean: bool) -> None:
+    """Destroy the process groups. `clean`: every rank got here without an error, so a barrier
+    first makes sure no rank tears down its group while another is still in a collective (after an
+    error the others may never arrive; the barrier would only wait for the timeout)."""
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def hard_exit_after_distributed(code: int) -> None:
+    """End a process that ran a process group with os._exit once everything is flushed.
+
+    Interpreter teardown after destroy_process_group can still abort in C++ static destructors
+    ("terminate called without an active exception", seen once in CI under the deepspeed launcher
+    with gloo after a finished run): the launcher then reports a crash for a run that completed.
+    Files, events and wandb are closed before this point, so skipping the teardown loses nothing."""
+    if not USED_PROCESS_GROUP:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -47,7 +47,7 @@ def inspect_shards(args: list[str]) -> dict:
         return {"linear": sorted(seen), "master": master, "total": total}
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero"])
@@ -170,7 +170,7 @@ def zero_refuses_other_world_size(args: list[str]) -> str:
     except ConfigError as e:
         return str(e)
     finally:
-        shutdown()
+        shutdown(clean=False)
     return "no error"
 
 
@@ -214,7 +214,7 @@ def snapshot_round_trip(args: list[str]) -> tuple[str, str, str]:
         return before, moved, trainer.backend.fingerprint()
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 @pytest.mark.parametrize("backend", ["local", "fsdp", "zero2", "zero3"])
@@ -247,7 +247,7 @@ def zero_grad_norm_matches_deepspeed(args: list[str]) -> tuple[float, float]:
         return float(metrics["grad_norm"]), float(trainer.backend.engine.get_global_grad_norm())
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -272,7 +272,7 @@ def initial_fingerprint(args: list[str]) -> str:
         return trainer.backend.fingerprint()
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 def test_fingerprint_is_the_same_for_the_same_weights_on_every_backend(

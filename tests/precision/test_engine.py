@@ -71,7 +71,7 @@ def islands_dtypes(args: list[str]) -> dict:
         return {k: sorted(v) for k, v in seen.items()}
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=False)
 
 
 @pytest.mark.parametrize(("backend", "world"), [("local", 1), ("fsdp", 2)])

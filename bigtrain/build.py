@@ -20,13 +20,14 @@ from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch
 from bigtrain.evaluate import EvalCallback
 from bigtrain.hooks import Callbacks
 from bigtrain.model import build_model, model_flops_per_token, num_params
-from bigtrain.monitor.guard import NonFiniteGuard
-from bigtrain.monitor.telemetry import GradTelemetry
+from bigtrain.monitor import kernel
+from bigtrain.monitor.guard import AnomalyGuard
+from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
 from bigtrain.observe.rundir import RunDir
 from bigtrain.observe.wandb_logger import WandbLogger
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
-from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.backend import Backend, canonical_name
 from bigtrain.parallel.env import (
     DistEnv,
     all_gather_objects,
@@ -75,6 +76,20 @@ def make_backend(
 
         return ZeroBackend(model, policy, cfg, device)
     return LocalBackend(model, policy, cfg, device)
+
+
+def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMonitor:
+    """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs."""
+    choice = cfg.monitor.kernel
+    if choice == "triton" and not kernel.available(device):
+        raise ConfigError(
+            f"key 'monitor.kernel' got 'triton', but Triton cannot launch on {device} "
+            "(it needs a CUDA device); use auto or torch"
+        )
+    use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
+    use_kernel = use_kernel and kernel.available(device)
+    names = [canonical_name(n) for n, p in backend.model.named_parameters() if p.requires_grad]
+    return GradMonitor(cfg.monitor, names, device, use_kernel)
 
 
 def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
@@ -152,16 +167,19 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     }
     callbacks = [
         FaultInjector(cfg.fault, env.rank),
-        NonFiniteGuard(cfg.monitor.nonfinite),
+        AnomalyGuard(cfg.monitor),
         EvalCallback(val, cfg.train.eval_every),
-        GradTelemetry(cfg.monitor.every),
         CheckpointCallback(manager, cfg.checkpoint.every),
         MetricsLogger(),
         ConsoleProgress(cfg.train.progress and env.is_main),
     ]
     if cfg.wandb.mode != "disabled":
         callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
-    trainer = Trainer(cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context)
+    monitor = make_monitor(cfg, backend, device)
+    context["monitor_kernel"] = "triton" if monitor.use_kernel else "torch"
+    trainer = Trainer(
+        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor
+    )
     context["resume_from"] = _resume(cfg, trainer, manager)
     return trainer
 
@@ -232,6 +250,7 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             max_steps=cfg.train.max_steps,
             precision=ctx["policy"].to_dict(),
             global_batch_size=trainer.loader.global_batch_size,
+            monitor_kernel=ctx["monitor_kernel"],
         )
         for bad in ctx.get("invalid_checkpoints", []):
             trainer.event("checkpoint_invalid", **bad)

@@ -12,6 +12,7 @@ import torch
 from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
 from bigtrain.hooks import Callbacks
+from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.rundir import RunDir
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
@@ -57,6 +58,7 @@ class Trainer:
         callbacks: Callbacks,
         device: torch.device,
         context: dict[str, Any],
+        monitor: GradMonitor,
     ) -> None:
         self.cfg, self.env, self.backend, self.loader, self.run_dir = (
             cfg,
@@ -65,7 +67,7 @@ class Trainer:
             loader,
             run_dir,
         )
-        self.callbacks, self.device = callbacks, device
+        self.callbacks, self.device, self.monitor = callbacks, device, monitor
         self.context = context  # what setup resolved: policy, flops per token, identity, ...
         self.state = TrainState()
         self.policy = context["policy"]
@@ -118,22 +120,37 @@ class Trainer:
         step = self.state.step + 1
         metrics: dict[str, Any] = {"step": step, "local_loss": torch.stack(losses).mean(), "lr": lr}
         self.callbacks.on_after_backward(self, metrics)
-        # Loss and gradient norm are reduced over ranks, so every rank takes the same decision.
-        metrics["loss"] = backend.reduce_mean(metrics.pop("local_loss"))
-        metrics["grad_norm"] = backend.clip_grad_norm(self.clip.value())
-        # Expensive device-to-host synchronization: the step/skip decision needs it, once per step.
-        finite = bool(torch.isfinite(metrics["grad_norm"]) & torch.isfinite(metrics["loss"]))
-        if finite:
-            backend.step(lr)
-            if self.clip.adaptive:
-                self.clip.record(float(metrics["grad_norm"]))  # host read: adaptive clipping only
-        else:
+        grad_factor = backend.unscale_grads()
+        log_step = step % cfg.train.log_every == 0 or step >= self.end_step
+        # One pass over the gradients and one or two small all-reduces; every rank then holds the
+        # same numbers and takes the same decision (step, skip, anomaly).
+        health = self.monitor.check(
+            backend.named_grads(),
+            metrics.pop("local_loss"),
+            grad_factor,
+            full=self.monitor.full_step(step, log_step),
+            loss_scaled=backend.loss_scale() is not None,
+        )
+        metrics.update(loss=health.loss, grad_norm=health.grad_norm, **health.telemetry)
+        if health.skip:
             backend.skip_step()
             self.state.skipped_steps += 1
-        scale = backend.update_loss_scale(overflow=not finite)
+        else:
+            backend.clip_grads(self.clip.value(), health.grad_norm)
+            backend.step(lr)
+            if self.clip.adaptive:
+                self.clip.record(health.host_grad_norm)
+        scale = backend.update_loss_scale(overflow=health.overflow)
         if scale is not None:
             metrics["loss_scale"], metrics["scale_update"] = scale.scale, scale
-        metrics["finite"] = finite
+            if scale.at_min:  # overflow at the minimum scale: halving again would loop forever
+                health.anomaly, health.overflow = (
+                    self.monitor.overflow_at_minimum(health, scale.scale),
+                    False,
+                )
+        metrics["anomaly"], metrics["overflow"] = health.anomaly, health.overflow
+        metrics["skipped"] = health.skip
+        metrics["finite"] = health.finite
         metrics["precision_phase"] = self.phase.name
         self.state.step += 1
         self.state.samples_seen += self.loader.global_batch_size
@@ -159,6 +176,7 @@ class Trainer:
             "state": asdict(self.state),
             "data": self.loader.stream.state_dict(),
             "clip": self.clip.state_dict(),
+            "monitor": self.monitor.state_dict(),
             "loss_scaler": scaler.state_dict() if scaler else None,
         }
 
@@ -166,6 +184,7 @@ class Trainer:
         self.state = TrainState(**saved["state"])
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
+        self.monitor.load_state_dict(saved.get("monitor", {}))
         scaler = getattr(self.backend, "scaler", None)
         if scaler is not None and saved.get("loss_scaler"):
             scaler.load_state_dict(saved["loss_scaler"])

@@ -63,7 +63,7 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'wandb.mode' got 'loud', expected one of ['online', 'offline', 'disabled']",
         ),
         (["model.n_heads=3"], "key 'model.n_heads' (3) must divide model.d_model (128)"),
-        (["train.max_steps=0"], "key 'train.max_steps' got 0, expected a positive integer"),
+        (["train.max_steps=0"], "key 'train.max_steps' got 0, expected a value > 0"),
         (
             ["precision.master_dtype=fp16"],
             "key 'precision.master_dtype' got 'fp16', expected one of ['fp32']",

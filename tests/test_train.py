@@ -113,7 +113,10 @@ def test_nonfinite_skip_counts_and_goes_on(micro):
     assert math.isfinite(final["loss"])
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     anomaly = [e for e in events if e["kind"] == "anomaly"]
-    assert len(anomaly) == 1 and anomaly[0]["step"] == 3 and anomaly[0]["metric"] == "grad_norm"
+    assert len(anomaly) == 1 and anomaly[0]["step"] == 3 and anomaly[0]["metric"] == "grads"
+    fault = next(e for e in events if e["kind"] == "fault")
+    assert anomaly[0]["tensor"] == fault["tensor"] and anomaly[0]["action"] == "skip"
+    assert anomaly[0]["top_nonfinite"] == [[fault["tensor"], 1]]
 
 
 def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
@@ -133,16 +136,50 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
     assert again.returncode == 3 and "ABORTED exists" in again.stderr
 
 
-def test_grad_telemetry_at_monitor_steps(micro):
-    cfg = micro("train.max_steps=5", "monitor.every=5")
+def test_per_layer_telemetry_at_log_steps(micro):
+    cfg = micro("train.max_steps=6", "train.log_every=3", "monitor.every=0")
     run(cfg, ENV, log=lambda *_: None)
-    record = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")[-1]
-    assert record["step"] == 5
-    assert set(record["grad_norms"]) == set(record["grad_max"])
-    assert "blocks.0.attn.qkv.weight" in record["grad_norms"]
-    assert all(
-        record["grad_max"][k] <= record["grad_norms"][k] + 1e-6 for k in record["grad_norms"]
+    records = [r for r in read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [3, 6]
+    for record in records:
+        layers = list(record["layer_grad_norm"])
+        assert layers[0] == "tok_emb" and "blocks.0" in layers and "blocks.1" in layers
+        assert list(record["layer_grad_max"]) == layers and record["grad_nonfinite"] == 0
+        # The global norm is the root of the summed per-layer squares; max |g| <= a layer's norm.
+        total = math.sqrt(sum(v * v for v in record["layer_grad_norm"].values()))
+        assert record["grad_norm"] == pytest.approx(total, rel=1e-5)
+        for layer in layers:
+            assert record["layer_grad_max"][layer] <= record["layer_grad_norm"][layer] * (1 + 1e-6)
+
+
+def test_a_gradient_spike_is_skipped_and_names_the_tensor(micro):
+    cfg = micro(
+        "train.max_steps=30",
+        "monitor.warmup=10",
+        "monitor.every=1",
+        "fault.grad_spike_step=[25]",
+        "fault.spike_factor=1000",
+        "fault.grad_tensor=blocks.1.mlp.up.weight",
     )
+    final = run(cfg, ENV, log=lambda *_: None)
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    anomaly = [e for e in events if e["kind"] == "anomaly"]
+    assert [e["step"] for e in anomaly] == [25] and final["skipped_steps"] == 1
+    assert anomaly[0]["type"] == "spike" and anomaly[0]["action"] == "skip"
+    assert anomaly[0]["top_max_abs"][0][0] == "blocks.1.mlp.up.weight"
+    spiked = {s["metric"]: s for s in anomaly[0]["spikes"]}
+    assert spiked["tensor_max"]["tensor"] == "blocks.1.mlp.up.weight"
+
+
+def test_anomalies_in_a_row_stop_the_run(micro):
+    cfg = micro(
+        "train.max_steps=10",
+        "monitor.nonfinite=skip",
+        "monitor.max_consecutive=3",
+        "fault.nan_grad_step=[4,5,6,7]",
+    )
+    with pytest.raises(AbortRun, match="3 anomalous steps in a row up to step 6"):
+        run(cfg, ENV, log=lambda *_: None)
 
 
 def test_resume_never_refuses_a_directory_with_checkpoints(micro):

@@ -36,6 +36,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("abort", "skip"),
+    "monitor.kernel": ("auto", "triton", "torch"),
+    "monitor.detector": ("mean_std", "median_mad"),
+    "monitor.on_spike": ("skip", "warn"),
     "parallel.backend": ("local", "fsdp", "zero"),
     "parallel.activation_checkpointing": ("none", "block"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -165,14 +168,20 @@ def validate(config: Config) -> None:
         "checkpoint.keep": config.checkpoint.keep,
         "data.vocab_size": config.data.vocab_size,
         "data.num_proc": config.data.num_proc,
+        "monitor.window": config.monitor.window,
+        "monitor.k": config.monitor.k,
+        "monitor.tensor_k": config.monitor.tensor_k,
+        "monitor.max_consecutive": config.monitor.max_consecutive,
+        "monitor.top_k": config.monitor.top_k,
     }
     for key, value in positive.items():
         if value <= 0:
-            raise ConfigError(f"key '{key}' got {value}, expected a positive integer")
+            raise ConfigError(f"key '{key}' got {value}, expected a value > 0")
     non_negative = {
         "train.eval_every": t.eval_every,
         "checkpoint.every": config.checkpoint.every,
         "monitor.every": config.monitor.every,
+        "monitor.warmup": config.monitor.warmup,
         "optim.warmup_steps": config.optim.warmup_steps,
         "optim.grad_clip": config.optim.grad_clip,
         "optim.weight_decay": config.optim.weight_decay,
@@ -194,6 +203,17 @@ def validate(config: Config) -> None:
         raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
     if config.data.source == "hub" and not config.data.hub_name:
         raise ConfigError("data.source=hub needs 'data.hub_name'")
+    spikes = set(config.monitor.spikes) - {"loss", "grad_norm", "tensor_max"}
+    if spikes:
+        raise ConfigError(
+            f"key 'monitor.spikes' got {sorted(spikes)}, expected a list of loss, grad_norm, "
+            "tensor_max"
+        )
+    if config.monitor.warmup > config.monitor.window:
+        raise ConfigError(
+            f"key 'monitor.warmup' ({config.monitor.warmup}) cannot exceed monitor.window "
+            f"({config.monitor.window})"
+        )
     if config.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(
             f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"

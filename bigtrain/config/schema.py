@@ -207,11 +207,39 @@ class CheckpointConfig:
 
 @dataclass
 class MonitorConfig:
-    every: int = 0
-    """Per-layer gradient norms go to metrics every N steps (at log steps); 0 disables."""
+    every: int = 10
+    """Full per-tensor statistics (max |g| per tensor: per-tensor spike detection and per-layer
+    telemetry) every N steps and at every log step. Other steps compute only the sums of squares and
+    non-finite counts, which give the global norm, the clipping and the non-finite check (those run
+    every step). With the Triton kernel max |g| comes free; N then only saves a MAX all-reduce."""
+    kernel: str = "auto"
+    """Statistics pass: `auto` (Triton on CUDA, torch foreach elsewhere), `triton` (CUDA only) or
+    `torch`. Read at start."""
     nonfinite: str = "abort"
-    """What a non-finite loss or gradient norm does: `abort` (event, ABORTED marker, exit 3) or
-    `skip` (event, the optimizer step is skipped). Checked every step."""
+    """What a non-finite loss or gradient does (the step is always skipped): `abort` (anomaly event,
+    ABORTED marker, exit 3) or `skip` (anomaly event, training goes on). FP16 overflows under
+    dynamic loss scaling are not anomalies: the scale backs off."""
+    spikes: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "tensor_max"])
+    """Spike detectors: `loss`, `grad_norm` (global) and `tensor_max` (max |g| of each tensor, on
+    full steps). [] turns spike detection off."""
+    detector: str = "mean_std"
+    """Baseline of the spike detectors: `mean_std` (mean + k sigma) or `median_mad` (median + k
+    MAD-sigma, robust to outliers already in the window)."""
+    window: int = 100
+    """Healthy values each detector remembers."""
+    k: float = 3.0
+    """Loss and global grad norm spike when above baseline + k spreads."""
+    tensor_k: float = 6.0
+    """The same for each tensor's max |g|. Higher than k: with hundreds of tensors tested at once,
+    k = 3 would flag some tensor on most steps by chance."""
+    warmup: int = 20
+    """Healthy values a detector needs before it may fire."""
+    on_spike: str = "skip"
+    """What a spike does: `skip` the optimizer step (anomaly event) or `warn` (anomaly event only)."""
+    max_consecutive: int = 5
+    """Stop with exit 3 after this many anomalous steps in a row (a shift no skip can fix)."""
+    top_k: int = 5
+    """Tensors named in an anomaly event (by max |g| and by non-finite count)."""
 
 
 @dataclass
@@ -258,6 +286,15 @@ class FaultConfig:
     """Steps at which one gradient of `rank` gets a NaN after backward."""
     inf_grad_step: list[int] = field(default_factory=list)
     """Steps at which one gradient of `rank` gets an Inf after backward (an FP16 overflow drill)."""
+    grad_spike_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` is multiplied by `spike_factor` after backward."""
+    loss_spike_step: list[int] = field(default_factory=list)
+    """Steps at which the loss `rank` reports is multiplied by `spike_factor` (gradients intact)."""
+    spike_factor: float = 100.0
+    """Factor of the spike drills."""
+    grad_tensor: str = ""
+    """Canonical name of the gradient the grad drills poison (e.g. `blocks.0.mlp.fc.weight`);
+    empty: the first one `rank` holds a part of."""
 
 
 @dataclass

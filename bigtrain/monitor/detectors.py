@@ -2,7 +2,11 @@
 
 Fed the same reduced numbers on every rank, they reach the same decision on every rank. A value is
 a spike when it exceeds the baseline of the previous `window` healthy values by `k` spreads, once
-`warmup` values have been seen; spikes are not added to the window (they are not "normal").
+`warmup` values have been seen. `check` does not change the window; the monitor `add`s a step's
+values only when the step was healthy, so spikes never become "normal".
+
+One detector watches a vector of series at once (one per gradient tensor), with the same rule per
+column; a scalar metric is a vector of one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import numpy as np
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
+METHODS = ("mean_std", "median_mad")
 
 
 @dataclass(frozen=True)
@@ -23,49 +28,83 @@ class Spike:
     value: float
     threshold: float
     baseline: float
+    tensor: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        """How far above its baseline the value is (inf for a zero baseline or a non-finite value)."""
+        return self.value / self.baseline if self.baseline > 0 else float("inf")
 
 
 class SpikeDetector:
     def __init__(
         self,
         metric: str,
+        names: list[str] | None = None,
         window: int = 100,
         k: float = 3.0,
         method: str = "mean_std",
         warmup: int = 20,
     ) -> None:
-        if method not in ("mean_std", "median_mad"):
-            raise ValueError(f"method must be 'mean_std' or 'median_mad', got {method!r}")
-        self.metric, self.k, self.method, self.warmup = metric, k, method, warmup
-        self.values: deque[float] = deque(maxlen=window)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if warmup > window:
+            raise ValueError(f"warmup ({warmup}) cannot exceed the window ({window})")
+        self.metric, self.names, self.k, self.method, self.warmup = metric, names, k, method, warmup
+        self.values: deque[np.ndarray] = deque(maxlen=window)
 
-    def threshold(self) -> tuple[float, float] | None:
-        """(baseline, threshold), or None during warm-up."""
+    def bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(baseline, threshold) per column, or None during warm-up."""
         if len(self.values) < self.warmup:
             return None
-        data = np.asarray(self.values, dtype=np.float64)
+        data = np.stack(self.values).astype(np.float64)  # [window, columns]
         if self.method == "mean_std":
-            baseline, spread = float(data.mean()), float(data.std())
+            baseline, spread = data.mean(axis=0), data.std(axis=0)
         else:
-            baseline = float(np.median(data))
-            spread = MAD_TO_SIGMA * float(np.median(np.abs(data - baseline)))
+            baseline = np.median(data, axis=0)
+            spread = MAD_TO_SIGMA * np.median(np.abs(data - baseline), axis=0)
         # A floor on the spread: a perfectly flat history would call any wiggle a spike.
-        spread = max(spread, 1e-3 * abs(baseline), 1e-12)
+        spread = np.maximum(spread, np.maximum(1e-3 * np.abs(baseline), 1e-12))
         return baseline, baseline + self.k * spread
 
+    def check(self, value: float | list[float] | np.ndarray) -> list[Spike]:
+        """The spikes among the columns of `value`, largest ratio first; the window is unchanged.
+        Non-finite values are left to the non-finite check."""
+        x = np.atleast_1d(np.asarray(value, dtype=np.float64))
+        found = self.bounds()
+        if found is None:
+            return []
+        baseline, threshold = found
+        spikes = [
+            Spike(
+                self.metric,
+                float(x[i]),
+                float(threshold[i]),
+                float(baseline[i]),
+                self.names[i] if self.names else None,
+            )
+            for i in np.flatnonzero(np.isfinite(x) & (x > threshold))
+        ]
+        return sorted(spikes, key=lambda s: -s.ratio)
+
+    def add(self, value: float | list[float] | np.ndarray) -> None:
+        x = np.atleast_1d(np.asarray(value, dtype=np.float64))
+        if np.isfinite(x).all():
+            self.values.append(x)
+
     def update(self, value: float) -> Spike | None:
-        """The spike this value is, if it is one; otherwise it joins the window."""
+        """Scalar convenience: check, and add the value when it is not a spike."""
         if not math.isfinite(value):
             return Spike(self.metric, value, float("nan"), float("nan"))
-        bounds = self.threshold()
-        if bounds is not None and value > bounds[1]:
-            return Spike(self.metric, value, bounds[1], bounds[0])
-        self.values.append(value)
-        return None
+        spikes = self.check(value)
+        if not spikes:
+            self.add(value)
+        return spikes[0] if spikes else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"values": list(self.values)}
+        return {"values": [v.tolist() for v in self.values]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
-        self.values.extend(state["values"])
+        for v in state["values"]:
+            self.values.append(np.asarray(v, dtype=np.float64))

@@ -1,51 +1,51 @@
-"""Non-finite loss or gradients: the loop already skipped the update; this decides what follows."""
+"""What follows a step the monitor found wrong. The loop already skipped the update where it had to;
+this writes the event and decides whether the run goes on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from bigtrain.config.schema import MonitorConfig
 from bigtrain.errors import AbortRun
 from bigtrain.hooks import Callback
 
 
-class NonFiniteGuard(Callback):
-    """`skip`: record the anomaly and go on. `abort`: record it, write the ABORTED marker (a
-    restarted run then exits 3 at once instead of looping under torchrun or SLURM), exit 3."""
+class AnomalyGuard(Callback):
+    """FP16 overflow: an `overflow` event, nothing more (the scale backed off). Anomaly: an
+    `anomaly` event naming the metric and the tensors; then stop with exit 3 (ABORTED marker, so a
+    restarted run exits at once instead of looping under torchrun or SLURM) when it is non-finite
+    under `monitor.nonfinite=abort`, or after `monitor.max_consecutive` anomalous steps in a row."""
 
     priority = 1  # before checkpointing: a run that aborts at this step must not checkpoint it
 
-    def __init__(self, action: str) -> None:
-        self.action = action
+    def __init__(self, cfg: MonitorConfig) -> None:
+        self.cfg = cfg
+        self.consecutive = 0
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        if metrics["finite"]:
-            return
         update = metrics.get("scale_update")
-        if update is not None and bool(torch.isfinite(metrics["loss"])) and not update.at_min:
-            # FP16 overflow under loss scaling: the step is skipped and the scale backs off. Normal,
-            # counted in skipped_steps, and never silent.
+        if metrics.get("overflow"):
             trainer.event(
                 "overflow", loss_scale=update.scale, scale_change=update.changed or "none"
             )
+        anomaly = metrics.get("anomaly")
+        if anomaly is None:
+            self.consecutive = 0
             return
+        self.consecutive += 1
         trainer.state.anomalies += 1
-        loss, norm = metrics["loss"].item(), metrics["grad_norm"].item()
-        metric = "loss" if loss != loss or abs(loss) == float("inf") else "grad_norm"
-        if update is not None and update.at_min:
-            metric = "loss_scale_at_minimum"
-        trainer.event(
-            "anomaly",
-            type="nonfinite",
-            metric=metric,
-            loss=loss,
-            grad_norm=norm,
-            action=self.action,
-        )
-        if self.action == "abort":
-            reason = f"non-finite {metric} at step {trainer.step} (monitor.nonfinite=abort)"
+        action = "skip" if metrics["skipped"] else "warn"
+        stop = None
+        if anomaly.kind == "nonfinite" and self.cfg.nonfinite == "abort":
+            stop = f"non-finite {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
+        elif self.consecutive >= self.cfg.max_consecutive:
+            stop = (
+                f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "
+                f"(monitor.max_consecutive={self.cfg.max_consecutive})"
+            )
+        trainer.event("anomaly", **anomaly.details(), action="abort" if stop else action)
+        if stop:
             if trainer.env.is_main:
-                trainer.run_dir.aborted_marker.write_text(reason + "\n")
-            trainer.event("abort", reason=reason)
-            raise AbortRun(reason)
+                trainer.run_dir.aborted_marker.write_text(stop + "\n")
+            trainer.event("abort", reason=stop)
+            raise AbortRun(stop)

@@ -29,8 +29,8 @@ def _scalar(value: Any) -> Any:
 
 class MetricsLogger(Callback):
     """Turns the step's device tensors into one JSON record every `train.log_every` steps, at the
-    last step and at any non-finite step. Records go to `metrics["record"]` for the console and
-    wandb, which run after this."""
+    last step and at any anomalous or non-finite step. Records go to `metrics["record"]` for the
+    console and wandb, which run after this."""
 
     priority = 80
 
@@ -50,6 +50,7 @@ class MetricsLogger(Callback):
             step % trainer.cfg.train.log_every == 0
             or trainer.is_last_step()
             or not metrics["finite"]
+            or metrics["anomaly"] is not None
             or "val_loss" in metrics
         ):
             return
@@ -57,7 +58,7 @@ class MetricsLogger(Callback):
         record = {
             k: _scalar(v)
             for k, v in metrics.items()
-            if k not in ("finite", "step_time", "scale_update")
+            if k not in ("finite", "step_time", "scale_update", "anomaly", "overflow", "skipped")
         }
         record["tokens_per_s"] = self.interval_tokens / max(self.interval_time, 1e-9)
         record["samples_seen"] = trainer.state.samples_seen

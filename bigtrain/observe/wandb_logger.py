@@ -44,10 +44,7 @@ class WandbLogger(Callback):
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         record = metrics.get("record")
         if self.run is not None and record:
-            self.run.log(
-                {f"train/{k}" if k != "step" else k: v for k, v in record.items()},
-                step=record["step"],
-            )
+            self.run.log(wandb_record(record), step=record["step"])
 
     def on_event(self, trainer, record: dict[str, Any]) -> None:
         if self.run is None:
@@ -64,3 +61,20 @@ class WandbLogger(Callback):
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record as wandb keys: scalars under `train/`; per-layer dicts as one key per layer
+    under `layers/<metric>/`, prefixed with the layer's position in the model so that the keys
+    sort as the layers stack (a layer x step heatmap reads them in order)."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if key == "step":
+            out[key] = value
+        elif isinstance(value, dict):
+            width = len(str(len(value) - 1))
+            for i, (layer, v) in enumerate(value.items()):
+                out[f"layers/{key.removeprefix('layer_')}/{i:0{width}d}.{layer}"] = v
+        else:
+            out[f"train/{key}"] = value
+    return out

@@ -57,11 +57,17 @@ class Backend(Protocol):
         """Mean loss over this rank's batches and over ranks, without gradients."""
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """This rank's gradient tensors (local shards on sharded backends), by canonical name."""
+        """This rank's gradient of every trainable parameter (its local shard on sharded backends;
+        an empty tensor where it holds none), by canonical name, in the same order on every rank:
+        the monitor's per-tensor statistics line up across ranks."""
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm before clipping (a device tensor, equal on every rank); the
-        gradients are clipped to max_norm when it is > 0 (ZeRO clips inside its step)."""
+    def unscale_grads(self) -> float:
+        """Remove the loss scale from the gradients where the backend can (returns 1.0), or return
+        the factor they still carry (ZeRO: DeepSpeed unscales inside its step)."""
+
+    def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scale the gradients so that their global norm `total_norm` (from the monitor's
+        statistics, unscaled) is at most max_norm; nothing when max_norm is 0."""
 
     def step(self, lr: float) -> None:
         """Optimizer step at learning rate `lr`, then zero the gradients."""
@@ -216,22 +222,23 @@ class TorchBackend:
         return self.reduce_mean(total / len(batches))
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        empty = torch.empty(0, device=self.device)
         return [
-            (canonical_name(n), local_tensor(p.grad))
+            (canonical_name(n), local_tensor(p.grad) if p.grad is not None else empty)
             for n, p in self.model.named_parameters()
-            if p.grad is not None
+            if p.requires_grad
         ]
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.scaler and self.scaler.scale != 1.0:  # unscale first: clip and log true gradients
-            torch._foreach_mul_([p.grad for p in params], 1.0 / self.scaler.scale)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if hasattr(norm, "full_tensor"):  # DTensor: a partial sum over shards -> the global norm
-            norm = norm.full_tensor()
+    def unscale_grads(self) -> float:
+        if self.scaler and self.scaler.scale != 1.0:  # clip, check and log the true gradients
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        return 1.0
+
+    def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return norm
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

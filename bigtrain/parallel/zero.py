@@ -8,8 +8,8 @@ config key for the optimizer state dtype.
 Mixed precision maps onto DeepSpeed's own scheme: with BF16 compute the module's parameters are
 BF16 copies, the FP32 master weights live in the ZeRO optimizer's partitions, gradients are
 accumulated and reduced in FP32 (`data_types.grad_accum_dtype`, `communication_data_type`).
-Clipping happens inside DeepSpeed's step (`gradient_clipping`); the norm the loop sees is computed
-here from the local gradient partitions, before that step.
+Clipping uses the norm from the monitor's statistics of the local gradient partitions: bigtrain
+scales the partitions before DeepSpeed's step, with DeepSpeed's own clipping off.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> d
         "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": 0.0,  # bigtrain clips with the monitor's norm (ZeroBackend.clip_grads)
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         # bigtrain's AdamW is a client optimizer; ZeRO accepts it only with this switch.
         "zero_allow_untested_optimizer": True,
@@ -54,6 +54,11 @@ def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> d
         "steps_per_print": 2**62,  # bigtrain logs; keep DeepSpeed's own step log quiet
         "wall_clock_breakdown": False,
     }
+    stage = cfg.parallel.zero_stage
+    if stage == 2 or (stage == 1 and policy.compute_dtype != torch.bfloat16):
+        # The monitor has the norm already; DeepSpeed's would be a second pass over the gradients.
+        # (ZeRO-3 and ZeRO-1's BF16 optimizer always compute it.)
+        ds["zero_optimization"]["compute_grad_norm"] = False
     if policy.compute_dtype == torch.bfloat16:
         # check_grad_overflow: a non-finite gradient discards the step (bigtrain's skip relies on it).
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
@@ -112,7 +117,10 @@ class ZeroBackend:
             model=model, optimizer=optimizer, config=self.ds_config
         )
         self.model = self.engine.module
-        self._params = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        self._params = [
+            (canonical_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad
+        ]
+        self._empty = torch.empty(0, device=device)
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min
         if policy.compute_dtype != torch.float32:
@@ -166,35 +174,38 @@ class ZeroBackend:
         return self.reduce_mean(total / len(batches))
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """This rank's partition of each gradient after the boundary backward (no communication).
-        Parameters this rank holds no part of are left out."""
+        """This rank's partition of each gradient after the boundary backward (no communication);
+        an empty tensor for parameters this rank holds no part of."""
         from deepspeed.utils import safe_get_local_grad
 
         out = []
         for name, p in self._params:
+            grad = None
             if self.stage == 3:
                 grad = safe_get_local_grad(p)
-            else:
-                mapping = getattr(p, "_hp_mapping", None)
-                if mapping is None:
-                    continue
+            elif getattr(p, "_hp_mapping", None) is not None:
+                mapping = p._hp_mapping
                 grad = mapping.get_lp_grad_fragment(p._index_in_param_group)
                 address = mapping.lp_fragment_address
                 if grad.numel() == p.numel() and address.numel != p.numel():
                     # A full-size accumulation buffer: only this rank's fragment counts.
                     grad = grad.flatten().narrow(0, address.start, address.numel)
-            if grad is not None and grad.numel():
-                out.append((name, grad))
+            out.append((name, grad if grad is not None else self._empty))
         return out
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = [g for _, g in self.named_grads()]
-        sumsq = torch.zeros((), device=self.device, dtype=torch.float32)
-        if grads:
-            sumsq = torch.stack(torch._foreach_norm([g.float() for g in grads], 2)).pow(2).sum()
-        dist.all_reduce(sumsq, op=dist.ReduceOp.SUM)  # partitions are disjoint: a sum of squares
-        scale = self.loss_scale() or 1.0  # FP16: DeepSpeed's gradients are still scaled here
-        return sumsq.sqrt() / scale
+    def unscale_grads(self) -> float:
+        return self.loss_scale() or 1.0  # DeepSpeed unscales inside its step
+
+    @torch.no_grad()
+    def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        # DeepSpeed's own clipping is off (gradient_clipping 0 in deepspeed_config): it would take
+        # a second pass over the gradients for a norm the monitor already has. Scaling the local
+        # partitions in place is what DeepSpeed's clip does; the loss scale is unaffected.
+        if max_norm > 0:
+            coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+            grads = [g for _, g in self.named_grads() if g.numel()]
+            if grads:
+                torch._foreach_mul_(grads, coef)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -217,7 +228,7 @@ class ZeroBackend:
             raise AbortRun(
                 f"FP16 overflow at the minimum loss scale {scale} (precision.loss_scale_min)"
             )
-        grads = [g for _, g in self.named_grads()]
+        grads = [g for _, g in self.named_grads() if g.numel()]
         if grads:
             grads[0].view(-1)[0] = float("nan")
         skipped = self.engine.skipped_steps

@@ -1,61 +1,89 @@
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from bigtrain.monitor.detectors import SpikeDetector
-from bigtrain.monitor.stats import local_grad_stats, reduce_grad_stats, top_tensors
+from bigtrain.monitor.stats import (
+    layer_of,
+    layer_stats,
+    local_grad_stats,
+    ranked,
+    reduce_grad_stats,
+    scale_stats,
+)
+from tests.conftest import ROOT
 from tests.distributed import run_distributed
+from tests.monitor.grads import DTYPES, poisoned_grads, reference
 
 
-def reference(t: torch.Tensor) -> tuple[float, float, int]:
-    x = t.double()
-    finite = torch.isfinite(x)
-    nonfinite = int((~finite).sum())
-    if t.numel() == 0:
-        return 0.0, 0.0, 0
-    max_abs = float(x.abs().max()) if not torch.isnan(x).any() else float("nan")
-    return max_abs, float((x * x).sum()), nonfinite
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_stats_against_a_float64_reference(dtype):
-    torch.manual_seed(0)
-    grads = [
-        torch.randn(1000, 3).to(dtype),
-        torch.randn(7).to(dtype),
-        torch.empty(0, dtype=dtype),
-        torch.randn(33, 5).to(dtype),
-        torch.randn(257).to(dtype),
-    ]
-    grads[3][2, 1] = float("nan")
-    grads[4][-1] = float("inf")
-    stats = local_grad_stats([(f"t{i}", g) for i, g in enumerate(grads)], torch.device("cpu"))
+def check_against_reference(grads, max_abs, sum_sq, nonfinite) -> None:
     for i, g in enumerate(grads):
-        max_abs, sum_sq, nonfinite = reference(g)
-        assert stats.nonfinite[i].item() == nonfinite
-        if nonfinite:
-            assert not math.isfinite(stats.sum_sq[i].item())
-            continue
-        assert stats.max_abs[i].item() == pytest.approx(max_abs, rel=1e-6)
-        assert stats.sum_sq[i].item() == pytest.approx(sum_sq, rel=1e-5)
-    top = top_tensors(stats, k=2)
-    assert {n for n, _ in top["nonfinite"]} == {"t3", "t4"}
+        ref_max, ref_sq, ref_bad = reference(g)
+        assert nonfinite[i] == ref_bad, f"tensor {i}: non-finite count"
+        assert max_abs[i] == pytest.approx(ref_max, rel=1e-6), f"tensor {i}: max |g|"
+        if ref_bad:
+            assert not math.isfinite(sum_sq[i]), f"tensor {i}: a NaN/Inf shows in the sum"
+        else:
+            assert sum_sq[i] == pytest.approx(ref_sq, rel=1e-5), f"tensor {i}: sum of squares"
 
 
-def shard_stats(shard_of: int) -> tuple[list, list, list, float]:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_fallback_against_a_float64_reference(dtype):
+    grads = poisoned_grads(dtype)
+    stats = local_grad_stats(
+        [(f"t{i}", g) for i, g in enumerate(grads)], torch.device("cpu"), use_kernel=False
+    )
+    assert stats.sum_sq.dtype == stats.max_abs.dtype == stats.nonfinite.dtype == torch.float32
+    check_against_reference(
+        grads, stats.max_abs.tolist(), stats.sum_sq.tolist(), stats.nonfinite.tolist()
+    )
+
+
+def test_cheap_steps_skip_max_abs_but_count_nonfinite_values():
+    grads = poisoned_grads(torch.float32)
+    named = [(f"t{i}", g) for i, g in enumerate(grads)]
+    cheap = local_grad_stats(named, torch.device("cpu"), full=False, use_kernel=False)
+    full = local_grad_stats(named, torch.device("cpu"), full=True, use_kernel=False)
+    assert cheap.max_abs is None
+    assert cheap.nonfinite.tolist() == full.nonfinite.tolist() == [0, 0, 0, 1, 1, 0, 0, 2]
+    assert torch.equal(cheap.sum_sq.isfinite(), full.sum_sq.isfinite())
+
+
+def test_triton_kernel_in_the_interpreter_against_the_same_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.monitor.kernel_check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for dtype in DTYPES:
+        check_against_reference(poisoned_grads(dtype), *out[str(dtype)])
+    max_abs, sum_sq, nonfinite = out["mixed"]
+    assert nonfinite == [0, 0, 0] and len(max_abs) == 3 and all(s > 0 for s in sum_sq)
+
+
+def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    full = [torch.randn(100), torch.randn(40, 3)]
-    full[1][5, 2] = float("nan")
-    named = [
-        (f"t{i}", t.flatten().chunk(2)[rank]) for i, t in enumerate(full)
-    ]  # each rank: half of each
+    full = [torch.randn(100), torch.randn(40, 3), torch.randn(3)]
+    full[1][5, 2] = float("nan")  # in the first half: rank 0's shard
+    named = [(f"t{i}", t.flatten().chunk(2)[rank]) for i, t in enumerate(full[:2])]
+    named.append(("t2", full[2] if rank == 1 else torch.empty(0)))  # held by rank 1 only
     stats, loss = reduce_grad_stats(
-        local_grad_stats(named, torch.device("cpu")), torch.tensor(float(rank + 1))
+        local_grad_stats(named, torch.device("cpu"), use_kernel=False),
+        torch.tensor(float(rank + 1)),
     )
     dist.destroy_process_group()
     return stats.max_abs.tolist(), stats.sum_sq.tolist(), stats.nonfinite.tolist(), loss.item()
@@ -63,35 +91,36 @@ def shard_stats(shard_of: int) -> tuple[list, list, list, float]:
 
 def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
     r0, r1 = run_distributed(shard_stats, 2, 0)
-    assert r0 == r1 or (math.isnan(r0[1][1]) and r0[0] == r1[0] and r0[2] == r1[2])
+    assert r0[0] == r1[0] and r0[2] == r1[2] and r0[3] == r1[3]
     torch.manual_seed(0)
-    full = torch.randn(100)
-    assert r0[0][0] == pytest.approx(full.abs().max().item())
-    assert r0[1][0] == pytest.approx((full.double() ** 2).sum().item(), rel=1e-5)
-    assert r0[2] == [0.0, 1.0]  # the NaN in rank 0's half of t1 is seen by both ranks
+    full = [torch.randn(100), torch.randn(40, 3), torch.randn(3)]
+    assert r0[0][0] == pytest.approx(full[0].abs().max().item())
+    assert r0[1][0] == pytest.approx((full[0].double() ** 2).sum().item(), rel=1e-5)
+    assert r0[1][2] == pytest.approx((full[2].double() ** 2).sum().item(), rel=1e-5)
+    assert r0[2] == [0.0, 1.0, 0.0]  # the NaN in rank 0's half of t1 is seen by both ranks
     assert r0[0][1] == float("inf")
     assert r0[3] == 1.5  # mean of the ranks' losses 1 and 2
 
 
-@pytest.mark.parametrize("method", ["mean_std", "median_mad"])
-def test_spike_detector_fires_after_warmup_only(method):
-    d = SpikeDetector("loss", window=100, k=3.0, method=method, warmup=20)
-    values = [1.0 + 0.01 * math.sin(i) for i in range(30)]
-    assert d.update(10.0) is None  # a 10x value during warm-up does not fire (and is kept)
-    d = SpikeDetector("loss", window=100, k=3.0, method=method, warmup=20)
-    for v in values:
-        assert d.update(v) is None
-    spike = d.update(10.0)
-    assert spike is not None and spike.value == 10.0 and spike.threshold < 1.1
-    assert d.update(1.0) is None  # the spike did not join the window
-    assert d.update(float("nan")).metric == "loss"
+def test_scaled_stats_divide_by_the_loss_scale_exactly():
+    g = torch.randn(1000)
+    named = [("w", g * 1024.0)]
+    stats = scale_stats(local_grad_stats(named, torch.device("cpu"), use_kernel=False), 1024.0)
+    ref = local_grad_stats([("w", g)], torch.device("cpu"), use_kernel=False)
+    assert stats.max_abs.item() == ref.max_abs.item()
+    assert stats.sum_sq.item() == pytest.approx(ref.sum_sq.item(), rel=1e-6)
 
 
-def test_median_mad_ignores_an_outlier_in_the_window_that_inflates_sigma():
-    history = [1.0] * 19 + [50.0] + [1.0 + 0.001 * i for i in range(10)]
-    mean_std = SpikeDetector("g", warmup=5, method="mean_std", k=3)
-    mad = SpikeDetector("g", warmup=5, method="median_mad", k=3)
-    for d in (mean_std, mad):
-        d.values.extend(history)
-    assert mean_std.update(5.0) is None  # sigma inflated by the 50: a 5x jump hides
-    assert mad.update(5.0) is not None  # the robust baseline still sees it
+def test_layers_group_tensors_in_model_order():
+    names = ["tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight", "blocks.1.x"]
+    assert [layer_of(n) for n in names] == ["tok_emb", "blocks.0", "blocks.0", "blocks.1"]
+    assert layer_of("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
+    norms, maxes = layer_stats(names, [4.0, 9.0, 16.0, 1.0], [1.0, 2.0, 5.0, 0.5])
+    assert list(norms) == ["tok_emb", "blocks.0", "blocks.1"]
+    assert norms["blocks.0"] == 5.0 and maxes["blocks.0"] == 5.0 and norms["tok_emb"] == 2.0
+
+
+def test_ranked_puts_nan_first_and_leaves_zeros_out():
+    top = ranked(["a", "b", "c", "d"], [1.0, float("nan"), 0.0, 3.0], 4)
+    assert [name for name, _ in top] == ["b", "d", "a"]
+    assert math.isnan(top[0][1]) and top[1][1] == 3.0

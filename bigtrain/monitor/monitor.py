@@ -1,0 +1,202 @@
+"""The gradient-magnitude monitor: statistics, their reduction over ranks, detectors, one decision.
+
+Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
+with the local loss packed in (plus a MAX all-reduce on full steps), one host read of the reduced
+numbers; then the detectors, on identical numbers on every rank, take the same decision on every
+rank. The global gradient norm for clipping is the square root of the summed squares: no second
+pass over the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor.detectors import Spike, SpikeDetector
+from bigtrain.monitor.stats import (
+    GradStats,
+    layer_stats,
+    local_grad_stats,
+    ranked,
+    reduce_grad_stats,
+    scale_stats,
+)
+
+SPIKE_METRICS = ("loss", "grad_norm", "tensor_max")
+
+
+@dataclass
+class Anomaly:
+    """What the monitor found wrong at one step, for the anomaly event and the rollback logic."""
+
+    kind: str  # "nonfinite" or "spike"
+    metric: str  # loss, grads, grad_norm, tensor_max, loss_scale_at_minimum
+    value: float
+    threshold: float | None = None
+    baseline: float | None = None
+    tensor: str | None = None  # the tensor that spiked (tensor_max), or the first non-finite one
+    top_max_abs: list[list] = field(default_factory=list)  # [[name, max |g|], ...] largest first
+    top_nonfinite: list[list] = field(default_factory=list)  # [[name, count], ...]
+    spikes: list[dict[str, Any]] = field(default_factory=list)  # every detector that fired
+
+    def details(self) -> dict[str, Any]:
+        return {"type": self.kind, **{k: v for k, v in asdict(self).items() if k != "kind"}}
+
+
+@dataclass
+class Health:
+    """The monitor's verdict on one step; device tensors plus the host values read once."""
+
+    loss: torch.Tensor  # mean over ranks
+    grad_norm: torch.Tensor  # global, unscaled, before clipping
+    stats: GradStats  # reduced: identical on every rank
+    host_loss: float
+    host_grad_norm: float
+    num_nonfinite: int
+    overflow: bool  # FP16 overflow under dynamic loss scaling: skip and back off, not an anomaly
+    anomaly: Anomaly | None
+    skip: bool  # the optimizer step must not be applied
+    telemetry: dict[str, Any]
+    host_nonfinite: list[float]  # per tensor
+    host_max_abs: list[float] | None  # per tensor, on full steps
+
+    @property
+    def finite(self) -> bool:
+        return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
+
+
+class GradMonitor:
+    def __init__(
+        self, cfg: MonitorConfig, names: list[str], device: torch.device, use_kernel: bool
+    ) -> None:
+        self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
+        unknown = set(cfg.spikes) - set(SPIKE_METRICS)
+        assert not unknown, f"validated by config.load: {unknown}"
+        common = dict(window=cfg.window, method=cfg.detector, warmup=cfg.warmup)
+        self.detectors: dict[str, SpikeDetector] = {}
+        for metric in cfg.spikes:
+            if metric == "tensor_max":
+                self.detectors[metric] = SpikeDetector(metric, names, k=cfg.tensor_k, **common)
+            else:
+                self.detectors[metric] = SpikeDetector(metric, k=cfg.k, **common)
+
+    def full_step(self, step: int, log_step: bool) -> bool:
+        """Max |g| per tensor (per-tensor spikes, telemetry) every `monitor.every` steps and at log
+        steps; other steps compute the sums of squares and non-finite counts only."""
+        return log_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def check(
+        self,
+        named_grads: list[tuple[str, torch.Tensor]],
+        local_loss: torch.Tensor,
+        grad_factor: float,
+        full: bool,
+        loss_scaled: bool,
+    ) -> Health:
+        """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled).
+        `loss_scaled`: FP16 dynamic loss scaling is on, so non-finite gradients under a finite
+        loss are an overflow to back off from."""
+        assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
+        stats = local_grad_stats(named_grads, self.device, full, self.use_kernel)
+        stats, loss = reduce_grad_stats(stats, local_loss)
+        stats = scale_stats(stats, grad_factor)
+        norm = stats.global_norm
+        host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
+        # Expensive device-to-host synchronization: the step's decision, one read per step.
+        host = torch.cat([loss.reshape(1), norm.reshape(1), *host_vectors]).tolist()
+        n = len(self.names)
+        host_loss, host_norm = host[0], host[1]
+        sum_sq, nonfinite = host[2 : 2 + n], host[2 + n : 2 + 2 * n]
+        max_abs = host[2 + 2 * n :] if full else None
+        num_nonfinite = int(sum(nonfinite))
+        loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
+        grads_ok = num_nonfinite == 0 and host_norm < float("inf")
+
+        overflow, anomaly = False, None
+        if loss_ok and not grads_ok and loss_scaled:
+            overflow = True
+        elif not (loss_ok and grads_ok):
+            metric = "loss" if not loss_ok else "grads" if num_nonfinite else "grad_norm"
+            value = (
+                host_loss if not loss_ok else float(num_nonfinite) if num_nonfinite else host_norm
+            )
+            anomaly = Anomaly("nonfinite", metric, value)
+        else:
+            spikes = self._spikes(host_loss, host_norm, max_abs)
+            if spikes:
+                first = spikes[0]
+                anomaly = Anomaly(
+                    "spike",
+                    first.metric,
+                    first.value,
+                    first.threshold,
+                    first.baseline,
+                    first.tensor,
+                    spikes=[asdict(s) for s in spikes[: self.cfg.top_k]],
+                )
+            else:
+                for metric, value in (("loss", host_loss), ("grad_norm", host_norm)):
+                    if metric in self.detectors:
+                        self.detectors[metric].add(value)
+                if max_abs is not None and "tensor_max" in self.detectors:
+                    self.detectors["tensor_max"].add(max_abs)
+        if anomaly is not None:
+            if max_abs is None:  # the report names tensors by max |g|: compute it now (rare)
+                return self.check(named_grads, local_loss, grad_factor, True, loss_scaled)
+            self._name_tensors(anomaly, max_abs, nonfinite)
+        telemetry = {"grad_nonfinite": num_nonfinite}
+        if max_abs is not None:
+            layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
+            telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
+        skip = overflow or (
+            anomaly is not None and (anomaly.kind == "nonfinite" or self.cfg.on_spike == "skip")
+        )
+        return Health(
+            loss,
+            norm,
+            stats,
+            host_loss,
+            host_norm,
+            num_nonfinite,
+            overflow,
+            anomaly,
+            skip,
+            telemetry,
+            nonfinite,
+            max_abs,
+        )
+
+    def _spikes(self, loss: float, norm: float, max_abs: list[float] | None) -> list[Spike]:
+        """Every spike this step, in the order loss, global norm, tensors (largest ratio first)."""
+        spikes: list[Spike] = []
+        for metric, value in (("loss", loss), ("grad_norm", norm), ("tensor_max", max_abs)):
+            if metric in self.detectors and value is not None:
+                spikes += self.detectors[metric].check(value)
+        return spikes
+
+    def overflow_at_minimum(self, health: Health, scale: float) -> Anomaly:
+        """An FP16 overflow at the minimum loss scale: an anomaly, not another halving."""
+        anomaly = Anomaly("nonfinite", "loss_scale_at_minimum", scale)
+        self._name_tensors(anomaly, health.host_max_abs, health.host_nonfinite)
+        return anomaly
+
+    def _name_tensors(
+        self, anomaly: Anomaly, max_abs: list[float] | None, nonfinite: list[float]
+    ) -> None:
+        k = self.cfg.top_k
+        anomaly.top_max_abs = ranked(self.names, max_abs, k) if max_abs is not None else []
+        anomaly.top_nonfinite = [[n, int(c)] for n, c in ranked(self.names, nonfinite, k)]
+        if anomaly.tensor is None:
+            top = anomaly.top_nonfinite or anomaly.top_max_abs
+            anomaly.tensor = top[0][0] if top else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {metric: d.state_dict() for metric, d in self.detectors.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for metric, d in self.detectors.items():
+            if metric in state:
+                d.load_state_dict(state[metric])

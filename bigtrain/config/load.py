@@ -209,6 +209,10 @@ def validate(config: Config) -> None:
             f"key 'monitor.spikes' got {sorted(spikes)}, expected a list of loss, grad_norm, "
             "tensor_max"
         )
+    if config.monitor.min_factor < 1.0:
+        raise ConfigError(
+            f"key 'monitor.min_factor' got {config.monitor.min_factor}, expected a value >= 1"
+        )
     if config.monitor.warmup > config.monitor.window:
         raise ConfigError(
             f"key 'monitor.warmup' ({config.monitor.warmup}) cannot exceed monitor.window "

@@ -232,8 +232,12 @@ class MonitorConfig:
     tensor_k: float = 6.0
     """The same for each tensor's max |g|. Higher than k: with hundreds of tensors tested at once,
     k = 3 would flag some tensor on most steps by chance."""
-    warmup: int = 20
-    """Healthy values a detector needs before it may fire."""
+    warmup: int = 50
+    """Healthy values a detector needs before it may fire (early training swings widely)."""
+    min_factor: float = 5.0
+    """A grad_norm or tensor_max spike must also be at least this many times its baseline: these
+    magnitudes are heavy-tailed and pass k sigma by chance (on configs/tiny.yaml k = 3 alone
+    flagged 13 healthy steps in 500; with this factor, none). 1 turns the floor off."""
     on_spike: str = "skip"
     """What a spike does: `skip` the optimizer step (anomaly event) or `warn` (anomaly event only)."""
     max_consecutive: int = 5

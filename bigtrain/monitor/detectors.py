@@ -2,7 +2,8 @@
 
 Fed the same reduced numbers on every rank, they reach the same decision on every rank. A value is
 a spike when it exceeds the baseline of the previous `window` healthy values by `k` spreads, once
-`warmup` values have been seen. `check` does not change the window; the monitor `add`s a step's
+`warmup` values have been seen, and (for magnitudes) is at least `min_factor` times the baseline.
+`check` does not change the window; the monitor `add`s a step's
 values only when the step was healthy, so spikes never become "normal".
 
 One detector watches a vector of series at once (one per gradient tensor), with the same rule per
@@ -45,12 +46,14 @@ class SpikeDetector:
         k: float = 3.0,
         method: str = "mean_std",
         warmup: int = 20,
+        min_factor: float = 1.0,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if warmup > window:
             raise ValueError(f"warmup ({warmup}) cannot exceed the window ({window})")
         self.metric, self.names, self.k, self.method, self.warmup = metric, names, k, method, warmup
+        self.min_factor = min_factor
         self.values: deque[np.ndarray] = deque(maxlen=window)
 
     def bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -83,7 +86,9 @@ class SpikeDetector:
                 float(baseline[i]),
                 self.names[i] if self.names else None,
             )
-            for i in np.flatnonzero(np.isfinite(x) & (x > threshold))
+            for i in np.flatnonzero(
+                np.isfinite(x) & (x > threshold) & (x >= self.min_factor * baseline)
+            )
         ]
         return sorted(spikes, key=lambda s: -s.ratio)
 

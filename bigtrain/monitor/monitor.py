@@ -79,7 +79,13 @@ class GradMonitor:
         self.detectors: dict[str, SpikeDetector] = {}
         for metric in cfg.spikes:
             if metric == "tensor_max":
-                self.detectors[metric] = SpikeDetector(metric, names, k=cfg.tensor_k, **common)
+                self.detectors[metric] = SpikeDetector(
+                    metric, names, k=cfg.tensor_k, min_factor=cfg.min_factor, **common
+                )
+            elif metric == "grad_norm":
+                self.detectors[metric] = SpikeDetector(
+                    metric, k=cfg.k, min_factor=cfg.min_factor, **common
+                )
             else:
                 self.detectors[metric] = SpikeDetector(metric, k=cfg.k, **common)
 

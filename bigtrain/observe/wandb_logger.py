@@ -72,7 +72,7 @@ def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
         if key == "step":
             out[key] = value
         elif isinstance(value, dict):
-            width = len(str(len(value) - 1))
+            width = max(2, len(str(len(value) - 1)))
             for i, (layer, v) in enumerate(value.items()):
                 out[f"layers/{key.removeprefix('layer_')}/{i:0{width}d}.{layer}"] = v
         else:

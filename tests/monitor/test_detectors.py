@@ -61,3 +61,11 @@ def test_state_round_trips_and_a_non_finite_row_is_not_added():
 def test_warmup_longer_than_the_window_is_refused():
     with pytest.raises(ValueError, match="warmup"):
         SpikeDetector("x", window=10, warmup=20)
+
+
+def test_min_factor_keeps_a_heavy_tailed_wiggle_from_firing():
+    d = SpikeDetector("grad_norm", window=50, k=3.0, warmup=10, min_factor=5.0)
+    for i in range(20):
+        d.add(1.0 + 0.05 * math.sin(i))
+    assert d.check(2.0) == []  # far beyond 3 sigma, but only 2x the baseline
+    assert [s.value for s in d.check(10.0)] == [10.0]

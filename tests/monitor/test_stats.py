@@ -124,3 +124,19 @@ def test_ranked_puts_nan_first_and_leaves_zeros_out():
     top = ranked(["a", "b", "c", "d"], [1.0, float("nan"), 0.0, 3.0], 4)
     assert [name for name, _ in top] == ["b", "d", "a"]
     assert math.isnan(top[0][1]) and top[1][1] == 3.0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; the kernel's logic is tested in Triton's CPU interpreter above",
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_kernel_on_cuda_against_the_reference(dtype):
+    grads = [g.cuda() for g in poisoned_grads(dtype)]
+    stats = local_grad_stats([(f"t{i}", g) for i, g in enumerate(grads)], torch.device("cuda"))
+    check_against_reference(
+        [g.cpu() for g in grads],
+        stats.max_abs.tolist(),
+        stats.sum_sq.tolist(),
+        stats.nonfinite.tolist(),
+    )

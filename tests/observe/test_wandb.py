@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 from bigtrain.build import run
+from bigtrain.observe.wandb_logger import wandb_record
 from bigtrain.parallel.env import DistEnv
 
 
@@ -17,8 +18,19 @@ def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch)
     assert len(logs) == 1
     data = logs[0].read_bytes()
     assert b"train/loss" in data and b"micro_batch_size" in data and b"events/checkpoint" in data
+    assert b"layers/grad_norm/00.tok_emb" in data and b"layers/grad_max/02.blocks.0" in data
 
     run(micro("train.max_steps=5", "wandb.mode=offline"), DistEnv(), log=lambda *_: None)  # resumed
     assert (out / "wandb_run_id").read_text().strip() == run_id
     assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))
     assert json.loads((out / "final.json").read_text())["step"] == 5
+
+
+def test_per_layer_dicts_become_keys_that_sort_in_model_order():
+    layers = {f"blocks.{i}": float(i) for i in range(11)}
+    out = wandb_record({"step": 7, "loss": 2.5, "layer_grad_norm": {"tok_emb": 9.0, **layers}})
+    assert out["step"] == 7 and out["train/loss"] == 2.5
+    keys = [k for k in out if k.startswith("layers/")]
+    assert keys[0] == "layers/grad_norm/00.tok_emb" and keys[-1] == "layers/grad_norm/11.blocks.10"
+    assert sorted(keys) == keys  # lexical order = model order (blocks.10 after blocks.9)
+    assert out["layers/grad_norm/03.blocks.2"] == 2.0

@@ -41,7 +41,9 @@ from bigtrain.parallel.local import LocalBackend
 from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
 from bigtrain.resilience.callback import CheckpointCallback
 from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes
-from bigtrain.resilience.faults import FaultInjector
+from bigtrain.resilience.faults import FaultInjector, corrupt_newest_checkpoint
+from bigtrain.resilience.preempt import PreemptionHandler
+from bigtrain.resilience.rollback import Rollback
 from bigtrain.train import Trainer
 
 
@@ -169,9 +171,11 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         FaultInjector(cfg.fault, env.rank),
         AnomalyGuard(cfg.monitor),
         EvalCallback(val, cfg.train.eval_every),
-        CheckpointCallback(manager, cfg.checkpoint.every),
+        Rollback(cfg.resilience, manager),
+        CheckpointCallback(manager, cfg.checkpoint),
         MetricsLogger(),
         ConsoleProgress(cfg.train.progress and env.is_main),
+        PreemptionHandler(),
     ]
     if cfg.wandb.mode != "disabled":
         callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
@@ -180,6 +184,10 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor
     )
+    if cfg.fault.corrupt_checkpoint:
+        if env.is_main:
+            context["fault_corrupted"] = corrupt_newest_checkpoint(run_dir.checkpoints, out)
+        barrier()
     context["resume_from"] = _resume(cfg, trainer, manager)
     return trainer
 
@@ -252,6 +260,8 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             global_batch_size=trainer.loader.global_batch_size,
             monitor_kernel=ctx["monitor_kernel"],
         )
+        if ctx.get("fault_corrupted"):
+            trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
         for bad in ctx.get("invalid_checkpoints", []):
             trainer.event("checkpoint_invalid", **bad)
         if ctx["resume_from"]:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch
+from bigtrain.errors import AbortRun, ConfigError, Preempted, ReplicaMismatch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except AbortRun as e:
         print(f"bigtrain: aborted: {e}", file=sys.stderr)
+        return e.exit_code
+    except Preempted as e:
+        print(f"bigtrain: {e}", file=sys.stderr)
         return e.exit_code
     except ReplicaMismatch as e:
         print(f"bigtrain: error: {e}", file=sys.stderr)

@@ -14,6 +14,13 @@ class AbortRun(RuntimeError):
     exit_code = 3
 
 
+class Preempted(RuntimeError):
+    """A preemption signal (SIGTERM, SIGUSR1) arrived; every rank checkpointed at the same step
+    boundary. Exit 4: requeue me."""
+
+    exit_code = 4
+
+
 class ReplicaMismatch(RuntimeError):
     """Ranks ended with different weights where they must agree: a bug or silent corruption."""
 

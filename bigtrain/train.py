@@ -30,6 +30,9 @@ class TrainState:
     anomalies: int = 0
     rollbacks: int = 0
     last_loss: float = float("nan")
+    lr_scale: float = 1.0  # < 1 after a rollback, until backoff_until
+    clip_scale: float = 1.0  # the clipping threshold's factor, likewise
+    backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
@@ -80,6 +83,7 @@ class Trainer:
             p.adaptive_clip_window,
         )
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
+        self.stop_signal: str | None = None  # set by a preemption signal handler (preempt.py)
 
     @property
     def step(self) -> int:
@@ -113,7 +117,8 @@ class Trainer:
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
         self._enter_phase()
-        lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim)
+        self._end_backoff()
+        lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
         micro_batches = self.loader.next_step()
         n = len(micro_batches)
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
@@ -130,13 +135,14 @@ class Trainer:
             grad_factor,
             full=self.monitor.full_step(step, log_step),
             loss_scaled=backend.loss_scale() is not None,
+            stop_requested=self.stop_signal is not None,
         )
         metrics.update(loss=health.loss, grad_norm=health.grad_norm, **health.telemetry)
         if health.skip:
             backend.skip_step()
             self.state.skipped_steps += 1
         else:
-            backend.clip_grads(self.clip.value(), health.grad_norm)
+            backend.clip_grads(self.clip.value() * self.state.clip_scale, health.grad_norm)
             backend.step(lr)
             if self.clip.adaptive:
                 self.clip.record(health.host_grad_norm)
@@ -150,6 +156,7 @@ class Trainer:
                 )
         metrics["anomaly"], metrics["overflow"] = health.anomaly, health.overflow
         metrics["skipped"] = health.skip
+        metrics["preempt"] = health.stop_requested
         metrics["finite"] = health.finite
         metrics["precision_phase"] = self.phase.name
         self.state.step += 1
@@ -158,6 +165,13 @@ class Trainer:
         # The step's own time; callbacks (eval, checkpoints) are not included.
         metrics["step_time"] = time.perf_counter() - started
         return metrics
+
+    def _end_backoff(self) -> None:
+        """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""
+        state = self.state
+        if state.backoff_until > 0 and state.step >= state.backoff_until:
+            self.event("lr_restore", lr_scale=1.0, after=state.lr_scale)
+            state.lr_scale, state.clip_scale, state.backoff_until = 1.0, 1.0, 0
 
     def _enter_phase(self) -> None:
         """Switch precision phase when this step crosses into a new one (also right after a resume)."""

@@ -49,20 +49,39 @@ def check_run(out, world_size: int) -> None:
 
 
 @pytest.mark.e2e
-def test_torchrun_fsdp(tmp_path, cache_dir):
+def test_torchrun_fsdp_and_an_elastic_restart_after_a_killed_rank(tmp_path, cache_dir):
+    """A clean 2-rank run, then the same run with rank 1 SIGKILLed after step 5 under
+    `--max-restarts 1`: every worker restarts, resumes from the newest committed checkpoint, and
+    ends with the clean run's weights bit for bit (nothing was skipped)."""
     out = tmp_path / "fsdp"
+    result = launch(
+        [*TORCHRUN_2, str(free_port()), "-m", "bigtrain", "train", *tiny(out, cache_dir, "fsdp")]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_run(out, 2)
+
+    killed = tmp_path / "killed"
     result = launch(
         [
             *TORCHRUN_2,
             str(free_port()),
+            "--max-restarts",
+            "1",
             "-m",
             "bigtrain",
             "train",
-            *tiny(out, cache_dir, "fsdp"),
+            *tiny(killed, cache_dir, "fsdp"),
+            "fault.rank=1",
+            "fault.kill_step=5",
         ]
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    check_run(out, 2)
+    check_run(killed, 2)
+    final = json.loads((killed / "final.json").read_text())
+    assert final["fingerprint"] == json.loads((out / "final.json").read_text())["fingerprint"]
+    resume = [e for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["torchelastic_restart_count"] == 1
+    assert resume[0]["path"].endswith("step_00000003")
 
 
 @pytest.mark.e2e

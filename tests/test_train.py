@@ -120,7 +120,12 @@ def test_nonfinite_skip_counts_and_goes_on(micro):
 
 
 def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
-    args = micro_args("train.max_steps=12", "checkpoint.every=5", "fault.nan_loss_step=[7]")
+    args = micro_args(
+        "train.max_steps=12",
+        "checkpoint.every=5",
+        "fault.nan_loss_step=[7]",
+        "monitor.nonfinite=abort",
+    )
     result = run_cli("train", *args)
     assert result.returncode == 3, result.stderr
     assert "non-finite loss at step 7" in result.stderr
@@ -157,6 +162,7 @@ def test_a_gradient_spike_is_skipped_and_names_the_tensor(micro):
         "train.max_steps=30",
         "monitor.warmup=10",
         "monitor.every=1",
+        "monitor.on_spike=skip",
         "fault.grad_spike_step=[25]",
         "fault.spike_factor=1000",
         "fault.grad_tensor=blocks.1.mlp.up.weight",

@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
 
 # Allowed values of enumerated string keys; checked after the merge.
@@ -35,10 +35,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.loss_scaling": ("auto", "dynamic", "static", "none"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
-    "monitor.nonfinite": ("abort", "skip"),
+    "monitor.nonfinite": ("rollback", "skip", "abort"),
     "monitor.kernel": ("auto", "triton", "torch"),
     "monitor.detector": ("mean_std", "median_mad"),
-    "monitor.on_spike": ("skip", "warn"),
+    "monitor.on_spike": ("rollback", "skip", "warn"),
     "parallel.backend": ("local", "fsdp", "zero"),
     "parallel.activation_checkpointing": ("none", "block"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -93,7 +93,21 @@ def _parse_override(item: str) -> DictConfig:
     return OmegaConf.from_dotlist([item])
 
 
+STEP_LISTS = tuple(f.name for f in fields(FaultConfig) if f.name.endswith("_step"))
+
+
+def _steps_as_lists(cfg: DictConfig) -> DictConfig:
+    """`fault.*_step` accept one step or a list of steps."""
+    fault = cfg.get("fault") if isinstance(cfg, DictConfig) else None
+    if isinstance(fault, DictConfig):
+        for name in STEP_LISTS:
+            if isinstance(fault.get(name), int):
+                fault[name] = [fault[name]]
+    return cfg
+
+
 def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    other = _steps_as_lists(other)
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except ConfigKeyError as e:
@@ -173,6 +187,9 @@ def validate(config: Config) -> None:
         "monitor.tensor_k": config.monitor.tensor_k,
         "monitor.max_consecutive": config.monitor.max_consecutive,
         "monitor.top_k": config.monitor.top_k,
+        "resilience.snapshots": config.resilience.snapshots,
+        "resilience.lr_backoff": config.resilience.lr_backoff,
+        "resilience.clip_backoff": config.resilience.clip_backoff,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -182,6 +199,12 @@ def validate(config: Config) -> None:
         "checkpoint.every": config.checkpoint.every,
         "monitor.every": config.monitor.every,
         "monitor.warmup": config.monitor.warmup,
+        "resilience.snapshot_every": config.resilience.snapshot_every,
+        "resilience.confirm_steps": config.resilience.confirm_steps,
+        "resilience.skip_margin": config.resilience.skip_margin,
+        "resilience.lr_cooldown_steps": config.resilience.lr_cooldown_steps,
+        "resilience.window": config.resilience.window,
+        "resilience.max_rollbacks": config.resilience.max_rollbacks,
         "optim.warmup_steps": config.optim.warmup_steps,
         "optim.grad_clip": config.optim.grad_clip,
         "optim.weight_decay": config.optim.weight_decay,

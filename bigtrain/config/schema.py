@@ -203,6 +203,13 @@ class CheckpointConfig:
     `never`: start fresh (refused if out_dir already holds checkpoints); or a checkpoint path."""
     allow_config_change: bool = False
     """On resume, accept a changed model, tokenizer, sequence length or global batch."""
+    async_save: bool = True
+    """FSDP2: write checkpoints with DCP async_save on a process group of their own; training goes
+    on while the files are written and the commit follows once every rank finished. Local and
+    ZeRO checkpoints are written synchronously."""
+    verify_finite: bool = True
+    """Before writing, check that master weights and optimizer states are finite on every rank;
+    a non-finite state is never checkpointed (a `checkpoint_refused` event instead)."""
 
 
 @dataclass
@@ -215,10 +222,11 @@ class MonitorConfig:
     kernel: str = "auto"
     """Statistics pass: `auto` (Triton on CUDA, torch foreach elsewhere), `triton` (CUDA only) or
     `torch`. Read at start."""
-    nonfinite: str = "abort"
-    """What a non-finite loss or gradient does (the step is always skipped): `abort` (anomaly event,
-    ABORTED marker, exit 3) or `skip` (anomaly event, training goes on). FP16 overflows under
-    dynamic loss scaling are not anomalies: the scale backs off."""
+    nonfinite: str = "rollback"
+    """What a non-finite loss or gradient does (the step is never applied): `rollback` (to the last
+    good state, see resilience.*), `skip` (anomaly event, training goes on) or `abort` (anomaly
+    event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
+    the scale backs off."""
     spikes: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "tensor_max"])
     """Spike detectors: `loss`, `grad_norm` (global) and `tensor_max` (max |g| of each tensor, on
     full steps). [] turns spike detection off."""
@@ -238,12 +246,38 @@ class MonitorConfig:
     """A grad_norm or tensor_max spike must also be at least this many times its baseline: these
     magnitudes are heavy-tailed and pass k sigma by chance (on configs/tiny.yaml k = 3 alone
     flagged 13 healthy steps in 500; with this factor, none). 1 turns the floor off."""
-    on_spike: str = "skip"
-    """What a spike does: `skip` the optimizer step (anomaly event) or `warn` (anomaly event only)."""
+    on_spike: str = "rollback"
+    """What a spike does: `rollback` (see resilience.*), `skip` the optimizer step, or `warn`
+    (anomaly event only; the step is applied)."""
     max_consecutive: int = 5
     """Stop with exit 3 after this many anomalous steps in a row (a shift no skip can fix)."""
     top_k: int = 5
     """Tensors named in an anomaly event (by max |g| and by non-finite count)."""
+
+
+@dataclass
+class ResilienceConfig:
+    snapshot_every: int = 25
+    """Every N steps each rank copies its shard of master weights and optimizer state, the loss
+    scaler, schedule, data cursor, skip windows and RNG to host memory; 0: no snapshots (a rollback
+    then goes to the newest good disk checkpoint)."""
+    snapshots: int = 3
+    """Snapshots kept in host memory (a ring)."""
+    confirm_steps: int = 10
+    """Healthy steps that must follow a snapshot before it counts as good."""
+    skip_margin: int = 0
+    """Samples skipped beyond the anomaly's batch, on top of the window from the restored cursor
+    to the anomaly."""
+    lr_backoff: float = 0.5
+    """The learning rate is multiplied by this after a rollback (compounding on repeats)."""
+    clip_backoff: float = 0.5
+    """The clipping threshold is multiplied by this after a rollback (tighter clipping)."""
+    lr_cooldown_steps: int = 200
+    """How long the back-off lasts, in steps after the restored step; 0: for the rest of the run."""
+    window: int = 50
+    """An anomaly within this many steps of the previous rollback goes one snapshot further back."""
+    max_rollbacks: int = 5
+    """More rollbacks than this in a run stop it with exit 3 (the last good checkpoint is kept)."""
 
 
 @dataclass
@@ -296,6 +330,16 @@ class FaultConfig:
     """Steps at which the loss `rank` reports is multiplied by `spike_factor` (gradients intact)."""
     spike_factor: float = 100.0
     """Factor of the spike drills."""
+    spike_step: list[int] = field(default_factory=list)
+    """Steps at which the loss and the gradients of `rank` are multiplied by `spike_factor`."""
+    kill_step: list[int] = field(default_factory=list)
+    """Steps at which `rank` SIGKILLs itself after the step (once per run directory, so that the
+    restarted run does not repeat it): a drill for torchrun/SLURM restarts."""
+    sigterm_step: list[int] = field(default_factory=list)
+    """Steps at which `rank` sends itself SIGTERM (a preemption drill)."""
+    corrupt_checkpoint: bool = False
+    """Flip bytes in the newest committed checkpoint before resuming (once per run directory): a
+    drill for verified resume."""
     grad_tensor: str = ""
     """Canonical name of the gradient the grad drills poison (e.g. `blocks.0.mlp.fc.weight`);
     empty: the first one `rank` holds a part of."""
@@ -310,6 +354,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)

@@ -1,22 +1,29 @@
-"""What follows a step the monitor found wrong. The loop already skipped the update where it had to;
-this writes the event and decides whether the run goes on."""
+"""What follows a step the monitor found wrong. The loop already kept the update from being
+applied where it had to; this writes the event, picks the action and decides whether the run goes
+on. The action ladder: FP16 overflow -> back off the scale (not an anomaly); anomaly ->
+`monitor.nonfinite` / `monitor.on_spike` (rollback, skip, warn or abort); too many in a row, or too
+many rollbacks (resilience.py) -> exit 3."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.errors import AbortRun
 from bigtrain.hooks import Callback
 
 
-class AnomalyGuard(Callback):
-    """FP16 overflow: an `overflow` event, nothing more (the scale backed off). Anomaly: an
-    `anomaly` event naming the metric and the tensors; then stop with exit 3 (ABORTED marker, so a
-    restarted run exits at once instead of looping under torchrun or SLURM) when it is non-finite
-    under `monitor.nonfinite=abort`, or after `monitor.max_consecutive` anomalous steps in a row."""
+def abort(trainer, reason: str) -> NoReturn:
+    """Stop with exit 3: the ABORTED marker (so a restarted run exits at once instead of looping
+    under torchrun or SLURM), an `abort` event, AbortRun. Checkpoints stay as they are."""
+    if trainer.env.is_main:
+        trainer.run_dir.aborted_marker.write_text(reason + "\n")
+    trainer.event("abort", reason=reason)
+    raise AbortRun(reason)
 
-    priority = 1  # before checkpointing: a run that aborts at this step must not checkpoint it
+
+class AnomalyGuard(Callback):
+    priority = 1  # before rollback and checkpointing: a run that aborts here must not checkpoint
 
     def __init__(self, cfg: MonitorConfig) -> None:
         self.cfg = cfg
@@ -34,18 +41,16 @@ class AnomalyGuard(Callback):
             return
         self.consecutive += 1
         trainer.state.anomalies += 1
-        action = "skip" if metrics["skipped"] else "warn"
+        action = self.cfg.nonfinite if anomaly.kind == "nonfinite" else self.cfg.on_spike
         stop = None
-        if anomaly.kind == "nonfinite" and self.cfg.nonfinite == "abort":
+        if action == "abort":
             stop = f"non-finite {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
         elif self.consecutive >= self.cfg.max_consecutive:
             stop = (
                 f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "
                 f"(monitor.max_consecutive={self.cfg.max_consecutive})"
             )
-        trainer.event("anomaly", **anomaly.details(), action="abort" if stop else action)
+        metrics["action"] = "abort" if stop else action
+        trainer.event("anomaly", **anomaly.details(), action=metrics["action"])
         if stop:
-            if trainer.env.is_main:
-                trainer.run_dir.aborted_marker.write_text(stop + "\n")
-            trainer.event("abort", reason=stop)
-            raise AbortRun(stop)
+            abort(trainer, stop)

@@ -62,6 +62,7 @@ class Health:
     telemetry: dict[str, Any]
     host_nonfinite: list[float]  # per tensor
     host_max_abs: list[float] | None  # per tensor, on full steps
+    stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
 
     @property
     def finite(self) -> bool:
@@ -101,22 +102,24 @@ class GradMonitor:
         grad_factor: float,
         full: bool,
         loss_scaled: bool,
+        stop_requested: bool = False,
     ) -> Health:
         """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled).
         `loss_scaled`: FP16 dynamic loss scaling is on, so non-finite gradients under a finite
         loss are an overflow to back off from."""
         assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel)
-        stats, loss = reduce_grad_stats(stats, local_loss)
+        stats, loss, stops = reduce_grad_stats(stats, local_loss, float(stop_requested))
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
         # Expensive device-to-host synchronization: the step's decision, one read per step.
-        host = torch.cat([loss.reshape(1), norm.reshape(1), *host_vectors]).tolist()
+        host = torch.cat([loss.reshape(1), norm.reshape(1), stops.reshape(1), *host_vectors])
+        host = host.tolist()
         n = len(self.names)
-        host_loss, host_norm = host[0], host[1]
-        sum_sq, nonfinite = host[2 : 2 + n], host[2 + n : 2 + 2 * n]
-        max_abs = host[2 + 2 * n :] if full else None
+        host_loss, host_norm, stop = host[0], host[1], host[2] > 0
+        sum_sq, nonfinite = host[3 : 3 + n], host[3 + n : 3 + 2 * n]
+        max_abs = host[3 + 2 * n :] if full else None
         num_nonfinite = int(sum(nonfinite))
         loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
         grads_ok = num_nonfinite == 0 and host_norm < float("inf")
@@ -151,15 +154,16 @@ class GradMonitor:
                     self.detectors["tensor_max"].add(max_abs)
         if anomaly is not None:
             if max_abs is None:  # the report names tensors by max |g|: compute it now (rare)
-                return self.check(named_grads, local_loss, grad_factor, True, loss_scaled)
+                return self.check(
+                    named_grads, local_loss, grad_factor, True, loss_scaled, stop_requested
+                )
             self._name_tensors(anomaly, max_abs, nonfinite)
         telemetry = {"grad_nonfinite": num_nonfinite}
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
-        skip = overflow or (
-            anomaly is not None and (anomaly.kind == "nonfinite" or self.cfg.on_spike == "skip")
-        )
+        warn_only = anomaly is not None and anomaly.kind == "spike" and self.cfg.on_spike == "warn"
+        skip = overflow or (anomaly is not None and not warn_only)
         return Health(
             loss,
             norm,
@@ -173,6 +177,7 @@ class GradMonitor:
             telemetry,
             nonfinite,
             max_abs,
+            stop,
         )
 
     def _spikes(self, loss: float, norm: float, max_abs: list[float] | None) -> list[Spike]:

@@ -84,14 +84,18 @@ def local_grad_stats(
     return GradStats(names, sum_sq, nonfinite, max_abs if full else None)
 
 
-def reduce_grad_stats(stats: GradStats, local_loss: torch.Tensor) -> tuple[GradStats, torch.Tensor]:
-    """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts and the
-    loss, packed into one vector) and, when max |g| was computed, one MAX all-reduce. Returns the
-    reduced stats and the mean loss over ranks, identical on every rank."""
+def reduce_grad_stats(
+    stats: GradStats, local_loss: torch.Tensor, flag: float = 0.0
+) -> tuple[GradStats, torch.Tensor, torch.Tensor]:
+    """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
+    and a flag, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
+    Returns the reduced stats, the mean loss over ranks and the number of ranks that raised the
+    flag (a preemption request rides along at no extra cost); identical on every rank."""
+    flags = torch.tensor([flag], dtype=torch.float32, device=stats.sum_sq.device)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return stats, local_loss.float().reshape(())
+        return stats, local_loss.float().reshape(()), flags[0]
     n = len(stats.names)
-    packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
+    packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1), flags])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     max_abs = stats.max_abs
     if max_abs is not None:
@@ -99,7 +103,7 @@ def reduce_grad_stats(stats: GradStats, local_loss: torch.Tensor) -> tuple[GradS
         max_abs = torch.where(max_abs.isnan(), float("inf"), max_abs)
         dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
     reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    return reduced, packed[2 * n] / dist.get_world_size()
+    return reduced, packed[2 * n] / dist.get_world_size(), packed[2 * n + 1]
 
 
 def scale_stats(stats: GradStats, factor: float) -> GradStats:

@@ -20,6 +20,23 @@ CONSOLE_EVENTS = {
     "lr_backoff",
     "preempt",
     "checkpoint_invalid",
+    "checkpoint_refused",
+    "lr_restore",
+}
+
+
+# Step metrics that steer callbacks and are not numbers to log.
+NOT_LOGGED = {
+    "finite",
+    "step_time",
+    "scale_update",
+    "anomaly",
+    "overflow",
+    "skipped",
+    "action",
+    "preempt",
+    "rolled_back",
+    "checkpoint_now",
 }
 
 
@@ -55,11 +72,7 @@ class MetricsLogger(Callback):
         ):
             return
         # Expensive device-to-host synchronization, at log steps only.
-        record = {
-            k: _scalar(v)
-            for k, v in metrics.items()
-            if k not in ("finite", "step_time", "scale_update", "anomaly", "overflow", "skipped")
-        }
+        record = {k: _scalar(v) for k, v in metrics.items() if k not in NOT_LOGGED}
         record["tokens_per_s"] = self.interval_tokens / max(self.interval_time, 1e-9)
         record["samples_seen"] = trainer.state.samples_seen
         record["tokens"] = trainer.state.tokens_seen

@@ -10,6 +10,7 @@ from bigtrain.config.schema import WandbConfig
 from bigtrain.hooks import Callback
 
 RUN_ID_FILE = "wandb_run_id"
+ALERTS = ("rollback", "abort", "preempt")  # online runs also raise a wandb alert for these
 
 
 class WandbLogger(Callback):
@@ -56,6 +57,15 @@ class WandbLogger(Callback):
         }
         flat[f"events/{record['kind']}"] = 1
         self.run.log(flat, step=max(record["step"], self.run.step))
+        if record["kind"] in ALERTS and self.cfg.mode == "online":
+            import wandb
+
+            text = ", ".join(f"{k}={v}" for k, v in flat.items())
+            self.run.alert(
+                title=f"bigtrain {record['kind']} at step {record['step']}",
+                text=text,
+                level=wandb.AlertLevel.WARN,
+            )
 
     def close(self) -> None:
         if self.run is not None:

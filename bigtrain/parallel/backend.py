@@ -84,6 +84,10 @@ class Backend(Protocol):
     def fingerprint(self) -> str:
         """sha256 of the full FP32 master weights in canonical order (a collective)."""
 
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's shard of master weights and floating optimizer states, on the device (the
+        finite check before a checkpoint)."""
+
     def local_state(self) -> dict[str, Any]:
         """Host copy of this rank's shard of master weights and optimizer state (snapshots)."""
 
@@ -252,10 +256,19 @@ class TorchBackend:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for i, p in enumerate(self._params()):
+            out.append((f"param{i}", local_tensor(p).detach()))
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+                    out.append((f"param{i}.{key}", local_tensor(value)))
+        return out
+
     def local_state(self) -> dict[str, Any]:
         params = self._params()
         return {
-            "params": [local_tensor(p).detach().to("cpu", copy=True) for p in params],
+            "params": [to_cpu(p) for p in params],
             "optim": [{k: to_cpu(v) for k, v in self.optimizer.state[p].items()} for p in params],
         }
 
@@ -286,8 +299,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_cpu(obj: Any) -> Any:
+    """Host copies of the tensors in `obj`. From CUDA: into pinned memory, without waiting (the
+    copy is ordered on the stream before later kernels that change the source, and before any
+    later copy back, so no synchronisation is needed)."""
     if isinstance(obj, torch.Tensor):
-        return local_tensor(obj).detach().to("cpu", copy=True)
+        t = local_tensor(obj).detach()
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return t.to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list):

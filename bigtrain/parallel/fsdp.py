@@ -52,6 +52,7 @@ class FSDPBackend(TorchBackend):
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
+        self._ckpt_group = None  # created on the first async save, by every rank at once
         super().__init__(model, policy, cfg, device)
 
     def before_backward(self, last_micro_step: bool) -> None:
@@ -61,6 +62,19 @@ class FSDPBackend(TorchBackend):
     def save(self, directory: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / "dcp"))
+
+    def save_async(self, directory: Path):
+        """DCP async_save: the state is staged to host memory now, the files are written in the
+        background on a gloo group of its own (on the default group its collectives would
+        interleave with training's). Returns the future."""
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return dcp.async_save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=str(directory / "dcp"),
+            process_group=self._ckpt_group,
+        )
 
     def load(self, directory: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)

@@ -262,11 +262,20 @@ class ZeroBackend:
             return list(self.optimizer.fp32_partitioned_groups_flat)
         return list(self.optimizer.single_partition_of_fp32_groups)
 
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        base, out = self.optimizer.optimizer, []
+        for i, flat in enumerate(self._fp32_flats()):
+            out.append((f"fp32_partition{i}", flat.detach()))
+            for key, value in base.state.get(flat, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+                    out.append((f"fp32_partition{i}.{key}", value))
+        return out
+
     def local_state(self) -> dict[str, Any]:
         flats = self._fp32_flats()
         base = self.optimizer.optimizer  # the client AdamW, holding the flat partitions
         return {
-            "fp32": [f.detach().to("cpu", copy=True) for f in flats],
+            "fp32": [to_cpu(f) for f in flats],
             "optim": [to_cpu(dict(base.state.get(f, {}))) for f in flats],
         }
 

@@ -1,31 +1,76 @@
-"""Checkpoint every `checkpoint.every` steps and at the last step, through the atomic commit."""
+"""Checkpoint every `checkpoint.every` steps, at the last step and right after a rollback, through
+the atomic commit; only states checked finite on every rank are written."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from bigtrain.config.schema import CheckpointConfig
 from bigtrain.hooks import Callback
+from bigtrain.monitor.stats import local_grad_stats
 from bigtrain.resilience.checkpoint import CheckpointManager
+
+
+def nonfinite_state_values(backend, device: torch.device) -> int:
+    """NaN/Inf values in master weights and optimizer states over all ranks (the monitor's pass
+    over the state tensors, one all-reduce)."""
+    stats = local_grad_stats(backend.state_tensors(), device, full=False)
+    count = stats.nonfinite.sum().reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    # Expensive device-to-host synchronization, at checkpoint steps only.
+    return int(count.item())
 
 
 class CheckpointCallback(Callback):
     priority = 50
 
-    def __init__(self, manager: CheckpointManager, every: int) -> None:
-        self.manager, self.every = manager, every
+    def __init__(self, manager: CheckpointManager, cfg: CheckpointConfig) -> None:
+        self.manager, self.cfg = manager, cfg
+        self.started = 0.0
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        step = trainer.step
-        if trainer.is_last_step() or (self.every > 0 and step % self.every == 0):
-            started = time.perf_counter()
-            path = self.manager.save(
-                step,
-                trainer.backend,
-                trainer.trainer_state(),
-                trainer.context["identity"],
-                trainer.context["config_yaml"],
-            )
-            trainer.event(
-                "checkpoint", path=str(path), seconds=round(time.perf_counter() - started, 3)
-            )
+        committed = self.manager.poll_pending()
+        if committed is not None:
+            self._committed(trainer, committed)
+        step, every = trainer.step, self.cfg.every
+        due = trainer.is_last_step() or (every > 0 and step % every == 0)
+        if metrics.get("rolled_back") and not metrics.get("checkpoint_now"):
+            return
+        if due or metrics.get("checkpoint_now") or metrics.get("preempt"):
+            self.save(trainer, wait=trainer.is_last_step() or bool(metrics.get("preempt")))
+
+    def save(self, trainer, wait: bool) -> None:
+        if self.cfg.verify_finite:
+            bad = nonfinite_state_values(trainer.backend, trainer.device)
+            if bad:
+                trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
+                return
+        self.started = time.perf_counter()
+        path = self.manager.save(
+            trainer.step,
+            trainer.backend,
+            trainer.trainer_state(),
+            trainer.context["identity"],
+            trainer.context["config_yaml"],
+            async_ok=self.cfg.async_save and not wait,
+        )
+        if path is None:
+            stall = time.perf_counter() - self.started
+            trainer.event("checkpoint_started", stall_s=round(stall, 3))
+            return
+        self._committed(trainer, path)
+
+    def _committed(self, trainer, path) -> None:
+        trainer.event(
+            "checkpoint", path=str(path), seconds=round(time.perf_counter() - self.started, 3)
+        )
+
+    def on_finish(self, trainer) -> None:
+        path = self.manager.finish_pending()
+        if path is not None:
+            self._committed(trainer, path)

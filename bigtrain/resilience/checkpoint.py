@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from bigtrain.errors import ConfigError
-from bigtrain.parallel.env import all_gather_objects, barrier
+from bigtrain.parallel.env import all_gather_objects, all_true, barrier
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -151,6 +151,7 @@ class CheckpointManager:
 
     def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+        self.pending: tuple[Any, tuple] | None = None  # (future, commit args) of an async save
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""
@@ -170,7 +171,12 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         identity: dict[str, Any],
         config_yaml: str,
-    ) -> Path:
+        async_ok: bool = False,
+    ) -> Path | None:
+        """Write and commit a checkpoint of `step`. With `async_ok` and a backend that can
+        (`save_async`), the backend's files are written in the background: the commit happens in
+        `poll_pending`/`finish_pending` once every rank finished; returns None then."""
+        self.finish_pending()  # one checkpoint in flight at a time
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         if self.rank == 0:
@@ -178,12 +184,46 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
             tmp.mkdir(parents=True)
         barrier()
-        backend.save(tmp)
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
-        barrier()
+        commit = (step, tmp, final, backend.name, trainer_state["data"], identity)
+        if async_ok and hasattr(backend, "save_async"):
+            self.pending = (backend.save_async(tmp), commit)
+            return None
+        backend.save(tmp)
+        return self._commit(*commit)
+
+    def poll_pending(self) -> Path | None:
+        """Commit the checkpoint in flight if every rank finished writing it (a tiny collective,
+        only while one is in flight); the committed path, or None."""
+        if self.pending is None:
+            return None
+        future, commit = self.pending
+        if not all_true(future.done()):
+            return None
+        return self.finish_pending()
+
+    def finish_pending(self) -> Path | None:
+        """Wait for the checkpoint in flight and commit it."""
+        if self.pending is None:
+            return None
+        future, commit = self.pending
+        self.pending = None
+        future.result()
+        return self._commit(*commit)
+
+    def _commit(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        backend_name: str,
+        data: dict[str, Any],
+        identity: dict[str, Any],
+    ) -> Path:
+        barrier()  # every rank's files are written
         # Each rank fsyncs and hashes its share of the files; rank 0 assembles the manifest.
         names = _list_files(tmp)
         mine = {}
@@ -195,10 +235,10 @@ class CheckpointManager:
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
-                "backend": backend.name,
+                "backend": backend_name,
                 "world_size": self.world_size,
                 "files": dict(sorted(files.items())),
-                "data": trainer_state["data"],
+                "data": data,
                 "identity": identity,
                 "config_hash": identity_hash(identity),
                 "versions": library_versions(),
@@ -208,15 +248,25 @@ class CheckpointManager:
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _fsync_file(tmp / MANIFEST)
             _fsync_dir(tmp)
-            if (
-                final.exists()
-            ):  # e.g. an unverifiable checkpoint of this step that resume skipped: keep it aside
-                final.rename(self.root / f"{final.name}.replaced-{int(time.time())}")
+            if final.exists():
+                # An older checkpoint of this step (skipped by resume, or the one a rollback
+                # returned to): kept aside, never deleted.
+                final.rename(self.root / f"{final.name}.replaced-{time.time_ns()}")
             tmp.rename(final)
             _fsync_dir(self.root)
             self._prune()
         barrier()
         return final
+
+    def retire_after(self, step: int) -> list[str]:
+        """Move committed checkpoints newer than `step` aside (a rollback abandoned those steps;
+        resuming from one would replay the data the rollback skips). Kept, never deleted."""
+        newer = [p for p in self.committed() if int(p.name[len(PREFIX) :]) > step]
+        if self.rank == 0:
+            for path in newer:
+                path.rename(self.root / f"{path.name}.abandoned-{time.time_ns()}")
+        barrier()
+        return [p.name for p in newer]
 
     def _prune(self) -> None:
         for old in self.committed()[: -self.keep]:

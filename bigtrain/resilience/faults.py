@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +19,13 @@ class FaultInjector(Callback):
 
     def __init__(self, cfg: FaultConfig, rank: int) -> None:
         self.cfg, self.active = cfg, rank == cfg.rank
+        self.fired: set[tuple[str, int]] = set()  # a rollback replays step numbers: fire once
+
+    def _due(self, kind: str, steps: list[int], step: int) -> bool:
+        if step not in steps or (kind, step) in self.fired:
+            return False
+        self.fired.add((kind, step))
+        return True
 
     def _target(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
         """The gradient the drills poison: fault.grad_tensor, or the first one held here."""
@@ -47,19 +57,57 @@ class FaultInjector(Callback):
             ("inf_grad", cfg.inf_grad_step),
             ("grad_spike", cfg.grad_spike_step),
         ):
-            if step in steps:
+            if self._due(kind, steps, step):
                 name, grad = self._target(named)
                 if kind == "grad_spike":
                     grad.mul_(cfg.spike_factor)
                 else:
                     grad.view(-1)[0] = float("nan") if kind == "nan_grad" else float("inf")
                 trainer.event("fault", type=kind, tensor=name)
-        if step in cfg.loss_spike_step:
+        if self._due(
+            "spike", cfg.spike_step, step
+        ):  # a loss spike with the gradients that come with it
+            metrics["local_loss"] = metrics["local_loss"] * cfg.spike_factor
+            for _, grad in named:
+                grad.mul_(cfg.spike_factor)
+            trainer.event("fault", type="spike", factor=cfg.spike_factor)
+        if self._due("loss_spike", cfg.loss_spike_step, step):
             metrics["local_loss"] = metrics["local_loss"] * cfg.spike_factor
             trainer.event("fault", type="loss_spike", factor=cfg.spike_factor)
-        if step in cfg.nan_loss_step:
+        if self._due("nan_loss", cfg.nan_loss_step, step):
             # A NaN loss poisons every gradient through backward; inject both.
             metrics["local_loss"] = metrics["local_loss"] * float("nan")
             for _, grad in named:
                 grad.fill_(float("nan"))
             trainer.event("fault", type="nan_loss")
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        step = metrics["step"]
+        if self._due("sigterm", self.cfg.sigterm_step, step):
+            trainer.event("fault", type="sigterm")
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step in self.cfg.kill_step:
+            marker = trainer.run_dir.path / f".fault-killed-step-{step}"
+            if not marker.exists():  # once per run directory: the restarted run goes on
+                marker.write_text("")
+                trainer.event("fault", type="kill")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corrupt_newest_checkpoint(root: Path, run_dir: Path) -> str | None:
+    """Flip bytes in the largest file of the newest committed checkpoint under `root`, once per
+    run directory (rank 0 only). Returns the file corrupted, or None."""
+    marker = run_dir / ".fault-corrupted-checkpoint"
+    dirs = sorted(p for p in root.glob("step_*") if p.name[5:].isdigit()) if root.is_dir() else []
+    if marker.exists() or not dirs:
+        return None
+    files = [p for p in dirs[-1].rglob("*") if p.is_file() and p.name != "manifest.json"]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    target.write_bytes(bytes(data))
+    marker.write_text(str(target) + "\n")
+    return str(target)

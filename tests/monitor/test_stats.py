@@ -81,12 +81,19 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     full[1][5, 2] = float("nan")  # in the first half: rank 0's shard
     named = [(f"t{i}", t.flatten().chunk(2)[rank]) for i, t in enumerate(full[:2])]
     named.append(("t2", full[2] if rank == 1 else torch.empty(0)))  # held by rank 1 only
-    stats, loss = reduce_grad_stats(
+    stats, loss, flags = reduce_grad_stats(
         local_grad_stats(named, torch.device("cpu"), use_kernel=False),
         torch.tensor(float(rank + 1)),
+        flag=float(rank == 1),  # a preemption request on rank 1 only
     )
     dist.destroy_process_group()
-    return stats.max_abs.tolist(), stats.sum_sq.tolist(), stats.nonfinite.tolist(), loss.item()
+    return (
+        stats.max_abs.tolist(),
+        stats.sum_sq.tolist(),
+        stats.nonfinite.tolist(),
+        loss.item(),
+        flags.item(),
+    )
 
 
 def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
@@ -100,6 +107,7 @@ def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
     assert r0[2] == [0.0, 1.0, 0.0]  # the NaN in rank 0's half of t1 is seen by both ranks
     assert r0[0][1] == float("inf")
     assert r0[3] == 1.5  # mean of the ranks' losses 1 and 2
+    assert r0[4] == r1[4] == 1.0  # both ranks know that one rank raised the flag
 
 
 def test_scaled_stats_divide_by_the_loss_scale_exactly():

@@ -211,6 +211,7 @@ def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
         "precision.loss_scale=2",
         "precision.loss_scale_min=2",
         "precision.loss_scale_hysteresis=1",
+        "monitor.nonfinite=abort",
         "fault.inf_grad_step=[2]",
         "train.max_steps=4",
         "checkpoint.every=0",

@@ -1,0 +1,49 @@
+"""Preemption: SIGTERM or SIGUSR1 -> every rank checkpoints at the same step boundary -> exit 4.
+
+The handler only records the signal. The request rides in the monitor's SUM all-reduce of the next
+step (`Trainer.stop_signal` -> `Health.stop_requested`), so every rank learns of it in the same
+step even when the signal reached one rank only; the checkpoint callback then writes a synchronous
+checkpoint and this callback ends the run with exit 4 (requeue me). Under SLURM deliver the signal
+to the tasks (`--signal=B:USR1@120` reaches the batch shell only; use `--signal=USR1@120` with srun
+tasks); torchrun's agent forwards SIGTERM but not SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from bigtrain.errors import Preempted
+from bigtrain.hooks import Callback
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler(Callback):
+    priority = 95  # last: the checkpoint (50) and the metrics (80) of this step are written
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+
+    def on_start(self, trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+
+        def handler(signum, frame) -> None:
+            trainer.stop_signal = signal.Signals(signum).name
+
+        for sig in SIGNALS:
+            self.previous[sig] = signal.signal(sig, handler)
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        if not metrics.get("preempt"):
+            return
+        reason = f"{trainer.stop_signal or 'a signal on another rank'} at step {trainer.step}"
+        trainer.event("preempt", reason=reason, checkpoint_step=trainer.step)
+        raise Preempted(f"preempted: {reason}; checkpointed at step {trainer.step}, exit 4")
+
+    def close(self) -> None:
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        self.previous.clear()

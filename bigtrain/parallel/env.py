@@ -128,11 +128,26 @@ def init_process_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     global USED_PROCESS_GROUP
     USED_PROCESS_GROUP = True
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: without a per-attempt prefix the
+        # restarted workers read the dead workers' gloo/NCCL addresses and cannot connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            env.world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        store = dist.PrefixStore(f"bigtrain/attempt{attempt}", client)
     dist.init_process_group(
         backend,
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
 

@@ -5,11 +5,13 @@ step (`Trainer.stop_signal` -> `Health.stop_requested`), so every rank learns of
 step even when the signal reached one rank only; the checkpoint callback then writes a synchronous
 checkpoint and this callback ends the run with exit 4 (requeue me). Under SLURM deliver the signal
 to the tasks (`--signal=B:USR1@120` reaches the batch shell only; use `--signal=USR1@120` with srun
-tasks); torchrun's agent forwards SIGTERM but not SIGUSR1.
+tasks); torchrun's agent forwards SIGTERM but not SIGUSR1. A second signal ends the process at
+once (the default action), e.g. when torchrun's agent stops the survivors of a crashed rank.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -31,6 +33,9 @@ class PreemptionHandler(Callback):
             return  # signal handlers can only be installed from the main thread
 
         def handler(signum, frame) -> None:
+            if trainer.stop_signal is not None:  # a second signal: stop now, the default way
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             trainer.stop_signal = signal.Signals(signum).name
 
         for sig in SIGNALS:

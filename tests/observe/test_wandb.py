@@ -40,3 +40,28 @@ def test_per_layer_dicts_become_keys_that_sort_in_model_order():
     assert keys[0] == "layers/grad_norm/00.tok_emb" and keys[-1] == "layers/grad_norm/11.blocks.10"
     assert sorted(keys) == keys  # lexical order = model order (blocks.10 after blocks.9)
     assert out["layers/grad_norm/03.blocks.2"] == 2.0
+
+
+def test_online_runs_raise_an_alert_on_rollback_abort_and_preempt():
+    from bigtrain.config.schema import WandbConfig
+    from bigtrain.observe.wandb_logger import WandbLogger
+
+    class StubRun:
+        step = 0
+
+        def __init__(self):
+            self.logged, self.alerts = [], []
+
+        def log(self, data, step):
+            self.logged.append((step, data))
+
+        def alert(self, title, text, level):
+            self.alerts.append(title)
+
+    logger = WandbLogger(WandbConfig(mode="online"), {})
+    logger.run = StubRun()
+    for kind in ("checkpoint", "rollback", "preempt"):
+        logger.on_event(None, {"time": 0, "step": 12, "kind": kind, "to_step": 5})
+    assert logger.run.alerts == ["bigtrain rollback at step 12", "bigtrain preempt at step 12"]
+    assert logger.run.logged[1][1]["events/rollback/to_step"] == 5
+    logger.run = None  # nothing to finish

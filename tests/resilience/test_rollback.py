@@ -168,3 +168,24 @@ def test_two_ranks_roll_back_together(tmp_path, corpus_files, cache_dir, backend
     assert (rollback["from_step"], rollback["to_step"]) == (12, 5)
     skip = next(e for e in r0["events"] if e["kind"] == "skip_data")
     assert (skip["start"], skip["end"]) == (5 * 16, 12 * 16)
+
+
+def test_sigkill_between_write_and_commit_never_loads_the_half_checkpoint(micro_args, tmp_path):
+    """FSDP2 with async checkpoints: the step-3 checkpoint's files are being written when the
+    process is SIGKILLed at step 4, before the commit. The restart never loads it."""
+    args = micro_args(
+        "parallel.backend=fsdp",
+        "train.max_steps=6",
+        "checkpoint.every=3",
+        "train.eval_every=0",
+        "fault.kill_step=4",
+    )
+    result = run_cli("train", *args)
+    assert result.returncode == -9, result.stderr[-2000:]
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == [".tmp-step_00000003"]
+    again = run_cli("train", *args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")]
+    assert "resume" not in kinds  # nothing committed: started over
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000006"]

@@ -1,7 +1,7 @@
-"""bigtrain's command line: train | plan | ckpt.
+"""bigtrain's command line: train | plan | report | ckpt.
 
 Exit codes (DESIGN.md): 0 finished; 2 bad config or input (one line, no traceback); 3 gave up
-after anomalies (ABORTED marker); 5 ranks ended with different weights; anything else is a crash.
+after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 ranks ended with different weights; anything else is a crash.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("items", nargs="+", metavar="CONFIG|key=value")
     plan.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+
+    report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
+    report.add_argument("run_dir", type=Path)
 
     ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.items, local_rank)
         if args.command == "plan":
             return _plan(args.items, args.world_size)
+        if args.command == "report":
+            from bigtrain.observe.report import build_report
+
+            print(build_report(args.run_dir))
+            return 0
         return _ckpt(args.ckpt_command, args.path)
     except ConfigError as e:
         print(f"bigtrain: error: {e}", file=sys.stderr)

@@ -312,6 +312,8 @@ class WandbConfig:
     """Run group."""
     tags: list[str] = field(default_factory=list)
     """Run tags."""
+    notes: str | None = None
+    """Run notes (a description shown on the wandb run page)."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ class WandbLogger(Callback):
             name=self.cfg.name or trainer.run_dir.path.name,
             group=self.cfg.group,
             tags=list(self.cfg.tags),
+            notes=self.cfg.notes,
             config=self.config_dict,
             id=run_id,
             resume="allow",

@@ -105,7 +105,7 @@ def test_deepspeed_launcher_zero(tmp_path, cache_dir):
 
 
 def test_launch_scripts_have_help():
-    for script in ("launch/torchrun.sh", "launch/deepspeed.sh"):
+    for script in ("launch/torchrun.sh", "launch/deepspeed.sh", "launch/local-slurm.sh"):
         result = subprocess.run(
             ["bash", script, "--help"], cwd=ROOT, capture_output=True, text=True
         )

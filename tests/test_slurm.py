@@ -1,0 +1,128 @@
+"""slurm/train.sbatch on a real single-node SLURM cluster (launch/local-slurm.sh): a job trains to
+completion on 2 tasks, and jobs requeued mid-run (`scontrol requeue`, and USR1 to the batch shell)
+resume from their checkpoint and end with the uninterrupted job's weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bigtrain.observe.rundir import read_jsonl
+from tests.conftest import ROOT
+
+SLURM_DIR = Path(os.environ.get("BIGTRAIN_SLURM_DIR", "/tmp/bigtrain-slurm"))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (munge and slurmd run as root)")
+    up = subprocess.run(
+        ["bash", "launch/local-slurm.sh", "up"], cwd=ROOT, capture_output=True, text=True
+    )
+    if up.returncode != 0:
+        pytest.skip(f"no local SLURM cluster: {(up.stderr or up.stdout).strip()[-300:]}")
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(SLURM_DIR / "slurm.conf"),
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+    }
+    yield env
+    subprocess.run(["bash", "launch/local-slurm.sh", "down"], cwd=ROOT)
+
+
+def submit(env, out: Path, cache_dir: Path) -> str:
+    overrides = (
+        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=30 "
+        "train.micro_batch_size=8 train.eval_every=10 checkpoint.every=10 wandb.mode=disabled"
+    )
+    result = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks-per-node=2",
+            f"--output={out}.log",
+            "slurm/train.sbatch",
+        ],
+        cwd=ROOT,
+        env={**env, "OUT_DIR": str(out), "OVERRIDES": overrides},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def job(env, job_id: str) -> dict[str, str]:
+    text = subprocess.run(
+        ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True
+    ).stdout
+    return dict(re.findall(r"(\w+)=(\S+)", text))
+
+
+def wait_for(env, job_id: str, restarts: int = 0, timeout: float = 300) -> dict[str, str]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job(env, job_id)
+        done = info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+        if done and int(info.get("Restarts", 0)) >= restarts:
+            return info
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not finish: {job(env, job_id)}")
+
+
+def wait_for_checkpoint(out: Path, step: int, timeout: float = 200) -> None:
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / f"step_{step:08d}").is_dir():
+        assert time.time() < deadline, f"no checkpoint at step {step} in {out}"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("slurm") / "straight"
+    info = wait_for(slurm, submit(slurm, out, cache_dir))
+    return info, out
+
+
+@pytest.mark.e2e
+def test_sbatch_trains_to_completion_on_two_tasks(uninterrupted):
+    info, out = uninterrupted
+    assert info["JobState"] == "COMPLETED", info
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 30
+    start = read_jsonl(out / "events.jsonl")[0]
+    assert start["world_size"] == 2 and start["backend"] == "fsdp"
+    assert "resume" not in [e["kind"] for e in read_jsonl(out / "events.jsonl")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["scontrol_requeue", "usr1_to_batch_shell"])
+def test_requeued_job_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_dir, how):
+    out = tmp_path / how
+    job_id = submit(slurm, out, cache_dir)
+    wait_for_checkpoint(out, 10)
+    if how == "scontrol_requeue":
+        command = ["scontrol", "requeue", job_id]
+    else:  # what --signal=B:USR1@120 does before the time limit
+        command = ["scancel", "--batch", "--signal=USR1", job_id]
+    subprocess.run(command, env=slurm, check=True)
+    info = wait_for(slurm, job_id, restarts=1)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    events = read_jsonl(out / "events.jsonl")
+    (preempt,) = [e for e in events if e["kind"] == "preempt"]
+    signal = "SIGTERM" if how == "scontrol_requeue" else "SIGUSR1"
+    assert signal in preempt["reason"]
+    (resume,) = [e for e in events if e["kind"] == "resume"]
+    assert resume["slurm_restart_count"] == 1
+    assert resume["path"].endswith(f"step_{preempt['step']:08d}")
+    final = json.loads((out / "final.json").read_text())
+    straight = json.loads((uninterrupted[1] / "final.json").read_text())
+    assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]

@@ -69,6 +69,13 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'precision.master_dtype' got 'fp16', expected one of ['fp32']",
         ),
         (["data.source=files"], "data.source=files needs 'data.paths'"),
+        (
+            ["resilience.lr_backoff=2"],
+            "key 'resilience.lr_backoff' got 2.0, expected 0 < value <= 1",
+        ),
+        (["monitor.on_spike=ignore"], "key 'monitor.on_spike' got 'ignore', expected one of"),
+        (["monitor.spikes=[loss,gradnorm]"], "key 'monitor.spikes' got ['gradnorm'], expected"),
+        (["fault.kill_step=soon"], "key 'fault.kill_step"),
         (["max_steps"], "override 'max_steps' must look like key.sub=value"),
     ],
 )

@@ -232,6 +232,10 @@ def validate(config: Config) -> None:
             f"key 'monitor.spikes' got {sorted(spikes)}, expected a list of loss, grad_norm, "
             "tensor_max"
         )
+    for key in ("lr_backoff", "clip_backoff"):
+        value = getattr(config.resilience, key)
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(f"key 'resilience.{key}' got {value}, expected 0 < value <= 1")
     if config.monitor.min_factor < 1.0:
         raise ConfigError(
             f"key 'monitor.min_factor' got {config.monitor.min_factor}, expected a value >= 1"

@@ -130,17 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             print(build_report(args.run_dir))
             return 0
         return _ckpt(args.ckpt_command, args.path)
-    except ConfigError as e:
-        print(f"bigtrain: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except AbortRun as e:
-        print(f"bigtrain: aborted: {e}", file=sys.stderr)
-        return e.exit_code
-    except Preempted as e:
-        print(f"bigtrain: {e}", file=sys.stderr)
-        return e.exit_code
-    except ReplicaMismatch as e:
-        print(f"bigtrain: error: {e}", file=sys.stderr)
+    except (ConfigError, AbortRun, Preempted, ReplicaMismatch) as e:
+        # One line, no traceback, the documented exit code.
+        prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")
+        print(f"bigtrain: {prefix}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("bigtrain: interrupted", file=sys.stderr)

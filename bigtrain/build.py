@@ -39,6 +39,12 @@ from bigtrain.parallel.env import (
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
+from bigtrain.precision.int8 import (
+    Int8Calibration,
+    Int8Linear,
+    convert_to_int8,
+    int_mm_available,
+)
 from bigtrain.resilience.callback import CheckpointCallback
 from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes
 from bigtrain.resilience.faults import FaultInjector, corrupt_newest_checkpoint
@@ -61,6 +67,20 @@ def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[s
         "data.corpus_and_tokenizer": corpus_key,
         "global_batch_size": global_batch_size,
     }
+
+
+def apply_int8(
+    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device, log=print
+) -> dict[str, Int8Linear]:
+    """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
+    record their names in the policy's table."""
+    if not policy.int8:
+        return {}
+    int_mm_available(device, log)
+    fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
+    layers = convert_to_int8(model, cfg.precision.int8, fp32)
+    policy.int8_modules = tuple(layers)
+    return layers
 
 
 def make_backend(
@@ -156,6 +176,7 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
     flops_per_token = model_flops_per_token(model, cfg.model)
+    int8_layers = apply_int8(cfg, model, policy, device, log)
     backend = make_backend(cfg, model, policy, device)
 
     context = {
@@ -177,6 +198,8 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         ConsoleProgress(cfg.train.progress and env.is_main),
         PreemptionHandler(),
     ]
+    if int8_layers:
+        callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
     if cfg.wandb.mode != "disabled":
         callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
     monitor = make_monitor(cfg, backend, device)

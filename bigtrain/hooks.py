@@ -11,6 +11,9 @@ Order of one run (train.py):
     on_event(trainer, record)              whenever an event is written (any time)
     on_finish(trainer)                     after the last step, before final.json
 
+A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its state travels in the
+trainer state (checkpoints and rollback snapshots) under that key.
+
 Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
 another reads has a lower priority: evaluation (10) and telemetry (20) run before checkpointing
 (50), which runs before metrics logging (80), console (90) and wandb (90).
@@ -44,6 +47,19 @@ class Callback:
 class Callbacks:
     def __init__(self, callbacks: list[Callback]) -> None:
         self.items = sorted(callbacks, key=lambda c: c.priority)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            cb.state_key: cb.state_dict() for cb in self.items if getattr(cb, "state_key", None)
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore the callbacks that saved state; a callback the saved run did not have (say,
+        INT8 switched on at resume) starts fresh."""
+        for cb in self.items:
+            key = getattr(cb, "state_key", None)
+            if key and key in saved:
+                cb.load_state_dict(saved[key])
 
     def __getattr__(self, hook: str):
         if not hook.startswith("on_") and hook != "close":

@@ -192,6 +192,7 @@ class Trainer:
             "clip": self.clip.state_dict(),
             "monitor": self.monitor.state_dict(),
             "loss_scaler": scaler.state_dict() if scaler else None,
+            "callbacks": self.callbacks.state_dict(),
         }
 
     def load_trainer_state(self, saved: dict[str, Any]) -> None:
@@ -199,6 +200,7 @@ class Trainer:
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.monitor.load_state_dict(saved.get("monitor", {}))
+        self.callbacks.load_state_dict(saved.get("callbacks", {}))
         scaler = getattr(self.backend, "scaler", None)
         if scaler is not None and saved.get("loss_scaler"):
             scaler.load_state_dict(saved["loss_scaler"])

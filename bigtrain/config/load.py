@@ -33,6 +33,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.optimizer_state_rounding": ("stochastic", "nearest"),
     "precision.optimizer_state_scaling": ("per_tensor", "none"),
     "precision.loss_scaling": ("auto", "dynamic", "static", "none"),
+    "precision.int8.weight_scheme": ("symmetric",),
+    "precision.int8.activation_scheme": ("affine", "symmetric"),
+    "precision.int8.calibration": ("fixed", "ema"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("rollback", "skip", "abort"),
@@ -47,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # Why a value that the schema names is not accepted yet; appended to the error message.
 HINTS = {
     "precision.master_dtype": "FP16/BF16 master weights lose small updates; keep FP32 masters",
+    "precision.int8.weight_scheme": "weights are quantized symmetric per output channel",
 }
 
 
@@ -231,6 +235,19 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"key 'monitor.spikes' got {sorted(spikes)}, expected a list of loss, grad_norm, "
             "tensor_max"
+        )
+    int8 = config.precision.int8
+    if int8.calibration_steps < 0:
+        raise ConfigError(
+            f"key 'precision.int8.calibration_steps' got {int8.calibration_steps}, expected >= 0"
+        )
+    if not 0.0 <= int8.ema_decay < 1.0:
+        raise ConfigError(
+            f"key 'precision.int8.ema_decay' got {int8.ema_decay}, expected 0 <= value < 1"
+        )
+    if not 0.0 < int8.smoothing_alpha <= 1.0:
+        raise ConfigError(
+            f"key 'precision.int8.smoothing_alpha' got {int8.smoothing_alpha}, expected 0 < a <= 1"
         )
     for key in ("lr_backoff", "clip_backoff"):
         value = getattr(config.resilience, key)

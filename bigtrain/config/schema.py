@@ -91,6 +91,45 @@ class PrecisionPhase:
 
 
 @dataclass
+class Int8Config:
+    enabled: bool = False
+    """Run the forward matmuls of the selected linear layers in INT8 (weights per output channel,
+    activations per token); gradients in the compute dtype against the FP32 master weights
+    (straight-through estimator). Applied when the model is built, before sharding."""
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    """Name patterns (fnmatch on canonical names) of the linear layers (`nn.Linear`, GPT-2's
+    `Conv1D`) to convert. Other module types never convert."""
+    exclude: list[str] = field(
+        default_factory=lambda: [
+            "*attn.proj",
+            "*attn.c_proj",
+            "*self_attn.o_proj",
+            "*lm_head",
+            "*norm*",
+            "*emb*",
+            "*wte",
+            "*wpe",
+        ]
+    )
+    """Patterns kept in the compute dtype even when `modules` selects them. Default: the attention
+    output projection (bigtrain's GPT, GPT-2, Llama names), norms, embeddings and `lm_head`."""
+    weight_scheme: str = "symmetric"
+    """Weight quantization: `symmetric` per output channel (the only scheme)."""
+    activation_scheme: str = "affine"
+    """Activation quantization per token: `affine` (scale and zero point, the range holds 0) or
+    `symmetric` (scale only)."""
+    calibration_steps: int = 20
+    """Optimizer steps over which each layer records the max |x| per input channel (a MAX across
+    ranks); then the SmoothQuant scales start. 0: no smoothing, per-token scales only."""
+    calibration: str = "fixed"
+    """After calibration: `fixed` scales, or `ema` (keep following the activations)."""
+    ema_decay: float = 0.99
+    """calibration=ema: weight of the old max |x| in each step's update."""
+    smoothing_alpha: float = 0.5
+    """SmoothQuant migration strength in (0, 1]: s = amax(x)^a / amax(W)^(1-a) per channel."""
+
+
+@dataclass
 class PrecisionConfig:
     preset: str = "auto"
     """`auto` chooses from the hardware and model size; `fp32`, `bf16-mixed`, `fp16-mixed` fix the
@@ -136,6 +175,8 @@ class PrecisionConfig:
     """Percentile of the last `adaptive_clip_window` healthy gradient norms used as the clip value."""
     adaptive_clip_window: int = 100
     """Healthy steps remembered by adaptive clipping."""
+    int8: Int8Config = field(default_factory=Int8Config)
+    """INT8 forward for linear layers (see Int8Config)."""
     schedule: list[PrecisionPhase] = field(default_factory=list)
     """Phases by fraction of the run, e.g. FP32 for the first 5%, BF16 to 99%, BF16 with chosen
     modules in FP32 for the rest. Empty: the resolved compute dtype throughout."""

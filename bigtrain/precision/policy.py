@@ -76,6 +76,10 @@ class PrecisionPolicy:
     fp32_modules: tuple[str, ...] = ()
     adaptive_clip: bool = False
     phases: tuple[Phase, ...] = ()
+    int8: bool = False
+    int8_patterns: tuple[str, ...] = ()
+    int8_modules: tuple[str, ...] = ()
+    """Canonical names of the layers converted to INT8 (filled in when the model is converted)."""
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -113,6 +117,17 @@ class PrecisionPolicy:
                 self.reasons["clip"],
             ),
         ]
+        if self.int8:
+            from bigtrain.precision.int8 import compress_names
+
+            modules = (
+                compress_names(list(self.int8_modules))
+                if self.int8_modules
+                else "patterns " + ",".join(self.int8_patterns)
+            )
+            rows.append(("int8 forward", modules, self.reasons["int8"]))
+        else:
+            rows.append(("int8 forward", "off", self.reasons["int8"]))
         if len(self.phases) > 1:
             spans = ", ".join(f"{p.name} to {p.until:.0%}" for p in self.phases)
             rows.append(("schedule", f"{len(self.phases)} phases", spans))
@@ -230,6 +245,7 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         reasons["tf32"] = "no TF32 on this hardware"
 
     phases = _phases(cfg, compute, scaling)
+    reasons["int8"] = _int8_reason(cfg, compute)
     return PrecisionPolicy(
         master_dtype=DTYPES[cfg.master_dtype],
         compute_dtype=DTYPES[compute],
@@ -241,7 +257,24 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         fp32_modules=tuple(cfg.fp32_modules),
         adaptive_clip=adaptive,
         phases=phases,
+        int8=cfg.int8.enabled,
+        int8_patterns=tuple(cfg.int8.modules),
         reasons=reasons,
+    )
+
+
+def _int8_reason(cfg: PrecisionConfig, compute: str) -> str:
+    i = cfg.int8
+    if not i.enabled:
+        return "precision.int8.enabled=false"
+    calibration = (
+        f"SmoothQuant scales after {i.calibration_steps} steps ({i.calibration})"
+        if i.calibration_steps
+        else "no smoothing"
+    )
+    return (
+        f"precision.int8: activations {i.activation_scheme} per token, weights symmetric per "
+        f"channel, {calibration}; backward in {compute} (STE); excluded: {', '.join(i.exclude)}"
     )
 
 

@@ -1,0 +1,367 @@
+"""INT8 forward for linear layers: INT8 matmuls forward, BF16 gradients against the master weights.
+
+Forward of a converted layer, y = x W^T + b:
+  1. smoothing (after calibration): x' = x / s, W' = W * s per input channel k, with
+     s_k = amax(x_k)^a / amax(W_k)^(1-a) (SmoothQuant). Exact in real arithmetic; it moves
+     activation outliers into the weights, where per-channel scales absorb them.
+  2. W' quantized symmetric per output channel: q_w = round(W' / s_w), s_w = amax_row / 127.
+  3. x' quantized per token (row): symmetric, q_x = round(x' / s_x), s_x = amax_row / 127; or
+     affine, q_x = round(x' / s_x) + z_x with s_x = (max - min) / 255 over a range holding 0.
+  4. acc = q_x q_w^T in INT32 (`torch._int_mm` where the platform has it; else the same integers
+     multiplied in FP32, logged once), y = s_x s_w (acc - z_x colsum(q_w)) + b.
+Backward (straight-through estimator: quantizers pass gradients unchanged), in the compute dtype:
+  dx = dy W (the master weights, not their INT8 copy), dW = dy^T x_hat, db = sum dy,
+where x_hat is the dequantized input. Only q_x (1 byte per value) and its per-token scales are
+saved for backward, not the BF16 input (2 bytes): the activation memory of linear inputs halves.
+
+Error bound of the forward (what tests check): per value |x' - x_hat'| <= s_x / 2 and
+|W' - W_hat'| <= s_w / 2, so per output |y - y_hat| <= s_x/2 sum_k |W'_jk| + s_w_j/2 sum_k |x_hat'_k|.
+
+Calibration: during the first `calibration_steps` optimizer steps each layer records the running
+max |x_k| per input channel (reduced with MAX across ranks once per step); then the smoothing
+scales are fixed, or follow an EMA of later steps. The state travels with checkpoints and
+snapshots (`Int8Calibration.state_dict`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bigtrain.config.schema import Int8Config
+from bigtrain.errors import ConfigError
+from bigtrain.hooks import Callback
+
+EPS = 1e-12
+
+
+def quantize_rows_symmetric(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and FP32 scales (one per row) with t ~= q * scale[:, None]; |error| <= scale/2."""
+    t = t.float()
+    scale = t.abs().amax(dim=-1).clamp_min(EPS) / 127.0
+    q = torch.round(t / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows_affine(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 values, FP32 scales and int32 zero points per row: t ~= (q - zero) * scale[:, None].
+    The range always holds 0, so zero padding and ReLU zeros stay exact; |error| <= scale/2."""
+    t = t.float()
+    low = t.amin(dim=-1).clamp_max(0.0)
+    high = t.amax(dim=-1).clamp_min(0.0)
+    scale = (high - low).clamp_min(EPS) / 255.0
+    zero = (torch.round(-low / scale) - 128).to(torch.int32)
+    q = (torch.round(t / scale[:, None]) + zero[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q, scale, zero
+
+
+def dequantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> torch.Tensor:
+    values = q.float() if zero is None else q.float() - zero[:, None].float()
+    return values * scale[:, None]
+
+
+_FALLBACK_LOGGED: set[str] = set()
+_int_mm_ok: dict[str, bool] = {}
+
+
+def log_fallback_once(reason: str, log: Callable[[str], None] = print) -> None:
+    if reason not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(reason)
+        log(f"bigtrain int8: {reason}; the INT8 products are summed in FP32 instead")
+
+
+def int_mm_available(device: torch.device, log: Callable[[str], None] = print) -> bool:
+    """Whether torch._int_mm runs on this device type: probed once, at setup (a probe inside a
+    compiled forward would break the graph), with a valid shape; a failure is logged."""
+    if device.type not in _int_mm_ok:
+        try:
+            a = torch.ones(32, 32, dtype=torch.int8, device=device)
+            _int_mm_ok[device.type] = bool((torch._int_mm(a, a.t()) == 32).all())  # host sync
+        except (RuntimeError, NotImplementedError):
+            _int_mm_ok[device.type] = False
+        if not _int_mm_ok[device.type]:
+            log_fallback_once(f"torch._int_mm does not run on {device.type}", log)
+    return _int_mm_ok[device.type]
+
+
+def int8_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """qx (M, K) int8 times qw (N, K)^T -> (M, N) int32, exactly where torch._int_mm runs."""
+    m, k = qx.shape
+    n = qw.shape[0]
+    if not _int_mm_ok.get(qx.device.type, False):
+        pass  # logged by int_mm_available at setup
+    elif qx.device.type == "cuda" and not (m > 16 and k % 8 == 0 and n % 8 == 0):
+        # cuBLASLt's INT8 kernels need M > 16 and K, N multiples of 8.
+        log_fallback_once(f"a {m}x{k}x{n} matmul does not meet _int_mm's CUDA shape rules")
+    else:
+        return torch._int_mm(qx, qw.t())
+    # Exact while k * 127 * 128 < 2**24 (k < 1032); beyond, FP32 rounding of the sums adds error.
+    return (qx.float() @ qw.float().t()).round_().to(torch.int32)
+
+
+class Int8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        smooth: torch.Tensor | None,
+        affine: bool,
+        transposed: bool,
+    ) -> torch.Tensor:
+        device_type = x.device.type
+        out_dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else x.dtype
+        )
+        with torch.autocast(device_type, enabled=False):
+            w = weight.t() if transposed else weight  # (out, in)
+            x2 = x.reshape(-1, x.shape[-1]).float()
+            w32 = w.float()
+            if smooth is not None:
+                x2, w32 = x2 / smooth, w32 * smooth
+            qw, sw = quantize_rows_symmetric(w32)
+            if affine:
+                qx, sx, zx = quantize_rows_affine(x2)
+            else:
+                (qx, sx), zx = quantize_rows_symmetric(x2), None
+            acc = int8_matmul(qx, qw)
+            if zx is not None:
+                acc = acc - zx[:, None] * qw.sum(dim=1, dtype=torch.int32)[None, :]
+            y = acc.float() * sx[:, None] * sw[None, :]
+            if bias is not None:
+                y = y + bias.float()
+        ctx.save_for_backward(qx, sx, zx, smooth, weight)
+        ctx.affine, ctx.transposed, ctx.compute_dtype = affine, transposed, out_dtype
+        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        return y.to(out_dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        qx, sx, zx, smooth, weight = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        with torch.autocast(grad_out.device.type, enabled=False):
+            dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+            w = (weight.t() if ctx.transposed else weight).to(dtype)  # (out, in)
+            grad_x = grad_w = grad_b = None
+            if ctx.needs_input_grad[0]:
+                grad_x = (dy @ w).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                x_hat = dequantize_rows(qx, sx, zx)
+                if smooth is not None:
+                    x_hat = x_hat * smooth
+                grad_w = dy.t() @ x_hat.to(dtype)  # (out, in)
+                if ctx.transposed:
+                    grad_w = grad_w.t()
+                grad_w = grad_w.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = dy.float().sum(dim=0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class Int8Linear(nn.Module):
+    """Stands in for an `nn.Linear` (weight (out, in)) or a transformers `Conv1D` (weight
+    (in, out)), holding the same Parameter objects, so names, ties and shards are unchanged."""
+
+    def __init__(self, source: nn.Module, transposed: bool, affine: bool) -> None:
+        super().__init__()
+        self.weight = source.weight
+        self.bias = source.bias
+        self.transposed, self.affine = transposed, affine
+        in_features = self.weight.shape[0 if transposed else 1]
+        self.in_features = in_features
+        self.observe = True  # record max |x| per input channel (calibration, EMA)
+        self.smoothing_alpha = 0.5
+        self.smoothing = False  # set once calibration is complete
+        # The calibrated and this step's max |x| per input channel; not in the model's state_dict:
+        # Int8Calibration carries them in the trainer state (checkpoints and snapshots).
+        self.register_buffer("act_amax", torch.zeros(in_features), persistent=False)
+        self.register_buffer("step_amax", torch.zeros(in_features), persistent=False)
+
+    def extra_repr(self) -> str:
+        kind = "affine" if self.affine else "symmetric"
+        return f"in={self.in_features}, activations={kind} per token, weights=symmetric per channel"
+
+    def smooth_scales(self) -> torch.Tensor | None:
+        if not self.smoothing:
+            return None
+        w = self.weight.detach().float()
+        w_amax = (w.abs().amax(dim=1) if self.transposed else w.abs().amax(dim=0)).clamp_min(EPS)
+        a = self.smoothing_alpha
+        s = self.act_amax.float().clamp_min(EPS).pow(a) / w_amax.pow(1 - a)
+        return s.clamp(1e-4, 1e4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observe and self.training and torch.is_grad_enabled():
+            amax = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            self.step_amax.copy_(torch.maximum(self.step_amax, amax))
+        return Int8LinearFunction.apply(
+            x, self.weight, self.bias, self.smooth_scales(), self.affine, self.transposed
+        )
+
+
+def _linear_kind(module: nn.Module) -> bool | None:
+    """False for nn.Linear, True for a transformers Conv1D (transposed weight), None otherwise."""
+    if isinstance(module, nn.Linear):
+        return False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return True
+    return None
+
+
+def compress_names(names: list[str]) -> str:
+    """`blocks.0.mlp.up, blocks.1.mlp.up` -> `blocks.*.mlp.up` (for the precision table)."""
+    seen: list[str] = []
+    for name in names:
+        pattern = re.sub(r"\.\d+\.", ".*.", name)
+        if pattern not in seen:
+            seen.append(pattern)
+    return ", ".join(seen)
+
+
+def convert_to_int8(
+    model: nn.Module, cfg: Int8Config, fp32_patterns: tuple[str, ...] = ()
+) -> dict[str, Int8Linear]:
+    """Replace the linear layers that `cfg.modules` selects and `cfg.exclude` does not by
+    Int8Linear, in place. Returns them by canonical name. Call before sharding and wrapping."""
+    from bigtrain.parallel.backend import canonical_name
+
+    if cfg.weight_scheme != "symmetric":
+        raise ConfigError(
+            f"precision.int8.weight_scheme got {cfg.weight_scheme!r}, expected symmetric "
+            "(per output channel)"
+        )
+    candidates = []
+    for name, module in model.named_modules():
+        cname = canonical_name(name)
+        transposed = _linear_kind(module)
+        if transposed is None or not cname:
+            continue
+        if not any(fnmatch.fnmatchcase(cname, p) for p in cfg.modules):
+            continue
+        if any(fnmatch.fnmatchcase(cname, p) for p in cfg.exclude):
+            continue
+        inside_fp32 = [
+            p for p in fp32_patterns if any(fnmatch.fnmatchcase(a, p) for a in _ancestors(cname))
+        ]
+        if inside_fp32:
+            raise ConfigError(
+                f"precision.int8.modules selects '{cname}', which precision.fp32_modules "
+                f"('{inside_fp32[0]}') keeps in FP32; exclude it with precision.int8.exclude"
+            )
+        candidates.append((name, cname, module, transposed))
+    if not candidates:
+        raise ConfigError(
+            f"precision.int8.modules {list(cfg.modules)} (minus precision.int8.exclude "
+            f"{list(cfg.exclude)}) selects no linear layer of the model"
+        )
+    converted = {}
+    for name, cname, module, transposed in candidates:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = Int8Linear(module, transposed, affine=cfg.activation_scheme == "affine")
+        layer.smoothing_alpha = cfg.smoothing_alpha
+        layer.observe = cfg.calibration_steps > 0
+        setattr(parent, child, layer)
+        converted[cname] = layer
+    return converted
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+class Int8Calibration(Callback):
+    """Folds each step's max |x| per input channel into the calibration (one MAX all-reduce over
+    all layers at once, so every rank holds the same scales), switches smoothing on when
+    `calibration_steps` are done, and carries the scales in the trainer state."""
+
+    priority = 5  # before snapshots and checkpoints read the trainer state
+    state_key = "int8"
+
+    def __init__(self, layers: dict[str, Int8Linear], cfg: Int8Config) -> None:
+        self.layers, self.cfg = layers, cfg
+        self.steps = 0  # optimizer steps folded into the calibration
+
+    @property
+    def calibrated(self) -> bool:
+        return self.steps >= self.cfg.calibration_steps
+
+    def on_start(self, trainer) -> None:
+        # DeepSpeed casts buffers to the compute dtype: amax values stay FP32.
+        for layer in self.layers.values():
+            layer.act_amax = layer.act_amax.float()
+            layer.step_amax = layer.step_amax.float()
+        self._apply()
+
+    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        if not self.cfg.calibration_steps:
+            return
+        if self.calibrated and self.cfg.calibration == "fixed":
+            return
+        layers = list(self.layers.values())
+        if not metrics.get("skipped"):  # a skipped step's activations may be the anomaly's
+            step_amax = torch.cat([layer.step_amax for layer in layers])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(step_amax, op=dist.ReduceOp.MAX)
+            current = torch.cat([layer.act_amax for layer in layers])
+            if self.calibrated:  # EMA after calibration
+                d = self.cfg.ema_decay
+                folded = d * current + (1 - d) * step_amax
+            else:
+                folded = torch.maximum(current, step_amax)
+            for layer, part in zip(
+                layers, folded.split([x.in_features for x in layers]), strict=True
+            ):
+                layer.act_amax.copy_(part)
+            self.steps += 1
+            if self.calibrated and not self._was_applied:
+                trainer.event(
+                    "int8_calibrated",
+                    steps=self.steps,
+                    mode=self.cfg.calibration,
+                    layers=len(layers),
+                )
+        for layer in layers:
+            layer.step_amax.zero_()
+        self._apply()
+
+    _was_applied = False
+
+    def _apply(self) -> None:
+        observe = not self.calibrated or self.cfg.calibration == "ema"
+        on = self.calibrated and self.cfg.calibration_steps > 0
+        for layer in self.layers.values():
+            layer.smoothing = on
+            layer.observe = observe and self.cfg.calibration_steps > 0
+        self._was_applied = on
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "act_amax": {n: layer.act_amax.float().tolist() for n, layer in self.layers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["act_amax"]) != set(self.layers):
+            raise ConfigError(
+                "the checkpoint's INT8 calibration covers other layers "
+                f"({compress_names(sorted(state['act_amax']))}) than precision.int8 selects "
+                f"({compress_names(sorted(self.layers))})"
+            )
+        self.steps = int(state["steps"])
+        for name, layer in self.layers.items():
+            layer.act_amax.copy_(torch.tensor(state["act_amax"][name], dtype=torch.float32))
+            layer.step_amax.zero_()
+        self._apply()

@@ -135,10 +135,10 @@ class Int8LinearFunction(torch.autograd.Function):
                 qx, sx, zx = quantize_rows_affine(x2)
             else:
                 (qx, sx), zx = quantize_rows_symmetric(x2), None
-            acc = int8_matmul(qx, qw)
-            if zx is not None:
-                acc = acc - zx[:, None] * qw.sum(dim=1, dtype=torch.int32)[None, :]
-            y = acc.float() * sx[:, None] * sw[None, :]
+            y = int8_matmul(qx, qw).float()
+            if zx is not None:  # the zero points' share, a rank-1 term: sum_k z q_w = z colsum
+                y.addr_(zx.float(), qw.sum(dim=1, dtype=torch.int32).float(), alpha=-1)
+            y.mul_(sw).mul_(sx[:, None])  # in place: the output is the largest tensor here
             if bias is not None:
                 y = y + bias.float()
         ctx.save_for_backward(qx, sx, zx, smooth, weight)

@@ -260,7 +260,6 @@ def test_tiny_model_int8_reaches_bf16_validation_loss(tmp_path, cache_dir):
                 f"train.out_dir={tmp_path / out}",
                 f"data.cache_dir={cache_dir}",
                 "train.max_steps=200",
-                "train.micro_batch_size=8",
                 "train.eval_every=200",
                 "train.log_every=50",
                 "train.progress=false",

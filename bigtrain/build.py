@@ -24,6 +24,7 @@ from bigtrain.monitor import kernel
 from bigtrain.monitor.guard import AnomalyGuard
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
+from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.observe.rundir import RunDir
 from bigtrain.observe.wandb_logger import WandbLogger
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
@@ -38,7 +39,13 @@ from bigtrain.parallel.env import (
 )
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
+from bigtrain.precision import (
+    PrecisionPolicy,
+    apply_to_model,
+    detect_hardware,
+    dtype_name,
+    resolve_policy,
+)
 from bigtrain.precision.int8 import (
     Int8Calibration,
     Int8Linear,
@@ -179,7 +186,12 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     int8_layers = apply_int8(cfg, model, policy, device, log)
     backend = make_backend(cfg, model, policy, device)
 
+    peak_flops, peak_source = resolve_peak_flops(
+        device, dtype_name(policy.compute_dtype), policy.allow_tf32, cfg.train.peak_flops
+    )
     context = {
+        "peak_flops": peak_flops,
+        "peak_flops_source": peak_source,
         "policy": policy,
         "num_params": n_params,
         "flops_per_token": flops_per_token,
@@ -282,6 +294,9 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             precision=ctx["policy"].to_dict(),
             global_batch_size=trainer.loader.global_batch_size,
             monitor_kernel=ctx["monitor_kernel"],
+            flops_per_token=ctx["flops_per_token"],
+            peak_flops=ctx["peak_flops"],
+            peak_flops_source=ctx["peak_flops_source"],
         )
         if ctx.get("fault_corrupted"):
             trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])

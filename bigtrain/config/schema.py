@@ -231,6 +231,9 @@ class TrainConfig:
     """Show a console progress bar with loss, tokens/s and ETA (rank 0)."""
     num_threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU. None: the data-sheet peak of known GPUs (V100, A100,
+    H100, H200) in the compute dtype, or a matmul measured at start on a CPU."""
 
 
 @dataclass

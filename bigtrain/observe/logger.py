@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from bigtrain.hooks import Callback
+from bigtrain.observe.mfu import mfu
 
 CONSOLE_EVENTS = {
     "resume",
@@ -78,10 +79,11 @@ class MetricsLogger(Callback):
         record["tokens"] = trainer.state.tokens_seen
         record["skipped_steps"] = trainer.state.skipped_steps
         if trainer.context.get("flops_per_token") and trainer.context.get("peak_flops"):
-            record["mfu"] = (
-                record["tokens_per_s"]
-                * trainer.context["flops_per_token"]
-                / trainer.context["peak_flops"]
+            record["mfu"] = mfu(
+                record["tokens_per_s"],
+                trainer.context["flops_per_token"],
+                trainer.context["peak_flops"],
+                trainer.env.world_size,
             )
         trainer.state.last_loss = record["loss"]
         self.interval_time, self.interval_tokens = 0.0, 0

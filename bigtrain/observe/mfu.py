@@ -1,0 +1,72 @@
+"""Model FLOPs utilisation: model FLOPs per token x tokens/s over the devices' peak.
+
+MFU counts the model's FLOPs (forward + backward, attention included; see gpt.flops_per_token),
+not the hardware's: recomputation under activation checkpointing is not credited, so turning it
+on lowers MFU by what it costs. The peak is the dense tensor-core peak of the device in the
+compute dtype (no 2:4 sparsity), from the vendors' data sheets; on a CPU it is measured with a
+large matmul in the compute dtype (a practical peak, not a theoretical one). `train.peak_flops`
+overrides either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense peak FLOP/s per GPU by compute dtype (NVIDIA data sheets; FP32 without TF32).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12, "tf32": 378e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},  # SXM
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},
+}
+
+
+def gpu_peak_flops(device_name: str, dtype: str) -> float | None:
+    """The data-sheet peak of a GPU by its CUDA name (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
+    name = device_name.upper()
+    # Longest key first: "H100 PCIe" before "H100".
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if all(part in name for part in key.upper().split()):
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+    """FLOP/s of the best of a few square matmuls in `dtype` (the practical peak of a CPU)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up: thread pools, kernels
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # host sync: timing only, at setup
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def resolve_peak_flops(
+    device: torch.device, compute_dtype: str, allow_tf32: bool, configured: float | None
+) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device, where the number comes from)."""
+    if configured:
+        return configured, "train.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        dtype = "tf32" if compute_dtype == "fp32" and allow_tf32 else compute_dtype
+        peak = gpu_peak_flops(name, dtype)
+        if peak is None:
+            return None, f"no data-sheet peak for {name} in {dtype}: set train.peak_flops"
+        return peak, f"data sheet: {name}, dense {dtype}"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    peak = measure_matmul_flops(device, dtypes[compute_dtype])
+    return peak, f"measured: 1024^3 {compute_dtype} matmul on this CPU"
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int) -> float:
+    """Model FLOPs utilisation of `world_size` devices processing `tokens_per_s` (all ranks)."""
+    return tokens_per_s * flops_per_token / (peak_flops * world_size)

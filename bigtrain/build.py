@@ -145,6 +145,11 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     init_process_group(
         env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
     )
+    if cfg.data.pin_memory and device.type != "cuda":
+        raise ConfigError(
+            f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
+            "(leave it null: on for CUDA)"
+        )
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
@@ -171,6 +176,8 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         env.rank,
         env.world_size,
         device,
+        prefetch=cfg.data.prefetch,
+        pin_memory=device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory,
     )
     val = eval_batches(
         val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device

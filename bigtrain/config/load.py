@@ -43,7 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "monitor.detector": ("mean_std", "median_mad"),
     "monitor.on_spike": ("rollback", "skip", "warn"),
     "parallel.backend": ("local", "fsdp", "zero"),
-    "parallel.activation_checkpointing": ("none", "block"),
+    "parallel.activation_checkpointing": ("none", "block", "selective"),
     "wandb.mode": ("online", "offline", "disabled"),
 }
 
@@ -200,6 +200,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"key '{key}' got {value}, expected a value > 0")
     non_negative = {
         "train.eval_every": t.eval_every,
+        "data.prefetch": config.data.prefetch,
         "checkpoint.every": config.checkpoint.every,
         "monitor.every": config.monitor.every,
         "monitor.warmup": config.monitor.warmup,

@@ -78,6 +78,13 @@ class DataConfig:
     """Where tokenizers and token arrays are cached. None: $BIGTRAIN_CACHE or ~/.cache/bigtrain."""
     num_proc: int = 1
     """Processes used by `datasets.map` to tokenize."""
+    prefetch: int = 1
+    """Optimizer steps of micro-batches read ahead by a background thread (0: read in the loop).
+    Read-ahead batches are keyed by their stream positions, so a rollback or resume that moves the
+    cursor discards them: the data order never depends on it."""
+    pin_memory: bool | None = None
+    """Read batches into pinned host memory, so the copy to the GPU is asynchronous. None: on
+    CUDA. Needs a CUDA device."""
 
 
 @dataclass
@@ -202,6 +209,9 @@ class OptimConfig:
     """Adam epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    fused: bool | None = None
+    """torch's fused AdamW kernel (one kernel for all parameters) instead of the foreach one.
+    None: on CUDA. Applies to FP32 optimizer states (bigtrain's low-precision AdamW has its own)."""
 
 
 @dataclass
@@ -332,7 +342,8 @@ class ParallelConfig:
     zero_stage: int = 2
     """ZeRO stage for backend=zero: 1 shards optimizer states, 2 also gradients, 3 also weights."""
     activation_checkpointing: str = "none"
-    """`none` or `block`: recompute each transformer block's activations in backward."""
+    """`none`; `block`: recompute each transformer block's activations in backward; `selective`:
+    recompute only the cheap ops (norms, activations, adds), keep matmul and attention outputs."""
     compile: bool = False
     """torch.compile each transformer block (in place; parameter names unchanged)."""
     reshard_after_forward: bool = True

@@ -12,6 +12,7 @@ the same global batch size, which is what makes runs at different world sizes co
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -96,16 +97,20 @@ class SampleStream:
 
     def take(self, count: int) -> list[int]:
         """The next `count` positions that are not skipped; advances the cursor past them."""
+        positions, self.cursor = self.positions_from(self.cursor, count)
+        return positions
+
+    def positions_from(self, cursor: int, count: int) -> tuple[list[int], int]:
+        """`count` positions not skipped from `cursor` on, and the cursor after them (pure)."""
         positions = []
-        g = self.cursor
+        g = cursor
         while len(positions) < count:
             for s, e in self.skip_windows:
                 if s <= g < e:
                     g = e
             positions.append(g)
             g += 1
-        self.cursor = g
-        return positions
+        return positions, g
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -126,7 +131,12 @@ class SampleStream:
 
 
 class BatchLoader:
-    """This rank's micro-batches for each optimizer step, as (inputs, targets) int64 tensors."""
+    """This rank's micro-batches for each optimizer step, as (inputs, targets) int64 tensors.
+
+    With `prefetch` > 0 a background thread reads the next steps' rows (into pinned memory with
+    `pin_memory`) while the current step computes. What it read is keyed by stream positions: the
+    loop gets it only if the stream, as it is now (after a rollback, a resume or a skip window),
+    asks for exactly those positions; otherwise it reads them itself."""
 
     def __init__(
         self,
@@ -137,6 +147,8 @@ class BatchLoader:
         rank: int,
         world_size: int,
         device: torch.device,
+        prefetch: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         self.samples, self.stream = samples, stream
         self.micro, self.accum, self.rank, self.world, self.device = (
@@ -146,6 +158,10 @@ class BatchLoader:
             world_size,
             device,
         )
+        self.prefetch, self.pin_memory = prefetch, pin_memory
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-data") if prefetch else None
+        self._ahead: dict[tuple[int, ...], Future] = {}
+        self.prefetch_hits = 0  # steps served from the read-ahead (tests, telemetry)
 
     @property
     def global_batch_size(self) -> int:
@@ -155,15 +171,42 @@ class BatchLoader:
         per_rank = self.micro * self.accum
         return global_positions[self.rank * per_rank : (self.rank + 1) * per_rank]
 
+    def _read(self, ids: list[int]) -> list[torch.Tensor]:
+        """Host rows of each micro-batch (runs in the read-ahead thread)."""
+        rows = [
+            self.samples.get(ids[m * self.micro : (m + 1) * self.micro]) for m in range(self.accum)
+        ]
+        return [r.pin_memory() for r in rows] if self.pin_memory else rows
+
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         positions = self.rank_positions(self.stream.take(self.global_batch_size))
-        ids = [self.stream.sample_at(p) for p in positions]
+        ahead = self._ahead.pop(tuple(positions), None)
+        if ahead is not None:
+            rows = ahead.result()
+            self.prefetch_hits += 1
+        else:
+            rows = self._read([self.stream.sample_at(p) for p in positions])
+        if self._pool is not None:
+            self._read_ahead()
         batches = []
-        for m in range(self.accum):
-            rows = self.samples.get(ids[m * self.micro : (m + 1) * self.micro])
-            rows = rows.to(self.device, non_blocking=True)
-            batches.append((rows[:, :-1], rows[:, 1:]))
+        for r in rows:
+            r = r.to(self.device, non_blocking=True)  # asynchronous from pinned memory
+            batches.append((r[:, :-1], r[:, 1:]))
         return batches
+
+    def _read_ahead(self) -> None:
+        """Queue the next `prefetch` steps of the stream as it stands; drop stale reads."""
+        assert self._pool is not None
+        wanted, cursor = [], self.stream.cursor
+        for _ in range(self.prefetch):
+            global_positions, cursor = self.stream.positions_from(cursor, self.global_batch_size)
+            wanted.append(tuple(self.rank_positions(global_positions)))
+        self._ahead = {k: v for k, v in self._ahead.items() if k in wanted}
+        for key in wanted:
+            if key not in self._ahead:
+                # Sample ids are looked up here: the permutation cache is not thread-safe.
+                ids = [self.stream.sample_at(p) for p in key]
+                self._ahead[key] = self._pool.submit(self._read, ids)
 
 
 def eval_batches(

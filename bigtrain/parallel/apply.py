@@ -3,11 +3,34 @@ Used by every backend, before it shards or wraps the model."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Selective checkpointing keeps what is expensive to recompute (matmuls, attention) and recomputes
+# the rest (norms, activations, residual adds, casts): most of the memory for a small share of the
+# FLOPs (Korthikanti et al. 2022).
+_aten = torch.ops.aten
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._int_mm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -24,12 +47,17 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """`block`: recompute each block's activations in backward instead of keeping them."""
+    """`block`: recompute each block's activations in backward instead of keeping them.
+    `selective`: recompute only the cheap ops of each block, keep the matmul and attention
+    outputs."""
     if mode == "none":
         return
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
     blocks = transformer_blocks(model)
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> None:

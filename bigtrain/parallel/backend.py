@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config.schema import Config
+from bigtrain.errors import ConfigError
 from bigtrain.precision.adamw import LowPrecisionAdamW
 from bigtrain.precision.islands import FP32Islands
-from bigtrain.precision.policy import Phase, PrecisionPolicy
+from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 
 
@@ -131,10 +132,17 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def make_adamw(
     params: list[dict], cfg: Config, policy: PrecisionPolicy, device: torch.device
 ) -> torch.optim.Optimizer:
-    """torch's AdamW for FP32 states (fused on CUDA, foreach on CPU); bigtrain's AdamW for
+    """torch's AdamW for FP32 states (fused per optim.fused: on CUDA by default, else foreach);
+    bigtrain's AdamW for
     BF16/FP16 states (math in FP32)."""
     optim = cfg.optim
+    fused = device.type == "cuda" if optim.fused is None else optim.fused
     if policy.optimizer_state_dtype != torch.float32:
+        if optim.fused:
+            raise ConfigError(
+                "optim.fused=true needs FP32 optimizer states: precision.optimizer_state_dtype="
+                f"{dtype_name(policy.optimizer_state_dtype)} uses bigtrain's own AdamW"
+            )
         return LowPrecisionAdamW(
             params,
             lr=optim.lr,
@@ -148,8 +156,8 @@ def make_adamw(
         lr=optim.lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
-        fused=device.type == "cuda",
-        foreach=None if device.type == "cuda" else True,
+        fused=fused,
+        foreach=None if fused else True,
     )
 
 

@@ -77,3 +77,26 @@ def test_changed_corpus_or_seed_refuses_the_cursor():
     state = SampleStream(50, 3).state_dict()
     with pytest.raises(ConfigError, match="train.seed or the corpus changed"):
         SampleStream(51, 3).load_state_dict(state)
+
+
+def test_read_ahead_serves_the_same_batches_and_drops_stale_ones():
+    samples = make_samples()
+    plain = BatchLoader(samples, SampleStream(50, 5), 4, 2, 0, 1, torch.device("cpu"))
+    ahead = BatchLoader(samples, SampleStream(50, 5), 4, 2, 0, 1, torch.device("cpu"), prefetch=2)
+
+    def step(loader):
+        return torch.cat([torch.cat([x, y], 1) for x, y in loader.next_step()])
+
+    for _ in range(3):
+        assert torch.equal(step(plain), step(ahead))
+    assert ahead.prefetch_hits == 2  # steps 2 and 3 came from the read-ahead
+    # A rollback-style change of the stream: skip the positions that were read ahead, rewind.
+    for loader in (plain, ahead):
+        loader.stream.add_skip_window(24, 40)
+    assert torch.equal(step(plain), step(ahead))
+    assert ahead.prefetch_hits == 2  # the stale read was not used
+    for loader in (plain, ahead):
+        loader.stream.cursor = 8
+    for _ in range(3):
+        assert torch.equal(step(plain), step(ahead))
+    assert ahead.prefetch_hits == 4

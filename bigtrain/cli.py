@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("items", nargs="+", metavar="CONFIG|key=value")
     plan.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+    plan.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="memory of one GPU (e.g. 80GiB): also print the largest micro-batch that fits "
+        "(planned for an sm90 GPU when run without one)",
+    )
 
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
     report.add_argument("run_dir", type=Path)
@@ -71,16 +77,21 @@ def _train(items: list[str], local_rank: int | None) -> int:
     return 0
 
 
-def _plan(items: list[str], world_size: int) -> int:
+def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     from bigtrain.config import load_config
     from bigtrain.parallel.env import DistEnv, pick_device
-    from bigtrain.plan import plan_text
-    from bigtrain.precision import detect_hardware
+    from bigtrain.plan import parse_bytes, plan_text
+    from bigtrain.precision import Hardware, detect_hardware
 
     if world_size < 1:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
+    memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
     cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
-    print(plan_text(cfg, world_size, detect_hardware(pick_device(cfg.train.device, DistEnv()))))
+    device = pick_device(cfg.train.device, DistEnv())
+    hardware = detect_hardware(device)
+    if memory is not None and device.type != "cuda":
+        hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
+    print(plan_text(cfg, world_size, hardware, memory))
     return 0
 
 
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             local_rank = args.local_rank if args.local_rank is not None else args.local_rank_sub
             return _train(args.items, local_rank)
         if args.command == "plan":
-            return _plan(args.items, args.world_size)
+            return _plan(args.items, args.world_size, args.gpu_memory)
         if args.command == "report":
             from bigtrain.observe.report import build_report
 

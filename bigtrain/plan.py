@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from bigtrain.config.schema import Config
+from bigtrain.errors import ConfigError
 from bigtrain.model import build_model, num_params
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
 
@@ -102,6 +103,83 @@ def count_params(cfg: Config) -> tuple[int, int]:
     return num_params(model), block
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What activation memory depends on (bigtrain's GPT; transformers models by their config)."""
+
+    n_layers: int
+    d_model: int
+    d_ff: int
+    kv_width: int  # width of K (= of V): n_kv_heads x head_dim
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+    swiglu: bool
+    rope: bool
+
+
+def model_shape(cfg: Config) -> Shape:
+    from bigtrain.model.gpt import default_d_ff
+
+    m = cfg.model
+    if m.kind == "hf":
+        with torch.device("meta"):
+            hf = build_model(m, vocab_size_for_plan(cfg)).hf.config  # type: ignore[union-attr]
+        d = getattr(hf, "hidden_size", getattr(hf, "n_embd", 0))
+        heads = getattr(hf, "num_attention_heads", getattr(hf, "n_head", 1))
+        kv = getattr(hf, "num_key_value_heads", None) or heads
+        ff = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * d
+        swiglu = getattr(hf, "hidden_act", "") == "silu"
+        layers = getattr(hf, "num_hidden_layers", getattr(hf, "n_layer", 0))
+        return Shape(
+            layers, d, ff, kv * d // heads, heads, m.seq_len, hf.vocab_size, swiglu, swiglu
+        )
+    kv = (m.n_kv_heads or m.n_heads) * (m.d_model // m.n_heads)
+    return Shape(
+        m.n_layers,
+        m.d_model,
+        m.d_ff or default_d_ff(m),
+        kv,
+        m.n_heads,
+        m.seq_len,
+        vocab_size_for_plan(cfg),
+        m.mlp == "swiglu",
+        m.position == "rope",
+    )
+
+
+def activation_bytes_per_token(
+    shape: Shape, mode: str, compute_bytes: int, residual_bytes: int, fp32_softmax: bool = False
+) -> dict[str, float]:
+    """Bytes autograd keeps per token, from what each op of a block saves for backward (SDPA
+    attention keeps no seq x seq scores; the explicit FP32-softmax path keeps the probabilities in
+    FP32 and in the compute dtype, heads x seq values per token each). `layers`: kept for all layers until backward; `transient`:
+    one layer's activations recomputed in backward (checkpointing); `head`: final norm, lm_head
+    and the FP32 log-softmax of the loss. `residual_bytes`: 4 when the residual stream is FP32
+    (autocast over FP32 weights), the compute dtype's size when the weights are cast (FSDP2, ZeRO).
+    """
+    h, f, kv, c, r = shape.d_model, shape.d_ff, shape.kv_width, compute_bytes, residual_bytes
+    up = 2 * f if shape.swiglu else f  # width of the up projection's output
+    mlp = (up + 2 * f) * c if shape.swiglu else 2 * f * c  # up out (+ silu out), down input
+    rope = (4 + c) * (h + kv) if shape.rope else 0  # FP32 halves and rotated q, k
+    # two norm inputs; qkv input, q/k/v, attention output (also proj's input: the transpose
+    # back of SDPA's output is a view), up input; the MLP
+    full = 2 * r * h + c * (h + (h + 2 * kv) + h + h) + mlp + rope
+    if fp32_softmax:
+        full += shape.n_heads * shape.seq_len * (4 + c)
+    matmul_outputs = c * ((h + 2 * kv) + h + h + up + h)  # qkv, attention, proj, up, down
+    if fp32_softmax:
+        matmul_outputs += shape.n_heads * shape.seq_len * 4  # the FP32 scores
+    kept = {"none": full, "block": r * h, "selective": r * h + matmul_outputs}[mode]
+    v = shape.vocab_size
+    return {
+        "layers": shape.n_layers * kept,
+        # during backward: one layer recomputed; the logits in the compute dtype and in FP32
+        "transient": (0 if mode == "none" else full) + (c + 4) * v,
+        "head": r * h + c * h + 4 * v,  # final norm and lm_head inputs, FP32 log-softmax
+    }
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -110,7 +188,115 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
-def plan_text(cfg: Config, world_size: int, hardware: Hardware) -> str:
+CHECKPOINTING = ("none", "selective", "block")
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '81920MiB' or a plain number of bytes."""
+    t = text.strip().upper().replace(" ", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * UNITS[unit])
+    if t.isdigit():
+        return int(t)
+    raise ConfigError(f"--gpu-memory got '{text}', expected a size such as 80GiB or 40GB")
+
+
+def reserve_bytes(gpu_memory: int) -> int:
+    """Kept free for the CUDA context, NCCL buffers and allocator fragmentation: 1 GiB + 5%."""
+    return 2**30 + gpu_memory // 20
+
+
+def largest_micro_batch(
+    gpu_memory: int, persistent: float, transient_weights: float, per_sequence: float
+) -> int:
+    """Sequences per micro-batch that fit next to the states and the transient weights."""
+    free = gpu_memory - reserve_bytes(gpu_memory) - persistent - transient_weights
+    return max(0, int(free // per_sequence))
+
+
+def transient_weight_bytes(cfg: Config, policy: PrecisionPolicy, block: int) -> float:
+    """Weights and gradients that exist only around a block's compute: FSDP2 and ZeRO-3 gather
+    the current block and prefetch the next (compute dtype) and hold one block's unsharded FP32
+    gradients before the reduce-scatter; local autocast casts one block's weights at a time."""
+    c = policy.compute_dtype.itemsize
+    sharded = cfg.parallel.backend == "fsdp" or (
+        cfg.parallel.backend == "zero" and cfg.parallel.zero_stage == 3
+    )
+    if sharded:
+        return block * (2 * c + policy.reduce_dtype.itemsize)
+    return block * c
+
+
+def activation_lines(
+    cfg: Config,
+    policy: PrecisionPolicy,
+    n: int,
+    block: int,
+    world_size: int,
+    gpu_memory: int | None,
+) -> list[str]:
+    from bigtrain.parallel.fsdp import gathers_in_compute_dtype
+
+    shape = model_shape(cfg)
+    c = policy.compute_dtype.itemsize
+    casts = cfg.parallel.backend == "zero" or (
+        cfg.parallel.backend == "fsdp" and gathers_in_compute_dtype(policy)
+    )
+    residual = c if casts else 4
+    attention = (
+        "explicit FP32-softmax attention: seq x seq probabilities kept"
+        if policy.fp32_softmax
+        else "SDPA attention"
+    )
+    lines = [
+        "",
+        f"activations per sequence of {shape.seq_len} tokens ({dtype_name(policy.compute_dtype)}, "
+        f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}):",
+        f"  {'checkpointing':<14} {'kept':>10} {'transient':>10} {'per sequence':>13}",
+    ]
+    per_sequence = {}
+    for mode in CHECKPOINTING:
+        a = activation_bytes_per_token(shape, mode, c, residual, policy.fp32_softmax)
+        kept, transient = (a["layers"] + a["head"]) * shape.seq_len, a["transient"] * shape.seq_len
+        per_sequence[mode] = kept + transient
+        lines.append(
+            f"  {mode:<14} {fmt_bytes(kept):>10} {fmt_bytes(transient):>10} "
+            f"{fmt_bytes(kept + transient):>13}"
+        )
+    if gpu_memory is None:
+        return lines
+    layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
+    persistent = sum(layout.per_rank_bytes_per_param(world_size).values()) * n
+    weights = transient_weight_bytes(cfg, policy, block)
+    fits = {
+        mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
+        for mode in CHECKPOINTING
+    }
+    chosen = cfg.parallel.activation_checkpointing
+    lines += [
+        "",
+        f"largest micro-batch on {fmt_bytes(gpu_memory)} per GPU (states {fmt_bytes(persistent)}, "
+        f"transient weights and gradients {fmt_bytes(weights)}, reserve "
+        f"{fmt_bytes(reserve_bytes(gpu_memory))}):",
+    ]
+    for mode in CHECKPOINTING:
+        mark = "  <- parallel.activation_checkpointing" if mode == chosen else ""
+        note = " (does not fit)" if fits[mode] == 0 else ""
+        lines.append(f"  {mode:<14} {fits[mode]:>5}{note}{mark}")
+    configured = cfg.train.micro_batch_size
+    if configured > fits[chosen]:
+        lines.append(
+            f"  train.micro_batch_size={configured} exceeds {fits[chosen]} with "
+            f"activation_checkpointing={chosen}"
+        )
+    return lines
+
+
+def plan_text(
+    cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
+) -> str:
     n, block = count_params(cfg)
     policy = resolve_policy(cfg.precision, hardware, n)
     lines = [
@@ -152,4 +338,5 @@ def plan_text(cfg: Config, world_size: int, hardware: Hardware) -> str:
             else ""
         )
         lines.append(f"  {label:<15} {b:>7.3f}  {fmt_bytes(b * n):>10}{extra}")
+    lines += activation_lines(cfg, policy, n, block, world_size, gpu_memory)
     return "\n".join(lines)

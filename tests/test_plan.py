@@ -128,3 +128,68 @@ def test_plan_cli_prints_components_and_policy():
     for component in COMPONENTS:
         assert component in out
     assert "zero-3" in out and "ZeRO paper" in out
+
+
+def test_activation_estimate_matches_what_autograd_saves(micro):
+    """FP32 compute (no autocast casts): the bytes autograd keeps for backward in one forward and
+    loss, weights excluded, against the plan's per-token estimate."""
+    from torch import nn
+
+    from bigtrain.model import build_model
+    from bigtrain.plan import activation_bytes_per_token, model_shape
+
+    cfg = micro()
+    model = build_model(cfg.model, 384)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if not isinstance(t, nn.Parameter) and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 384, (8, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 384), ids.reshape(-1))
+    measured = sum(saved.values()) / ids.numel()
+    estimate = activation_bytes_per_token(model_shape(cfg), "none", 4, 4)
+    assert estimate["layers"] + estimate["head"] == pytest.approx(measured, rel=0.02)
+
+
+def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
+    from bigtrain.plan import plan_text
+
+    cfg = load_config(["configs/llama-70b.yaml"])
+    h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
+    text = plan_text(cfg, 64, h100, gpu_memory=80 * 2**30)
+    # FSDP2: 16 B/param over 64 ranks; two gathered BF16 blocks + one FP32 gradient block
+    states = 16 * 68_976_648_192 / 64
+    transient = 855_654_400 * (2 + 2 + 4)
+    reserve = 2**30 + 4 * 2**30
+    # block checkpointing, per token: the BF16 block inputs of 80 layers, the head (final norm and
+    # lm_head inputs, FP32 log-softmax), one recomputed layer and the logits (BF16 + FP32)
+    h, kv, f, vocab = 8192, 1024, 28672, 32000
+    layer = 2 * 2 * h + 2 * (h + (h + 2 * kv) + h + h) + 4 * f * 2 + 6 * (h + kv)
+    per_token = 80 * 2 * h + (2 * h + 2 * h + 4 * vocab) + layer + 6 * vocab
+    expected = int((80 * 2**30 - reserve - states - transient) // (per_token * 4096))
+    assert expected == 6
+    assert "  block              6  <- parallel.activation_checkpointing" in text
+    assert "selective          0 (does not fit)" in text
+
+
+def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
+    ok = run_cli("plan", "configs/llama-1b.yaml", "--gpu-memory", "80GB")
+    assert ok.returncode == 0, ok.stderr
+    assert "largest micro-batch on 74.5 GiB per GPU" in ok.stdout
+    bad = run_cli("plan", "configs/llama-1b.yaml", "--gpu-memory", "lots")
+    assert bad.returncode == 2 and "--gpu-memory got 'lots'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("gpt2-124m", 124_475_904), ("llama-1b", 1_235_814_400), ("llama-7b", 6_738_415_616)],
+)
+def test_recipes_have_the_published_sizes(name, params):
+    assert count_params(load_config([f"configs/{name}.yaml"]))[0] == params

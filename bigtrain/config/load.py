@@ -170,6 +170,15 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})"
         )
+    if (
+        m.kind == "gpt"
+        and m.n_kv_heads is not None
+        and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads)
+    ):
+        raise ConfigError(
+            f"key 'model.n_kv_heads' ({m.n_kv_heads}) must be positive and divide model.n_heads "
+            f"({m.n_heads})"
+        )
     if m.kind == "gpt" and m.position == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError("key 'model.n_heads': rope needs an even head dim (d_model / n_heads)")
     if m.kind == "hf" and not (m.hf_config or m.hf_path):

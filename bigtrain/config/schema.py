@@ -19,6 +19,9 @@ class ModelConfig:
     """Transformer blocks (gpt)."""
     n_heads: int = 4
     """Attention heads per block (gpt); must divide `d_model`."""
+    n_kv_heads: int | None = None
+    """Key/value heads (gpt): fewer than n_heads is grouped-query attention (Llama 2 70B, Llama 3);
+    must divide n_heads. None: n_heads."""
     d_model: int = 128
     """Residual stream width (gpt)."""
     d_ff: int | None = None

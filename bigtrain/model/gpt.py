@@ -65,9 +65,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        kv_width = self.n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_width, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled_init = True  # type: ignore[attr-defined]
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -78,17 +80,23 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=-1)
-        q, k, v = (
-            t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
-        )
+        kv_width = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([width, kv_width, kv_width], dim=-1)
+        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         p = self.dropout if self.training else 0.0
+        grouped = self.n_kv_heads != self.n_heads
         if self.fp32_softmax:
+            if grouped:  # each key/value head serves n_heads / n_kv_heads query heads
+                groups = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             y = self._explicit_fp32(q, k, v, p)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped
+            )
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return self.resid_dropout(self.proj(y))
 

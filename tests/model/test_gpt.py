@@ -120,3 +120,17 @@ def test_flops_per_token_by_hand():
 def test_too_long_sequence_is_refused():
     with pytest.raises(ValueError, match="longer than model.seq_len=16"):
         GPT(GPT2)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_grouped_query_attention_matches_its_explicit_path_and_shrinks_kv():
+    from bigtrain.config.schema import ModelConfig
+    from bigtrain.model.gpt import GPT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2, d_model=64, seq_len=16, vocab_size=50)
+    model = GPT(cfg)
+    assert model.blocks[0].attn.qkv.weight.shape == (64 + 2 * 2 * 16, 64)
+    ids = torch.randint(0, 50, (2, 16))
+    fused = model(ids)
+    model.blocks[0].attn.fp32_softmax = True  # explicit path: K/V heads repeated by hand
+    torch.testing.assert_close(model(ids), fused, rtol=1e-5, atol=1e-5)

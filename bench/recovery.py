@@ -150,6 +150,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=100, help="one injected fault per N steps")
     args = parser.parse_args()
+    if args.every <= 50:
+        # A fault within resilience.window (50) steps of the last rollback is a repeat: the
+        # ladder goes one snapshot further back, which is not what this measures.
+        parser.error("--every must exceed resilience.window (50 steps)")
     result = {
         "recovery": [recovery_time("memory"), recovery_time("disk")],
         "wall": wall_time(args.steps, args.every),

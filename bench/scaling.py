@@ -51,7 +51,7 @@ def timed(files: list[str], overrides: list[str], steps: int) -> dict:
         return {"tokens_per_s": steps * trainer.tokens_per_step / seconds, "losses": losses}
     finally:
         trainer.callbacks.close()
-        shutdown()
+        shutdown(clean=True)
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ from bigtrain.parallel.env import (
 )
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
+from bigtrain.parallel.meta_init import uses_meta_init
 from bigtrain.precision import (
     PrecisionPolicy,
     apply_to_model,
@@ -183,10 +184,14 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
     )
 
-    model = build_model(
-        cfg.model, corpus.vocab_size
-    )  # same seed on every rank: same initial weights
-    n_params = num_params(model)
+    with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
+        n_params = num_params(build_model(cfg.model, corpus.vocab_size))
+    if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
+        with torch.device("meta"):  # FSDPBackend materialises this rank's shards only
+            model = build_model(cfg.model, corpus.vocab_size)
+    else:
+        # same seed on every rank: same initial weights
+        model = build_model(cfg.model, corpus.vocab_size)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
     flops_per_token = model_flops_per_token(model, cfg.model)

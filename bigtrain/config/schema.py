@@ -349,6 +349,10 @@ class ParallelConfig:
     recompute only the cheap ops (norms, activations, adds), keep matmul and attention outputs."""
     compile: bool = False
     """torch.compile each transformer block (in place; parameter names unchanged)."""
+    meta_init: bool | None = None
+    """Build the model on the meta device and materialise only this rank's shards (fsdp, gpt):
+    no process ever holds the whole model. None: on for fsdp from 1B parameters. Initial weights
+    are then drawn per parameter (the same at any world size, not the draws of a whole build)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
     backward (ZeRO-2-like speed)."""

@@ -180,16 +180,40 @@ class GPT(nn.Module):
         std = self.cfg.init_std
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                scale = (
-                    1 / math.sqrt(2 * self.cfg.n_layers)
-                    if getattr(module, "residual_scaled_init", False)
-                    else 1.0
-                )
-                nn.init.normal_(module.weight, std=std * scale)
+                nn.init.normal_(module.weight, std=std * self._linear_scale(module))
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
+
+    def _linear_scale(self, module: nn.Module) -> float:
+        residual = getattr(module, "residual_scaled_init", False)
+        return 1 / math.sqrt(2 * self.cfg.n_layers) if residual else 1.0
+
+    def init_value(
+        self, name: str, shape: torch.Size, device: torch.device, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The initial value of parameter `name` (as named by named_parameters), drawn from
+        `generator`: the same rules as reset_parameters, for models built on the meta device and
+        materialised shard by shard (parallel.meta_init)."""
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        out = torch.empty(shape, device=device)
+        if attr == "weight" and len(shape) >= 2:  # linear layers (also replaced ones), embeddings
+            std = self.cfg.init_std * self._linear_scale(owner)
+            return out.normal_(0.0, std, generator=generator)
+        if attr == "weight":  # LayerNorm, RMSNorm gains
+            return out.fill_(1.0)
+        return out.zero_()  # biases
+
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (rotary tables) after `to_empty`."""
+        if self.cfg.position == "rope":
+            cos, sin = rope_tables(
+                self.cfg.seq_len, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta
+            )
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype."""

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from bigtrain.config.schema import Config
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, canonical_name, weights_fingerprint
+from bigtrain.parallel.meta_init import materialize
 from bigtrain.precision.policy import PrecisionPolicy
 
 
@@ -45,11 +46,15 @@ class FSDPBackend(TorchBackend):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp = fsdp_mixed_precision(policy)
         reshard = cfg.parallel.reshard_after_forward
-        model = model.to(device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if not on_meta:
+            model = model.to(device)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds embeddings, final norm and lm_head (tied weights stay in one group).
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
+            materialize(model, device, cfg.train.seed)
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
         self._ckpt_group = None  # created on the first async save, by every rank at once

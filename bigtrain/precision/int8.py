@@ -177,6 +177,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.weight = source.weight
         self.bias = source.bias
+        for key, value in vars(source).items():  # e.g. in_features, residual_scaled_init
+            if not key.startswith("_") and key not in vars(self) and not callable(value):
+                setattr(self, key, value)
         self.transposed, self.affine = transposed, affine
         in_features = self.weight.shape[0 if transposed else 1]
         self.in_features = in_features

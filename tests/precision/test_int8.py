@@ -205,12 +205,13 @@ def calibration_on_ranks(args: list[str]) -> dict:
         shutdown(clean=False)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+@pytest.mark.parametrize(("backend", "stage"), [("fsdp", 0), ("zero", 2), ("zero", 3)])
 def test_calibration_is_the_max_over_ranks_and_identical_on_every_rank(
-    tmp_path, corpus_files, cache_dir, backend
+    tmp_path, corpus_files, cache_dir, backend, stage
 ):
     args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
         f"parallel.backend={backend}",
+        f"parallel.zero_stage={stage or 2}",
         "precision.compute_dtype=bf16",
         "precision.int8.enabled=true",
         "precision.int8.calibration_steps=3",

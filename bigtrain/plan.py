@@ -115,7 +115,7 @@ class Shape:
     seq_len: int
     vocab_size: int
     swiglu: bool
-    rope: bool
+    rmsnorm: bool
 
 
 def model_shape(cfg: Config) -> Shape:
@@ -130,10 +130,9 @@ def model_shape(cfg: Config) -> Shape:
         kv = getattr(hf, "num_key_value_heads", None) or heads
         ff = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * d
         swiglu = getattr(hf, "hidden_act", "") == "silu"
+        rms = getattr(hf, "rms_norm_eps", None) is not None
         layers = getattr(hf, "num_hidden_layers", getattr(hf, "n_layer", 0))
-        return Shape(
-            layers, d, ff, kv * d // heads, heads, m.seq_len, hf.vocab_size, swiglu, swiglu
-        )
+        return Shape(layers, d, ff, kv * d // heads, heads, m.seq_len, hf.vocab_size, swiglu, rms)
     kv = (m.n_kv_heads or m.n_heads) * (m.d_model // m.n_heads)
     return Shape(
         m.n_layers,
@@ -144,7 +143,7 @@ def model_shape(cfg: Config) -> Shape:
         m.seq_len,
         vocab_size_for_plan(cfg),
         m.mlp == "swiglu",
-        m.position == "rope",
+        m.norm == "rmsnorm",
     )
 
 
@@ -161,10 +160,12 @@ def activation_bytes_per_token(
     h, f, kv, c, r = shape.d_model, shape.d_ff, shape.kv_width, compute_bytes, residual_bytes
     up = 2 * f if shape.swiglu else f  # width of the up projection's output
     mlp = (up + 2 * f) * c if shape.swiglu else 2 * f * c  # up out (+ silu out), down input
-    rope = (4 + c) * (h + kv) if shape.rope else 0  # FP32 halves and rotated q, k
-    # two norm inputs; qkv input, q/k/v, attention output (also proj's input: the transpose
-    # back of SDPA's output is a view), up input; the MLP
-    full = 2 * r * h + c * (h + (h + 2 * kv) + h + h) + mlp + rope
+    # Norms compute in FP32: LayerNorm keeps its FP32 input, RMSNorm also its normalised value.
+    # (Rotary positions keep nothing: only the constant tables.)
+    norm = 8 * h if shape.rmsnorm else 4 * h
+    # two norms; qkv input, q/k/v, attention output (also proj's input: the transpose back of
+    # SDPA's output is a view), up input; the MLP
+    full = 2 * norm + c * (h + (h + 2 * kv) + h + h) + mlp
     if fp32_softmax:
         full += shape.n_heads * shape.seq_len * (4 + c)
     matmul_outputs = c * ((h + 2 * kv) + h + h + up + h)  # qkv, attention, proj, up, down
@@ -176,7 +177,7 @@ def activation_bytes_per_token(
         "layers": shape.n_layers * kept,
         # during backward: one layer recomputed; the logits in the compute dtype and in FP32
         "transient": (0 if mode == "none" else full) + (c + 4) * v,
-        "head": r * h + c * h + 4 * v,  # final norm and lm_head inputs, FP32 log-softmax
+        "head": norm + c * h + 4 * v,  # final norm, lm_head input, FP32 log-softmax
     }
 
 
@@ -216,16 +217,28 @@ def largest_micro_batch(
     return max(0, int(free // per_sequence))
 
 
-def transient_weight_bytes(cfg: Config, policy: PrecisionPolicy, block: int) -> float:
-    """Weights and gradients that exist only around a block's compute: FSDP2 and ZeRO-3 gather
-    the current block and prefetch the next (compute dtype) and hold one block's unsharded FP32
-    gradients before the reduce-scatter; local autocast casts one block's weights at a time."""
+def gathered_dtype_bytes(cfg: Config, policy: PrecisionPolicy) -> int:
+    """Bytes per element of the weights FSDP2 all-gathers (its MixedPrecisionPolicy)."""
+    from bigtrain.parallel.fsdp import fsdp_mixed_precision
+
+    return fsdp_mixed_precision(policy).param_dtype.itemsize  # type: ignore[union-attr]
+
+
+def transient_weight_bytes(cfg: Config, policy: PrecisionPolicy, n: int, block: int) -> float:
+    """Weights and gradients that exist only around compute. FSDP2 gathers in its param dtype
+    (the compute dtype, or FP32 with a precision schedule or FP32 modules): the current block
+    and the prefetched next with resharding after forward, or every block from its forward to
+    its backward without; plus one block's unsharded FP32 gradients before the reduce-scatter.
+    ZeRO-3 gathers the current and the prefetched block in the compute dtype. Local autocast
+    casts one block's weights at a time."""
     c = policy.compute_dtype.itemsize
-    sharded = cfg.parallel.backend == "fsdp" or (
-        cfg.parallel.backend == "zero" and cfg.parallel.zero_stage == 3
-    )
-    if sharded:
-        return block * (2 * c + policy.reduce_dtype.itemsize)
+    grads = block * policy.reduce_dtype.itemsize
+    if cfg.parallel.backend == "fsdp":
+        gathered = gathered_dtype_bytes(cfg, policy)
+        held = 2 * block if cfg.parallel.reshard_after_forward else n
+        return held * gathered + grads
+    if cfg.parallel.backend == "zero" and cfg.parallel.zero_stage == 3:
+        return 2 * block * c + grads
     return block * c
 
 
@@ -269,7 +282,7 @@ def activation_lines(
         return lines
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
     persistent = sum(layout.per_rank_bytes_per_param(world_size).values()) * n
-    weights = transient_weight_bytes(cfg, policy, block)
+    weights = transient_weight_bytes(cfg, policy, n, block)
     fits = {
         mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
         for mode in CHECKPOINTING
@@ -316,8 +329,12 @@ def plan_text(
         f"  {'total':<17} {sum(per_param.values()):>7.3f} B/param  {fmt_bytes(sum(per_param.values()) * n):>10}"
     )
     if cfg.parallel.backend == "fsdp":
+        gathered = gathered_dtype_bytes(cfg, policy)
+        held = "two gathered blocks" if cfg.parallel.reshard_after_forward else "all blocks"
         lines.append(
-            f"  + transient: one gathered block in {dtype_name(policy.compute_dtype)} ({fmt_bytes(block * policy.compute_dtype.itemsize)})"
+            f"  + transient: {held} in {gathered * 8}-bit "
+            f"({fmt_bytes(transient_weight_bytes(cfg, policy, n, block))} with one block of "
+            "FP32 gradients)"
         )
     lines += ["", f"all backends at world size {world_size} (B/param per rank, total per rank):"]
     for name, stage in (("local", 0), ("fsdp", 0), ("zero", 1), ("zero", 2), ("zero", 3)):

@@ -168,11 +168,13 @@ def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
     states = 16 * 68_976_648_192 / 64
     transient = 855_654_400 * (2 + 2 + 4)
     reserve = 2**30 + 4 * 2**30
-    # block checkpointing, per token: the BF16 block inputs of 80 layers, the head (final norm and
-    # lm_head inputs, FP32 log-softmax), one recomputed layer and the logits (BF16 + FP32)
+    # block checkpointing, per token: the BF16 block inputs of 80 layers, the head (final RMSNorm
+    # keeps its FP32 input and normalised value, lm_head input, FP32 log-softmax), one recomputed
+    # layer (two RMSNorms, qkv input, q/k/v, attention output, up input, SwiGLU) and the logits
+    # (BF16 + FP32)
     h, kv, f, vocab = 8192, 1024, 28672, 32000
-    layer = 2 * 2 * h + 2 * (h + (h + 2 * kv) + h + h) + 4 * f * 2 + 6 * (h + kv)
-    per_token = 80 * 2 * h + (2 * h + 2 * h + 4 * vocab) + layer + 6 * vocab
+    layer = 2 * 8 * h + 2 * (h + (h + 2 * kv) + h + h) + 4 * f * 2
+    per_token = 80 * 2 * h + (8 * h + 2 * h + 4 * vocab) + layer + 6 * vocab
     expected = int((80 * 2**30 - reserve - states - transient) // (per_token * 4096))
     assert expected == 6
     assert "  block              6  <- parallel.activation_checkpointing" in text

@@ -284,6 +284,12 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"key 'train.stop_at_step' got {t.stop_at_step}, expected a positive step or null"
         )
+    if config.parallel.activation_checkpointing == "selective" and m.dropout > 0:
+        raise ConfigError(
+            "parallel.activation_checkpointing=selective with model.dropout > 0: the saved "
+            "attention kernels would not advance the RNG in recompute, so dropout masks would "
+            "differ from the forward's; use block checkpointing or dropout 0"
+        )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout' got {m.dropout}, expected 0 <= p < 1")
 

@@ -104,7 +104,8 @@ def int8_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     else:
         return torch._int_mm(qx, qw.t())
     # Exact while k * 127 * 128 < 2**24 (k < 1032); beyond, FP32 rounding of the sums adds error.
-    return (qx.float() @ qw.float().t()).round_().to(torch.int32)
+    # Out of place: selective checkpointing may cache the matmul's output.
+    return torch.round(qx.float() @ qw.float().t()).to(torch.int32)
 
 
 class Int8LinearFunction(torch.autograd.Function):
@@ -365,6 +366,10 @@ class Int8Calibration(Callback):
             )
         self.steps = int(state["steps"])
         for name, layer in self.layers.items():
-            layer.act_amax.copy_(torch.tensor(state["act_amax"][name], dtype=torch.float32))
-            layer.step_amax.zero_()
+            # New FP32 tensors: DeepSpeed casts buffers to BF16, and a resume loads before on_start.
+            device = layer.act_amax.device
+            layer.act_amax = torch.tensor(
+                state["act_amax"][name], dtype=torch.float32, device=device
+            )
+            layer.step_amax = torch.zeros_like(layer.act_amax)
         self._apply()

@@ -99,3 +99,10 @@ def test_checkpoint_loads_with_activation_checkpointing_toggled(micro):
         log=lambda *_: None,
     )
     assert resumed["fingerprint"] == straight["fingerprint"]
+
+
+def test_selective_checkpointing_refuses_dropout(micro):
+    from bigtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="selective with model.dropout"):
+        micro("parallel.activation_checkpointing=selective", "model.dropout=0.1")

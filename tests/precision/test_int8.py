@@ -278,3 +278,25 @@ def test_tiny_model_int8_reaches_bf16_validation_loss(tmp_path, cache_dir):
     int8 = val_loss("int8", "precision.int8.enabled=true")
     assert bf16 < 6.0  # it learned something
     assert abs(int8 - bf16) / bf16 < 0.03
+
+
+def test_fallback_matmul_is_exact_and_works_under_selective_checkpointing(micro, monkeypatch):
+    from bigtrain.precision import int8
+
+    g = torch.Generator().manual_seed(0)
+    qx = torch.randint(-128, 128, (40, 96), generator=g, dtype=torch.int8)
+    qw = torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8)
+    exact = int8.int8_matmul(qx, qw)
+    monkeypatch.setitem(int8._int_mm_ok, "cpu", False)
+    assert torch.equal(int8.int8_matmul(qx, qw), exact)  # integers below 2^24: exact in FP32
+    cfg = micro(
+        "precision.int8.enabled=true",
+        "parallel.activation_checkpointing=selective",
+        "train.eval_every=0",
+    )
+    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    try:
+        for _ in range(2):  # the fallback's output is cached by selective checkpointing
+            assert torch.isfinite(torch.tensor(float(trainer.train_step()["loss"])))
+    finally:
+        trainer.callbacks.close()

@@ -252,51 +252,47 @@ def test_calibration_state_survives_checkpoint_and_resume(micro):
     assert resumed["fingerprint"] == straight["fingerprint"]
 
 
+def tiny_val_loss(out: str, cache_dir: str, *extra: str) -> float:
+    """200 steps of configs/tiny.yaml on one thread (runs in a spawned process)."""
+    cfg = load_config(
+        [str(ROOT / "configs/tiny.yaml")],
+        [
+            f"train.out_dir={out}",
+            f"data.cache_dir={cache_dir}",
+            "train.max_steps=200",
+            "train.eval_every=200",
+            "train.log_every=50",
+            "train.progress=false",
+            "train.num_threads=1",
+            "checkpoint.every=0",
+            "wandb.mode=disabled",
+            "precision.compute_dtype=bf16",
+            *extra,
+        ],
+    )
+    run(cfg, DistEnv(), **QUIET)
+    metrics = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(m) for m in metrics if "val_loss" in m][-1]["val_loss"]
+
+
 @pytest.mark.e2e
 def test_tiny_model_int8_reaches_bf16_validation_loss(tmp_path, cache_dir):
-    def val_loss(out: str, *extra: str) -> float:
-        cfg = load_config(
-            [str(ROOT / "configs/tiny.yaml")],
-            [
-                f"train.out_dir={tmp_path / out}",
-                f"data.cache_dir={cache_dir}",
-                "train.max_steps=200",
-                "train.eval_every=200",
-                "train.log_every=50",
-                "train.progress=false",
-                "checkpoint.every=0",
-                "wandb.mode=disabled",
-                "precision.compute_dtype=bf16",
-                *extra,
-            ],
-        )
-        run(cfg, DistEnv(), **QUIET)
-        metrics = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(m) for m in metrics if "val_loss" in m][-1]["val_loss"]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    bf16 = val_loss("bf16")
-    int8 = val_loss("int8", "precision.int8.enabled=true")
-    assert bf16 < 6.0  # it learned something
-    assert abs(int8 - bf16) / bf16 < 0.03
+    # Tokenize once here, then train both variants side by side, one core each.
+    from bigtrain.data import prepare_corpus
 
-
-def test_fallback_matmul_is_exact_and_works_under_selective_checkpointing(micro, monkeypatch):
-    from bigtrain.precision import int8
-
-    g = torch.Generator().manual_seed(0)
-    qx = torch.randint(-128, 128, (40, 96), generator=g, dtype=torch.int8)
-    qw = torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8)
-    exact = int8.int8_matmul(qx, qw)
-    monkeypatch.setitem(int8._int_mm_ok, "cpu", False)
-    assert torch.equal(int8.int8_matmul(qx, qw), exact)  # integers below 2^24: exact in FP32
-    cfg = micro(
-        "precision.int8.enabled=true",
-        "parallel.activation_checkpointing=selective",
-        "train.eval_every=0",
+    prepare_corpus(
+        load_config([str(ROOT / "configs/tiny.yaml")], [f"data.cache_dir={cache_dir}"]).data,
+        log=lambda *_: None,
     )
-    trainer = build_trainer(cfg, DistEnv(), **QUIET)
-    try:
-        for _ in range(2):  # the fallback's output is cached by selective checkpointing
-            assert torch.isfinite(torch.tensor(float(trainer.train_step()["loss"])))
-    finally:
-        trainer.callbacks.close()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        bf16 = pool.submit(tiny_val_loss, str(tmp_path / "bf16"), str(cache_dir))
+        int8 = pool.submit(
+            tiny_val_loss, str(tmp_path / "int8"), str(cache_dir), "precision.int8.enabled=true"
+        )
+        bf16_loss, int8_loss = bf16.result(), int8.result()
+    assert bf16_loss < 6.0  # it learned something
+    assert abs(int8_loss - bf16_loss) / bf16_loss < 0.03

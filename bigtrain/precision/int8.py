@@ -297,6 +297,7 @@ class Int8Calibration(Callback):
     def __init__(self, layers: dict[str, Int8Linear], cfg: Int8Config) -> None:
         self.layers, self.cfg = layers, cfg
         self.steps = 0  # optimizer steps folded into the calibration
+        self.smoothing_on = False  # whether the layers use the calibrated scales
 
     @property
     def calibrated(self) -> bool:
@@ -330,7 +331,7 @@ class Int8Calibration(Callback):
             ):
                 layer.act_amax.copy_(part)
             self.steps += 1
-            if self.calibrated and not self._was_applied:
+            if self.calibrated and not self.smoothing_on:
                 trainer.event(
                     "int8_calibrated",
                     steps=self.steps,
@@ -341,15 +342,13 @@ class Int8Calibration(Callback):
             layer.step_amax.zero_()
         self._apply()
 
-    _was_applied = False
-
     def _apply(self) -> None:
         observe = not self.calibrated or self.cfg.calibration == "ema"
         on = self.calibrated and self.cfg.calibration_steps > 0
         for layer in self.layers.values():
             layer.smoothing = on
             layer.observe = observe and self.cfg.calibration_steps > 0
-        self._was_applied = on
+        self.smoothing_on = on
 
     def state_dict(self) -> dict[str, Any]:
         return {

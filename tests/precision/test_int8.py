@@ -296,3 +296,14 @@ def test_tiny_model_int8_reaches_bf16_validation_loss(tmp_path, cache_dir):
         bf16_loss, int8_loss = bf16.result(), int8.result()
     assert bf16_loss < 6.0  # it learned something
     assert abs(int8_loss - bf16_loss) / bf16_loss < 0.03
+
+
+def test_calibration_of_other_layers_is_refused_with_the_layers_named():
+    from bigtrain.precision.int8 import Int8Calibration
+
+    layer = Int8Linear(nn.Linear(8, 4), transposed=False, affine=True)
+    calibration = Int8Calibration({"blocks.0.mlp.up": layer}, Int8Config(enabled=True))
+    saved = {"steps": 3, "act_amax": {"blocks.0.attn.qkv": [1.0] * 8}}
+    with pytest.raises(ConfigError, match=r"covers other layers \(blocks\.\*\.attn\.qkv\)"):
+        calibration.load_state_dict(saved)
+    assert calibration.steps == 0 and layer.act_amax.abs().sum() == 0  # nothing half-loaded

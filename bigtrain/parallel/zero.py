@@ -231,8 +231,17 @@ class ZeroBackend:
         grads = [g for _, g in self.named_grads() if g.numel()]
         if grads:
             grads[0].view(-1)[0] = float("nan")
+        # ZeRO-1/2 look for non-finite gradients only with FP16/BF16 (DeepSpeed >= 0.19 turns the
+        # check off for FP32); ZeRO-3 always finds them through its norm. Ask for the check here.
+        check = getattr(self.optimizer, "check_grad_overflow", None)
+        if check is not None:
+            self.optimizer.check_grad_overflow = True
         skipped = self.engine.skipped_steps
-        self.engine.step()
+        try:
+            self.engine.step()
+        finally:
+            if check is not None:
+                self.optimizer.check_grad_overflow = check
         assert self.engine.skipped_steps == skipped + 1, (
             "DeepSpeed applied a step that bigtrain skipped"
         )

@@ -213,8 +213,9 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     fused: bool | None = None
-    """torch's fused AdamW kernel (one kernel for all parameters) instead of the foreach one.
-    None: on CUDA. Applies to FP32 optimizer states (bigtrain's low-precision AdamW has its own)."""
+    """One fused kernel for the whole update instead of multi-tensor ops. FP32 states: torch's
+    fused AdamW instead of its foreach one. BF16/FP16 states: bigtrain's Triton kernel (needs CUDA
+    and Triton) instead of decoding around torch's fused AdamW. None: on CUDA. At setup."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
+from bigtrain.precision import adamw_kernel
 from bigtrain.precision.adamw import LowPrecisionAdamW
 from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
@@ -132,16 +133,16 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def make_adamw(
     params: list[dict], cfg: Config, policy: PrecisionPolicy, device: torch.device
 ) -> torch.optim.Optimizer:
-    """torch's AdamW for FP32 states (fused per optim.fused: on CUDA by default, else foreach);
-    bigtrain's AdamW for
-    BF16/FP16 states (math in FP32)."""
+    """torch's AdamW for FP32 states, bigtrain's for BF16/FP16 states (math in FP32); fused per
+    optim.fused (by default on CUDA)."""
     optim = cfg.optim
     fused = device.type == "cuda" if optim.fused is None else optim.fused
     if policy.optimizer_state_dtype != torch.float32:
-        if optim.fused:
+        if fused and not adamw_kernel.available(device):
             raise ConfigError(
-                "optim.fused=true needs FP32 optimizer states: precision.optimizer_state_dtype="
-                f"{dtype_name(policy.optimizer_state_dtype)} uses bigtrain's own AdamW"
+                f"key 'optim.fused' is true, but bigtrain's fused AdamW for "
+                f"{dtype_name(policy.optimizer_state_dtype)} states is a Triton kernel, which "
+                f"cannot run on {device}; leave it null (fused on CUDA) or set false"
             )
         return LowPrecisionAdamW(
             params,
@@ -150,6 +151,7 @@ def make_adamw(
             eps=optim.eps,
             state_dtype=policy.optimizer_state_dtype,
             rounding=cfg.precision.optimizer_state_rounding,
+            fused=fused,
         )
     return torch.optim.AdamW(
         params,

@@ -12,46 +12,49 @@ decoded to FP32, updated, and encoded back every step.
   smaller than half an ulp, so a slowly varying moment stalls. Stochastic rounding (add uniform
   noise below the 16 kept bits, truncate) makes the stored value right on average.
 
+`step()` updates every tensor of a parameter group at once: a fused Triton kernel on CUDA
+(adamw_kernel.py), multi-tensor torch ops elsewhere (adamw_foreach.py). Step counters, bias
+corrections and FP16 scales stay on the device, so a step never waits for the GPU.
+
 Works on plain tensors, FSDP2 DTensor shards (it updates the local shard) and DeepSpeed's flat FP32
-partitions (as a client optimizer). Randomness for stochastic rounding comes from torch's default
-generator of the parameter's device, which bigtrain checkpoints, so resume stays bit-exact.
+partitions (as a client optimizer). Stochastic rounding draws from torch's generator of the
+parameter's device, which bigtrain checkpoints, so resume stays bit-exact.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-FP16_TARGET_EXP = 14  # scale so that amax * scale ~ 2^14, below FP16's max of ~2^16
+from bigtrain.precision import adamw_kernel
+from bigtrain.precision.adamw_torch import (
+    AdamWTensors,
+    NoisePool,
+    Scratch,
+    bf16_stochastic,
+    fp16_scales,
+    torch_step,
+)
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+__all__ = ["LowPrecisionAdamW", "bf16_stochastic", "fp16_scale_for"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def bf16_stochastic(x: torch.Tensor) -> torch.Tensor:
-    """FP32 -> BF16 with stochastic rounding: unbiased, E[result] == x."""
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
-
-
 def fp16_scale_for(x: torch.Tensor) -> torch.Tensor:
     """Power-of-two scale putting x's largest magnitude near 2^14 (1 for an all-zero tensor)."""
-    amax = x.abs().amax().float()
-    exp = torch.where(
-        amax > 0,
-        FP16_TARGET_EXP - torch.floor(torch.log2(amax.clamp_min(1e-38))),
-        torch.zeros_like(amax),
-    )
-    return torch.exp2(exp.clamp(-126, 126))
+    return fp16_scales(x.abs().amax().reshape(1))[0]
 
 
 class LowPrecisionAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) with moments stored in `state_dtype` (fp32, bf16 or fp16)."""
+    """AdamW (decoupled weight decay) with moments stored in `state_dtype` (fp32, bf16 or fp16).
+
+    `fused`: None uses the Triton kernel where it runs (CUDA), True requires it, False takes the
+    multi-tensor torch implementation everywhere."""
 
     def __init__(
         self,
@@ -62,77 +65,110 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         state_dtype: torch.dtype = torch.float16,
         rounding: str = "stochastic",
+        fused: bool | None = None,
     ) -> None:
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {state_dtype}")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
-        self.state_dtype, self.rounding = state_dtype, rounding
+        self.state_dtype, self.rounding, self.fused = state_dtype, rounding, fused
+        self._kernels: dict[tuple[int, torch.device], adamw_kernel.FusedAdamWKernel] = {}
+        self._noise, self._scratch = NoisePool(), Scratch()
         super().__init__(
             params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         )
 
-    # --- encoding: what is stored for each moment --------------------------------------------------
+    def uses_kernel(self, device: torch.device) -> bool:
+        if self.fused is False:
+            return False
+        if self.fused is None:
+            return device.type == "cuda" and adamw_kernel.available(device)
+        if not adamw_kernel.available(device):
+            raise ValueError(
+                f"fused=True needs Triton on a CUDA device; the parameters are on {device}"
+            )
+        return True
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        local = _local(p)
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+        for key in STATE_KEYS:
+            state[key] = torch.zeros_like(local, dtype=self.state_dtype)
+            if self.state_dtype == torch.float16:
+                state[key + "_scale"] = torch.ones((), dtype=torch.float32, device=local.device)
+        return state
+
+    def _decode(self, state: dict[str, Any], key: str) -> torch.Tensor:
+        """One stored moment as FP32 (a new tensor)."""
+        value = _local(state[key]).float()
+        if self.state_dtype == torch.float16:
+            value = value / state[key + "_scale"]
+            if key == "exp_avg_sq":
+                value = value.square()  # stored as sqrt(v)
+        return value
 
     def _encode(self, state: dict[str, Any], key: str, value: torch.Tensor) -> None:
-        if key == "exp_avg_sq" and self.state_dtype == torch.float16:
-            value = value.sqrt()  # stored as sqrt(v): half the exponent range, same update
+        """Store an FP32 moment (nearest rounding: exact for values a decode produced)."""
         if self.state_dtype == torch.float16:
+            if key == "exp_avg_sq":
+                value = value.sqrt()
             scale = fp16_scale_for(value)
             state[key] = (value * scale).to(torch.float16)
             state[key + "_scale"] = scale
-        elif self.state_dtype == torch.bfloat16:
-            state[key] = (
-                bf16_stochastic(value)
-                if self.rounding == "stochastic"
-                else value.to(torch.bfloat16)
-            )
         else:
-            state[key] = value
-
-    def _decode(self, state: dict[str, Any], key: str) -> torch.Tensor:
-        value = state[key].float()
-        if self.state_dtype == torch.float16:
-            value = value / state[key + "_scale"]
-        if key == "exp_avg_sq" and self.state_dtype == torch.float16:
-            value = value.square()
-        return value
+            state[key] = value.to(self.state_dtype)
 
     # --- the update -------------------------------------------------------------------------------
+
+    def _group_tensors(self, group: dict[str, Any]) -> dict[torch.device, AdamWTensors]:
+        """The group's parameters that have gradients, by device, with their states."""
+        by_device: dict[torch.device, AdamWTensors] = {}
+        fp16 = self.state_dtype == torch.float16
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p] if self.state.get(p) else self._init_state(p)
+            param, grad = _local(p), _local(p.grad)
+            if grad.dtype != torch.float32:
+                grad = grad.float()
+            ts = by_device.setdefault(param.device, AdamWTensors([], [], [], [], []))
+            ts.params.append(param)
+            ts.grads.append(grad.contiguous())
+            ts.exp_avgs.append(_local(state["exp_avg"]))
+            ts.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            ts.steps.append(state["step"])
+            if fp16:
+                ts.exp_avg_scales.append(state["exp_avg_scale"])
+                ts.exp_avg_sq_scales.append(state["exp_avg_sq_scale"])
+        return by_device
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "closures are not supported"
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                param, grad = _local(p), _local(p.grad).float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    for (
-                        key
-                    ) in STATE_KEYS:  # local shard shape; one tensor each (FP32 stores in place)
-                        self._encode(state, key, torch.zeros_like(param, dtype=torch.float32))
-                state["step"] += 1
-                step = state["step"].item()
-                m = self._decode(state, "exp_avg").mul_(beta1).add_(grad, alpha=1 - beta1)
-                v = (
-                    self._decode(state, "exp_avg_sq")
-                    .mul_(beta2)
-                    .addcmul_(grad, grad, value=1 - beta2)
-                )
-                denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-                update = (m / (1 - beta1**step)).div_(denom)
-                master = param.float()
-                master.mul_(1 - group["lr"] * group["weight_decay"]).add_(
-                    update, alpha=-group["lr"]
-                )
-                param.copy_(master)
-                self._encode(state, "exp_avg", m)
-                self._encode(state, "exp_avg_sq", v)
+            hyper = {
+                "lr": group["lr"],
+                "weight_decay": group["weight_decay"],
+                "beta1": beta1,
+                "beta2": beta2,
+                "eps": group["eps"],
+            }
+            stochastic = self.rounding == "stochastic"
+            for device, ts in self._group_tensors(group).items():
+                torch._foreach_add_(ts.steps, 1.0)
+                if self.uses_kernel(device):
+                    key = (index, device)
+                    if key not in self._kernels:
+                        self._kernels[key] = adamw_kernel.FusedAdamWKernel()
+                    self._kernels[key].step(ts, stochastic=stochastic, **hyper)
+                else:
+                    torch_step(
+                        ts, stochastic=stochastic, noise=self._noise, scratch=self._scratch, **hyper
+                    )
 
     # --- checkpoints: always FP32 moments, like torch.optim.AdamW ------------------------------
     # Checkpoints hold decoded FP32 moments (DTensors for FSDP2 shards), so they load into any
@@ -152,22 +188,19 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        rounding, self.rounding = self.rounding, "nearest"  # exact for stored values, draws no RNG
-        try:
-            for state in self.state.values():
-                if not state:
-                    continue
-                decoded = {k: _local(state[k]).float() for k in STATE_KEYS}
-                for k in STATE_KEYS:
-                    self._encode(state, k, decoded[k])
-                step = state["step"]
-                state["step"] = (
-                    step.detach().float().cpu()
-                    if torch.is_tensor(step)
-                    else torch.tensor(float(step))
-                )
-        finally:
-            self.rounding = rounding
+        for p, state in self.state.items():
+            if not state:
+                continue
+            decoded = {k: _local(state[k]).float() for k in STATE_KEYS}
+            for k in STATE_KEYS:
+                self._encode(state, k, decoded[k])
+            step = state["step"]
+            device = _local(p).device
+            state["step"] = (
+                step.detach().to(device=device, dtype=torch.float32)
+                if torch.is_tensor(step)
+                else torch.tensor(float(step), device=device)
+            )
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Helpers that several layers share (tensor tables for kernels, ...); imports nothing of bigtrain."""

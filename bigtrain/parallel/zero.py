@@ -94,6 +94,25 @@ def check_zero_precision(cfg: Config, policy: PrecisionPolicy) -> None:
         )
 
 
+def check_accelerator_dtype(compute_dtype: torch.dtype) -> None:
+    """DeepSpeed refuses FP16/BF16 where its accelerator lacks them (its CPU accelerator: FP16
+    only on CPUs with AVX512-FP16 or AMX); say so as a config error, not its ValueError."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {
+        torch.float16: accelerator.is_fp16_supported,
+        torch.bfloat16: accelerator.is_bf16_supported,
+    }.get(compute_dtype)
+    if supported is not None and not supported():
+        raise ConfigError(
+            f"precision.compute_dtype={dtype_name(compute_dtype)} with parallel.backend=zero: "
+            f"DeepSpeed's {accelerator.device_name()} accelerator does not support "
+            f"{dtype_name(compute_dtype)} on this machine; use another compute dtype, or "
+            "parallel.backend=fsdp"
+        )
+
+
 class ZeroBackend:
     name = "zero"
 
@@ -103,6 +122,7 @@ class ZeroBackend:
         import deepspeed
 
         check_zero_precision(cfg, policy)
+        check_accelerator_dtype(policy.compute_dtype)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
         model = model.to(device)

@@ -1,6 +1,7 @@
 """The gradient monitor's statistics pass against a naive per-tensor loop, and its share of a step.
 
     python bench/monitor.py [--total N] [--reps R] [--steps S] [--device cpu|cuda]
+                            [--step-config CONFIG [key=value ...]]
 
 1. Statistics over 200 and 1000 gradient tensors (N values in all, FP32, sizes spread like a
    model's): bigtrain's pass (`local_grad_stats`: the Triton kernel on CUDA, torch foreach on CPU)
@@ -10,11 +11,13 @@
    - `naive_same_stats`: the same statistics bigtrain yields: per tensor max |g|, norm and the
      count of non-finite values.
    Goals: >= 4x faster than the naive loop on CPU, >= 6x on a GPU.
-2. On CUDA: the kernel's achieved read bandwidth, against a plain `sum` over one flat buffer of
-   the same bytes and against the GPU's nominal bandwidth where known (goal >= 70%).
-3. The monitor's share of a training step of configs/tiny.yaml (local backend): its time inside
-   `train_step` over S steps, with the default `monitor.every` (full statistics every 10th step and
-   at log steps) and with full statistics every step. Goal: <= 2% of a step.
+2. On CUDA: the kernel's achieved read bandwidth at 10M, 100M and 1B values (200 tensors), against
+   a plain `sum` over one flat buffer of the same bytes (goal >= 50% of it from 100M values up) and
+   against the GPU's nominal bandwidth where known.
+3. The monitor's share of a training step of configs/tiny.yaml (or --step-config, e.g. the 1B
+   recipe on a GPU; local backend): its time inside `train_step` over S steps, with the default
+   `monitor.every` (full statistics every 10th step and at log steps) and with full statistics
+   every step. Goals: <= 2% of a tiny step on CPU, <= 1% of the 1B step on a GPU.
 
 The last line is JSON.
 """
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bigtrain.build import build_trainer  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
+from bigtrain.monitor.kernel import GradStatsKernel  # noqa: E402
 from bigtrain.monitor.stats import local_grad_stats  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
 
@@ -78,7 +82,8 @@ def timed(fn, device: torch.device, reps: int) -> float:
 def stats_bench(num_tensors: int, total: int, device: torch.device, reps: int) -> dict:
     grads = gradient_set(num_tensors, total, device)
     named = [(f"t{i}", g) for i, g in enumerate(grads)]
-    fused = lambda: local_grad_stats(named, device, full=True)  # noqa: E731
+    stats_kernel = GradStatsKernel() if device.type == "cuda" else None  # keeps its tables
+    fused = lambda: local_grad_stats(named, device, full=True, stats_kernel=stats_kernel)  # noqa: E731
     for fn in (fused, lambda: naive(grads), lambda: naive_same_stats(grads)):
         fn()  # warm-up (Triton compiles here)
     t = {"fused": [], "naive": [], "naive_same_stats": []}
@@ -96,26 +101,48 @@ def stats_bench(num_tensors: int, total: int, device: torch.device, reps: int) -
         "speedup_vs_naive": best["naive"] / best["fused"],
         "speedup_vs_naive_same_stats": best["naive_same_stats"] / best["fused"],
     }
-    if device.type == "cuda":
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        flat = torch.cat([g.flatten() for g in grads])
-        t_sum = timed(lambda: flat.sum(), device, reps)
-        out["kernel_gb_s"] = nbytes / best["fused"] / 1e9
-        out["flat_sum_gb_s"] = nbytes / t_sum / 1e9
-        out["of_flat_sum"] = t_sum / best["fused"]
-        name = torch.cuda.get_device_name()
-        nominal = next((v for k, v in NOMINAL_BANDWIDTH.items() if k in name), None)
-        if nominal:
-            out["of_nominal_bandwidth"] = nbytes / best["fused"] / nominal
     return out
 
 
-def step_share(steps: int, every: int, device: str) -> dict:
-    """Time inside the monitor over `steps` training steps of configs/tiny.yaml."""
+def bandwidth(total: int, device: torch.device, reps: int) -> dict:
+    """The kernel's read bandwidth over `total` FP32 values in 200 tensors, against a flat sum."""
+    grads = gradient_set(200, total, device)
+    named = [(f"t{i}", g) for i, g in enumerate(grads)]
+    stats_kernel = GradStatsKernel()
+
+    def fused():
+        return local_grad_stats(named, device, full=True, stats_kernel=stats_kernel)
+
+    fused()  # compiles
+    t_fused = timed(fused, device, reps)
+    flat = torch.cat([g.flatten() for g in grads])
+
+    t_sum = timed(lambda: flat.sum(), device, reps)
+    nbytes = flat.numel() * flat.element_size()
+    out = {
+        "values": flat.numel(),
+        "kernel_ms": t_fused * 1e3,
+        "flat_sum_ms": t_sum * 1e3,
+        "kernel_gb_s": nbytes / t_fused / 1e9,
+        "flat_sum_gb_s": nbytes / t_sum / 1e9,
+        "of_flat_sum": t_sum / t_fused,
+    }
+    name = torch.cuda.get_device_name()
+    nominal = next((v for k, v in NOMINAL_BANDWIDTH.items() if k in name), None)
+    if nominal:
+        out["of_nominal_bandwidth"] = nbytes / t_fused / nominal
+    return out
+
+
+def step_share(steps: int, every: int, device: str, config: list[str]) -> dict:
+    """Time inside the monitor over `steps` training steps of `config` (files, then overrides)."""
+    files = [c for c in config if "=" not in c] or [str(ROOT / "configs/tiny.yaml")]
+    overrides = [c for c in config if "=" in c]
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(
-            [str(ROOT / "configs/tiny.yaml")],
+            files,
             [
+                *overrides,
                 f"train.out_dir={out}",
                 f"train.max_steps={steps + 5}",
                 f"train.device={device}",
@@ -161,14 +188,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--step-config", nargs="*", default=[], help="config files and key=value for part 3"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
         "threads": torch.get_num_threads(),
         "stats": [stats_bench(n, args.total, device, args.reps) for n in (200, 1000)],
-        "step": [step_share(args.steps, every, args.device) for every in (10, 1)],
     }
+    if device.type == "cuda":
+        result["bandwidth"] = [bandwidth(n, device, args.reps) for n in (10**7, 10**8, 10**9)]
+        torch.cuda.empty_cache()
+    result["step"] = [
+        step_share(args.steps, every, args.device, args.step_config) for every in (10, 1)
+    ]
     for s in result["stats"]:
         line = (
             f"{s['num_tensors']:5d} tensors, {s['values'] / 1e6:.1f}M values: "
@@ -176,10 +211,15 @@ def main() -> None:
             f"({s['speedup_vs_naive']:.1f}x), naive with the same stats "
             f"{s['naive_same_stats_ms']:.2f} ms ({s['speedup_vs_naive_same_stats']:.1f}x)"
         )
-        if "kernel_gb_s" in s:
-            line += f", kernel {s['kernel_gb_s']:.0f} GB/s = {s['of_flat_sum']:.0%} of a flat sum"
-            if "of_nominal_bandwidth" in s:
-                line += f", {s['of_nominal_bandwidth']:.0%} of nominal"
+        print(line)
+    for s in result.get("bandwidth", []):
+        line = (
+            f"{s['values'] / 1e6:6.0f}M values: kernel {s['kernel_ms']:.3f} ms = "
+            f"{s['kernel_gb_s']:.0f} GB/s, flat sum {s['flat_sum_gb_s']:.0f} GB/s: "
+            f"{s['of_flat_sum']:.0%} of a flat sum"
+        )
+        if "of_nominal_bandwidth" in s:
+            line += f", {s['of_nominal_bandwidth']:.0%} of nominal"
         print(line)
     for s in result["step"]:
         print(

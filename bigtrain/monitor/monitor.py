@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor import kernel
 from bigtrain.monitor.detectors import Spike, SpikeDetector
 from bigtrain.monitor.stats import (
     GradStats,
@@ -74,6 +75,7 @@ class GradMonitor:
         self, cfg: MonitorConfig, names: list[str], device: torch.device, use_kernel: bool
     ) -> None:
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
+        self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         unknown = set(cfg.spikes) - set(SPIKE_METRICS)
         assert not unknown, f"validated by config.load: {unknown}"
         common = dict(window=cfg.window, method=cfg.detector, warmup=cfg.warmup)
@@ -108,7 +110,7 @@ class GradMonitor:
         `loss_scaled`: FP16 dynamic loss scaling is on, so non-finite gradients under a finite
         loss are an overflow to back off from."""
         assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
-        stats = local_grad_stats(named_grads, self.device, full, self.use_kernel)
+        stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         stats, loss, stops = reduce_grad_stats(stats, local_loss, float(stop_requested))
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm

@@ -70,15 +70,17 @@ def local_grad_stats(
     device: torch.device,
     full: bool = True,
     use_kernel: bool | None = None,
+    stats_kernel: kernel.GradStatsKernel | None = None,
 ) -> GradStats:
     """Statistics of this rank's gradient tensors. `use_kernel`: None picks Triton where it runs
-    (CUDA), else the torch fallback. The kernel always yields max |g|; the fallback only if `full`."""
+    (CUDA), else the torch fallback. The kernel always yields max |g|; the fallback only if `full`.
+    `stats_kernel`: the caller's kernel object (it keeps the address tables between steps)."""
     names = [n for n, _ in named_grads]
     grads = [g.detach() for _, g in named_grads]
     if use_kernel is None:
         use_kernel = kernel.available(device) and device.type == "cuda"
     if use_kernel:
-        max_abs, sum_sq, nonfinite = kernel.triton_grad_stats(grads, device)
+        max_abs, sum_sq, nonfinite = (stats_kernel or kernel.GradStatsKernel())(grads, device)
     else:
         max_abs, sum_sq, nonfinite = torch_grad_stats(grads, device, full)
     return GradStats(names, sum_sq, nonfinite, max_abs if full else None)

@@ -36,3 +36,12 @@ def reference(t: torch.Tensor) -> tuple[float, float, int]:
         return 0.0, 0.0, 0
     max_abs = float("inf") if nonfinite else float(x.abs().max())
     return max_abs, float((x * x).sum()), nonfinite
+
+
+def many_chunk_grads(scale: float) -> list[torch.Tensor]:
+    """One tensor of 1100 chunks of 256 values (more partials than one fold iteration takes), with
+    a NaN, and a small one."""
+    g = torch.Generator().manual_seed(int(scale))
+    grads = [torch.randn(1100 * 256 - 5, generator=g) * scale, torch.randn(10, generator=g)]
+    grads[0][123_456] = float("nan")
+    return grads

@@ -8,7 +8,7 @@ import json
 import torch
 
 from bigtrain.monitor import kernel
-from tests.monitor.grads import DTYPES, poisoned_grads
+from tests.monitor.grads import DTYPES, many_chunk_grads, poisoned_grads
 
 if __name__ == "__main__":
     assert kernel.available(torch.device("cpu")), "run with TRITON_INTERPRET=1"
@@ -25,4 +25,10 @@ if __name__ == "__main__":
         mixed, torch.device("cpu"), chunk=8192, block=8192
     )
     out["mixed"] = [max_abs.tolist(), sum_sq.tolist(), nonfinite.tolist()]
+    # More chunk partials than one fold iteration takes (1100 > FOLD_BLOCK), through one kernel
+    # object called twice: the second call's tensors live elsewhere (its address table changes).
+    stats = kernel.GradStatsKernel(chunk=256, block=256)
+    for scale in (1.0, 3.0):
+        max_abs, sum_sq, nonfinite = stats(many_chunk_grads(scale), torch.device("cpu"))
+        out[f"many_chunks_{scale}"] = [max_abs.tolist(), sum_sq.tolist(), nonfinite.tolist()]
     print(json.dumps(out))

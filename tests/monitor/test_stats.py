@@ -17,7 +17,7 @@ from bigtrain.monitor.stats import (
 )
 from tests.conftest import ROOT
 from tests.distributed import run_distributed
-from tests.monitor.grads import DTYPES, poisoned_grads, reference
+from tests.monitor.grads import DTYPES, many_chunk_grads, poisoned_grads, reference
 
 
 def check_against_reference(grads, max_abs, sum_sq, nonfinite) -> None:
@@ -69,6 +69,8 @@ def test_triton_kernel_in_the_interpreter_against_the_same_reference():
         check_against_reference(poisoned_grads(dtype), *out[str(dtype)])
     max_abs, sum_sq, nonfinite = out["mixed"]
     assert nonfinite == [0, 0, 0] and len(max_abs) == 3 and all(s > 0 for s in sum_sq)
+    for scale in (1.0, 3.0):  # a two-iteration fold; one kernel object, two address tables
+        check_against_reference(many_chunk_grads(scale), *out[f"many_chunks_{scale}"])
 
 
 def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config.schema import ModelConfig
+from bigtrain.utils.tensors import autocast_off
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +37,7 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.float() if self.weight is not None else None
         bias = self.bias.float() if self.bias is not None else None
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             y = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
         return y.to(x.dtype)
 
@@ -104,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
     ) -> torch.Tensor:
         seq = q.shape[-2]
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
             mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
             probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)

@@ -37,6 +37,7 @@ from torch import nn
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
 from bigtrain.hooks import Callback
+from bigtrain.utils.tensors import autocast_dtype, autocast_off
 
 EPS = 1e-12
 
@@ -120,12 +121,8 @@ class Int8LinearFunction(torch.autograd.Function):
         transposed: bool,
     ) -> torch.Tensor:
         device_type = x.device.type
-        out_dtype = (
-            torch.get_autocast_dtype(device_type)
-            if torch.is_autocast_enabled(device_type)
-            else x.dtype
-        )
-        with torch.autocast(device_type, enabled=False):
+        out_dtype = autocast_dtype(device_type) or x.dtype
+        with autocast_off(device_type):
             w = weight.t() if transposed else weight  # (out, in)
             x2 = x.reshape(-1, x.shape[-1]).float()
             w32 = w.float()
@@ -151,7 +148,7 @@ class Int8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         qx, sx, zx, smooth, weight = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with autocast_off(grad_out.device.type):
             dy = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
             w = (weight.t() if ctx.transposed else weight).to(dtype)  # (out, in)
             grad_x = grad_w = grad_b = None
@@ -188,9 +185,12 @@ class Int8Linear(nn.Module):
         self.smoothing_alpha = 0.5
         self.smoothing = False  # set once calibration is complete
         # The calibrated and this step's max |x| per input channel; not in the model's state_dict:
-        # Int8Calibration carries them in the trainer state (checkpoints and snapshots).
-        self.register_buffer("act_amax", torch.zeros(in_features), persistent=False)
-        self.register_buffer("step_amax", torch.zeros(in_features), persistent=False)
+        # Int8Calibration carries them in the trainer state (checkpoints and snapshots). Buffers on
+        # the weight's device: they move with the module, and a layer converted after the model
+        # went to the GPU has them there too.
+        device = self.weight.device
+        self.register_buffer("act_amax", torch.zeros(in_features, device=device), persistent=False)
+        self.register_buffer("step_amax", torch.zeros(in_features, device=device), persistent=False)
 
     def extra_repr(self) -> str:
         kind = "affine" if self.affine else "symmetric"

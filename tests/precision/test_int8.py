@@ -309,3 +309,34 @@ def test_calibration_of_other_layers_is_refused_with_the_layers_named():
     with pytest.raises(ConfigError, match=r"covers other layers \(blocks\.\*\.attn\.qkv\)"):
         calibration.load_state_dict(saved)
     assert calibration.steps == 0 and layer.act_amax.abs().sum() == 0  # nothing half-loaded
+
+
+def test_every_int8_tensor_follows_the_layer_to_another_device():
+    """The CPU-side guard for CUDA (a GPU run crashed on a CPU-held calibration buffer): after a
+    calibrated state is loaded, moving the model moves every parameter and buffer of each INT8
+    layer, a layer converted after the move is born there, and a forward runs on meta inputs."""
+    from bigtrain.config.schema import ModelConfig
+    from bigtrain.model import build_model
+    from bigtrain.precision.int8 import Int8Calibration
+
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, seq_len=16)
+    model = build_model(cfg, 64)
+    layers = convert_to_int8(model, Int8Config(enabled=True, calibration_steps=2))
+    calibration = Int8Calibration(layers, Int8Config(enabled=True, calibration_steps=2))
+    saved = {"steps": 2, "act_amax": {n: [1.5] * x.in_features for n, x in layers.items()}}
+    calibration.load_state_dict(saved)
+    assert all(layer.smoothing for layer in layers.values())
+    model.to("meta")
+    for name, layer in layers.items():
+        tensors = dict(layer.named_parameters()) | dict(layer.named_buffers())
+        assert {"weight", "act_amax", "step_amax"} <= set(tensors), name
+        for key, tensor in tensors.items():
+            assert tensor.device.type == "meta", (name, key)
+    model.train()
+    logits = model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    assert logits.device.type == "meta" and logits.shape == (2, 16, 64)
+    logits.sum().backward()  # the STE backward on meta, too
+    assert all(layer.weight.grad.device.type == "meta" for layer in layers.values())
+    later = build_model(cfg, 64).to("meta")  # converted after the move, as bench/int8.py did
+    for layer in convert_to_int8(later, Int8Config(enabled=True)).values():
+        assert layer.act_amax.device.type == layer.step_amax.device.type == "meta"

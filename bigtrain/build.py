@@ -262,11 +262,6 @@ def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[s
             f"checkpoint '{path}' was written by parallel.backend={manifest['backend']}, "
             f"this run uses {trainer.backend.name}: checkpoints load on the backend that wrote them"
         )
-    if manifest["backend"] == "zero" and manifest["world_size"] != trainer.env.world_size:
-        raise ConfigError(
-            f"checkpoint '{path}' holds ZeRO partitions for {manifest['world_size']} ranks; DeepSpeed "
-            f"loads them at that world size only (this run has {trainer.env.world_size}); use fsdp to reshard"
-        )
     changes = identity_changes(manifest["identity"], trainer.context["identity"])
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(

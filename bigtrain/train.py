@@ -35,6 +35,15 @@ class TrainState:
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
 
 
+@dataclass
+class HostCopy:
+    """A host copy of the backend's state (what Backend.local_state returns) taken after `step`:
+    a rollback snapshot, which a checkpoint of the same step writes from instead of copying again."""
+
+    step: int
+    state: dict[str, Any]
+
+
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then the decay schedule."""
     if step < cfg.warmup_steps:
@@ -84,6 +93,7 @@ class Trainer:
         )
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
         self.stop_signal: str | None = None  # set by a preemption signal handler (preempt.py)
+        self.host_copy: HostCopy | None = None  # the newest snapshot's state (rollback.py)
 
     @property
     def step(self) -> int:

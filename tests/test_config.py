@@ -77,6 +77,7 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
         (["monitor.spikes=[loss,gradnorm]"], "key 'monitor.spikes' got ['gradnorm'], expected"),
         (["fault.kill_step=soon"], "key 'fault.kill_step"),
         (["max_steps"], "override 'max_steps' must look like key.sub=value"),
+        (["checkpoint.every=-2"], "key 'checkpoint.every' got -2, expected N >= 0 or -1 (never)"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):

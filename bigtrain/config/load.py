@@ -210,7 +210,6 @@ def validate(config: Config) -> None:
     non_negative = {
         "train.eval_every": t.eval_every,
         "data.prefetch": config.data.prefetch,
-        "checkpoint.every": config.checkpoint.every,
         "monitor.every": config.monitor.every,
         "monitor.warmup": config.monitor.warmup,
         "resilience.snapshot_every": config.resilience.snapshot_every,
@@ -226,6 +225,10 @@ def validate(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
+    if config.checkpoint.every < -1:
+        raise ConfigError(
+            f"key 'checkpoint.every' got {config.checkpoint.every}, expected N >= 0 or -1 (never)"
+        )
     if not config.optim.lr > 0.0:
         raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:

@@ -253,7 +253,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 100
-    """Save every N optimizer steps and at the last step; 0 saves only at the end."""
+    """Save every N optimizer steps and at the last step; 0 saves only at the end; -1 never
+    (benchmarks; a preemption still checkpoints)."""
     keep: int = 3
     """Committed checkpoints kept; older ones are deleted after a new one commits."""
     resume: str = "auto"
@@ -262,9 +263,10 @@ class CheckpointConfig:
     allow_config_change: bool = False
     """On resume, accept a changed model, tokenizer, sequence length or global batch."""
     async_save: bool = True
-    """FSDP2: write checkpoints with DCP async_save on a process group of their own; training goes
-    on while the files are written and the commit follows once every rank finished. Local and
-    ZeRO checkpoints are written synchronously."""
+    """Write checkpoints in the background: the state is copied to host memory (or taken from
+    this step's rollback snapshot), training goes on while the files are written, fsynced and
+    hashed, and the commit follows at a later step once every rank finished (FSDP2 through DCP
+    async_save). The last step's and a preemption's checkpoints are always synchronous."""
     verify_finite: bool = True
     """Before writing, check that master weights and optimizer states are finite on every rank;
     a non-finite state is never checkpointed (a `checkpoint_refused` event instead)."""

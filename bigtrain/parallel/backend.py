@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,8 +78,17 @@ class Backend(Protocol):
     def skip_step(self) -> None:
         """Discard this step's gradients without touching weights or optimizer state."""
 
-    def save(self, directory: Path) -> None:
-        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)."""
+    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
+        """Write this rank's part of the model and optimizer into `directory` (shared by ranks);
+        returns the names of the files this rank wrote, relative to `directory`. `host_state`:
+        what local_state returned at this step, if at hand (saves copying the state again)."""
+
+    def save_async(
+        self, directory: Path, host_state: dict[str, Any] | None = None
+    ) -> Future[list[str]]:
+        """The same files, written in the background: the state is copied to host memory now
+        (or taken from `host_state`, what local_state returned at this step), so training may
+        go on; the future holds the file names once they are written."""
 
     def load(self, directory: Path) -> None:
         """Load what `save` wrote (at another world size where the backend reshards)."""
@@ -301,6 +311,57 @@ class TorchBackend:
                     local_tensor(current[key]).copy_(value)
                 else:
                     current[key] = value
+
+
+def host_ready(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the host copies queued so far (CUDA copies are non-blocking); a background
+    writer waits for it before reading them. None where copies complete at once."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def checkpoint_writer() -> ThreadPoolExecutor:
+    """The thread that writes a backend's checkpoint files from host copies, one at a time."""
+    return ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
+
+
+def fp32_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    """One parameter's optimizer state as checkpoints hold it (FP32 moments)."""
+    return optimizer.decoded(state) if isinstance(optimizer, LowPrecisionAdamW) else state
+
+
+@torch.no_grad()
+def set_fp32_optimizer_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float, moments: dict
+) -> None:
+    """Write one parameter's AdamW state from FP32 moments (a checkpoint's form), in place where
+    it exists, creating it as the optimizer would otherwise."""
+    if isinstance(optimizer, LowPrecisionAdamW):
+        optimizer.load_fp32(param, step, moments)
+        return
+    state = optimizer.state[param]
+    if not state:
+        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+        device = param.device if on_device else torch.device("cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        for key in moments:
+            state[key] = torch.zeros_like(param)
+    state["step"].fill_(step)
+    for key, value in moments.items():
+        state[key].copy_(value)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that belong in a checkpoint, by canonical name."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[canonical_name(f"{module_name}.{name}" if module_name else name)] = buffer
+    return out
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

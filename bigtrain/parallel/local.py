@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -10,7 +12,16 @@ from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
-from bigtrain.parallel.backend import TorchBackend, canonical_name, weights_fingerprint
+from bigtrain.parallel.backend import (
+    TorchBackend,
+    canonical_name,
+    checkpoint_writer,
+    fp32_optimizer_state,
+    host_ready,
+    local_tensor,
+    to_cpu,
+    weights_fingerprint,
+)
 from bigtrain.precision.policy import PrecisionPolicy
 
 
@@ -24,6 +35,7 @@ class LocalBackend(TorchBackend):
             "master weights must be built in FP32"
         )
         super().__init__(model.to(device), policy, cfg, device)
+        self._writer = checkpoint_writer()
 
     def _canonical_state(self) -> dict[str, torch.Tensor]:
         """The model's tensors by canonical name, each storage once (tied weights share one), so a
@@ -35,9 +47,36 @@ class LocalBackend(TorchBackend):
                 out[canonical_name(key)] = value.detach().contiguous()
         return out
 
-    def save(self, directory: Path) -> None:
-        save_file(self._canonical_state(), str(directory / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
+        return self.save_async(directory, host_state).result()
+
+    def save_async(
+        self, directory: Path, host_state: dict[str, Any] | None = None
+    ) -> Future[list[str]]:
+        """model.safetensors and optimizer.pt from a host copy of the state, written by the
+        writer thread (sync saves wait for it: both paths write the same bytes)."""
+        host = host_state if host_state is not None else self.local_state()
+        ready = host_ready(self.device)
+        index = {
+            local_tensor(p).untyped_storage().data_ptr(): i for i, p in enumerate(self._params())
+        }
+        model: dict[str, int | torch.Tensor] = {}  # name -> index into host params, or a copy
+        for name, tensor in self._canonical_state().items():
+            i = index.get(tensor.untyped_storage().data_ptr())
+            model[name] = i if i is not None else to_cpu(tensor)  # buffers, frozen weights
+        groups = torch.optim.Optimizer.state_dict(self.optimizer)["param_groups"]
+        return self._writer.submit(self._write, directory, host, model, groups, ready)
+
+    def _write(self, directory: Path, host, model, groups, ready) -> list[str]:
+        if ready is not None:
+            ready.synchronize()
+        tensors = {k: host["params"][v] if isinstance(v, int) else v for k, v in model.items()}
+        save_file(tensors, str(directory / "model.safetensors"))
+        state = {
+            i: fp32_optimizer_state(self.optimizer, s) for i, s in enumerate(host["optim"]) if s
+        }
+        torch.save({"state": state, "param_groups": groups}, directory / "optimizer.pt")
+        return ["model.safetensors", "optimizer.pt"]
 
     @torch.no_grad()
     def load(self, directory: Path) -> None:

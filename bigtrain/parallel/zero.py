@@ -15,27 +15,35 @@ scales the partitions before DeepSpeed's step, with DeepSpeed's own clipping off
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
+from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import (
     adamw_param_groups,
     canonical_name,
+    checkpoint_writer,
+    fp32_optimizer_state,
+    host_ready,
     lm_loss,
     make_adamw,
+    persistent_buffers,
+    set_fp32_optimizer_state,
     to_cpu,
     weights_fingerprint,
 )
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
 
-TAG = "zero"
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> dict[str, Any]:
@@ -141,6 +149,10 @@ class ZeroBackend:
             (canonical_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad
         ]
         self._empty = torch.empty(0, device=device)
+        self.fragments = zero_ckpt.local_fragments(
+            self.optimizer, self._params, self.stage, dist.get_rank()
+        )
+        self._writer = checkpoint_writer()
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min
         if policy.compute_dtype != torch.float32:
@@ -266,15 +278,70 @@ class ZeroBackend:
             "DeepSpeed applied a step that bigtrain skipped"
         )
 
-    def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=TAG)
+    # Checkpoints: this rank's fragments by parameter name (zero_ckpt.py), written from a host
+    # copy by the writer thread; they load under any ZeRO stage at any world size.
+    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
+        return self.save_async(directory, host_state).result()
 
+    def save_async(
+        self, directory: Path, host_state: dict[str, Any] | None = None
+    ) -> Future[list[str]]:
+        host = host_state if host_state is not None else self.local_state()
+        ready = host_ready(self.device)
+        header = {
+            "stage": self.stage,
+            "world_size": dist.get_world_size(),
+            "engine": {k: int(getattr(self.engine, k)) for k in ENGINE_COUNTERS},
+            "loss_scaler": zero_ckpt.scaler_state(getattr(self.optimizer, "loss_scaler", None)),
+        }
+        buffers = {}
+        if dist.get_rank() == 0:
+            buffers = {k: to_cpu(v) for k, v in persistent_buffers(self.model).items()}
+        return self._writer.submit(self._write, directory, host, header, buffers, ready)
+
+    def _write(self, directory: Path, host, header, buffers, ready) -> list[str]:
+        if ready is not None:
+            ready.synchronize()
+        base = self.optimizer.optimizer
+        fp32 = [fp32_optimizer_state(base, s) if s else None for s in host["optim"]]
+        header["steps"] = [float(s["step"]) if s else 0.0 for s in fp32]  # host tensors
+        moments = [{k: s[k] for k in zero_ckpt.MOMENTS} if s else None for s in fp32]
+        name = f"zero/rank_{dist.get_rank():05d}.safetensors"
+        zero_ckpt.write_rank_file(directory / name, self.fragments, host["fp32"], moments, header)
+        if not buffers:
+            return [name]
+        save_file(buffers, str(directory / "zero/buffers.safetensors"))
+        return [name, "zero/buffers.safetensors"]
+
+    @torch.no_grad()
     def load(self, directory: Path) -> None:
-        # DeepSpeed unpickles its files fully: the manifest's sha256 were verified before this.
-        path, _ = self.engine.load_checkpoint(
-            str(directory), tag=TAG, load_lr_scheduler_states=False
-        )
-        assert path is not None, f"DeepSpeed found no checkpoint in {directory}"
+        index, header = zero_ckpt.read_index(directory)
+        shapes = {
+            name: tuple(p.ds_shape if self.stage == 3 else p.shape) for name, p in self._params
+        }
+        zero_ckpt.check_coverage(index, shapes, directory)
+        flats = self._fp32_flats()
+        keys = ("fp32", *zero_ckpt.MOMENTS) if any(header["steps"]) else ("fp32",)
+        moments = {k: [torch.zeros_like(f) for f in flats] for k in zero_ckpt.MOMENTS}
+        zero_ckpt.fill(index, self.fragments, lambda k: flats if k == "fp32" else moments[k], keys, directory)  # fmt: skip
+        base = self.optimizer.optimizer
+        for i, flat in enumerate(flats):
+            if header["steps"][i]:
+                group = {k: moments[k][i] for k in zero_ckpt.MOMENTS}
+                set_fp32_optimizer_state(base, flat, header["steps"][i], group)
+            else:
+                base.state.pop(flat, None)
+        for key, value in header["engine"].items():
+            setattr(self.engine, key, value)
+        if header["loss_scaler"] and getattr(self.optimizer, "loss_scaler", None) is not None:
+            zero_ckpt.load_scaler_state(self.optimizer.loss_scaler, header["loss_scaler"])
+        buffers_file = directory / "zero/buffers.safetensors"
+        if buffers_file.is_file():
+            current = persistent_buffers(self.model)
+            for name, value in load_file(str(buffers_file)).items():
+                if name in current:
+                    current[name].copy_(value)
+        self._refresh_compute_copies()
 
     def fingerprint(self) -> str:
         from deepspeed.utils import safe_get_full_fp32_param

@@ -175,15 +175,32 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     # state dtype and into torch's AdamW; decode/encode round-trips exactly (powers of two, and
     # values already representable), so a resumed run continues bit for bit.
 
+    def decoded(self, state: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's state as torch's AdamW holds it: step and FP32 moments (new tensors,
+        on the state's device: host copies decode on the host)."""
+        out = {"step": state["step"].clone()}
+        for key in STATE_KEYS:
+            out[key] = self._decode(state, key)
+        return out
+
+    @torch.no_grad()
+    def load_fp32(self, p: torch.Tensor, step: float, moments: dict[str, torch.Tensor]) -> None:
+        """Set one parameter's state from FP32 moments, in place where it exists (DeepSpeed keeps
+        views of a flat partition's state)."""
+        state = self.state[p] if self.state.get(p) else self._init_state(p)
+        state["step"].fill_(step)
+        for key in STATE_KEYS:
+            encoded: dict[str, torch.Tensor] = {}
+            self._encode(encoded, key, moments[key].to(state[key].device, torch.float32))
+            for name, value in encoded.items():
+                _local(state[name]).copy_(value)
+
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         for index, state in saved["state"].items():
-            p = params[index]
-            out = {"step": state["step"].clone()}
-            for key in STATE_KEYS:
-                out[key] = _like(p, self._decode(state, key))
-            saved["state"][index] = out
+            out = self.decoded(state)
+            saved["state"][index] = {k: _like(params[index], v) for k, v in out.items()}
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -204,8 +221,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as a DTensor sharded like `p` when p is one (what DCP needs to save shards)."""
-    if hasattr(p, "device_mesh"):
+    """`local` as a DTensor sharded like `p` when p is one (what DCP needs to save shards); the
+    0-dim step stays a plain tensor."""
+    if hasattr(p, "device_mesh") and local.dim():
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(

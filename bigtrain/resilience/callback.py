@@ -38,7 +38,7 @@ class CheckpointCallback(Callback):
         if committed is not None:
             self._committed(trainer, committed)
         step, every = trainer.step, self.cfg.every
-        due = trainer.is_last_step() or (every > 0 and step % every == 0)
+        due = (trainer.is_last_step() and every >= 0) or (every > 0 and step % every == 0)
         if metrics.get("rolled_back") and not metrics.get("checkpoint_now"):
             return
         if due or metrics.get("checkpoint_now") or metrics.get("preempt"):
@@ -51,6 +51,7 @@ class CheckpointCallback(Callback):
                 trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
                 return
         self.started = time.perf_counter()
+        copy = trainer.host_copy
         path = self.manager.save(
             trainer.step,
             trainer.backend,
@@ -58,6 +59,7 @@ class CheckpointCallback(Callback):
             trainer.context["identity"],
             trainer.context["config_yaml"],
             async_ok=self.cfg.async_save and not wait,
+            host_state=copy.state if copy is not None and copy.step == trainer.step else None,
         )
         if path is None:
             stall = time.perf_counter() - self.started

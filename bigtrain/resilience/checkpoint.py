@@ -5,6 +5,11 @@ A checkpoint is written into `checkpoints/.tmp-step_XXXXXXXX/`, every file fsync
 windows, versions, git commit, config hash) is written last, and the directory is renamed to
 `step_XXXXXXXX`. A directory without a manifest that verifies is never loaded, so a crash during
 a write leaves at most a stale `.tmp-*` directory, which the next save removes.
+
+Each rank fsyncs and hashes the files it wrote itself. Asynchronously (`save(..., async_ok=True)`)
+the backend copies its state to host memory and writes it in the background; this rank's hashing
+follows there too, and the commit (gather the hashes, manifest, rename) happens at a later step
+boundary once every rank's background work is done (`poll_pending`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import random
 import shutil
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +148,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
+    out = {}
+    for name in names:
+        path = directory / name
+        _fsync_file(path)
+        out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    return out
+
+
 class CheckpointManager:
     """Saves, lists, verifies and loads the checkpoints under `root` (out_dir/checkpoints).
 
     Every rank calls save/verify/load together. The directory must be shared by all ranks (as it
-    is for DCP and DeepSpeed): each rank writes its part, hashes its share of the files, rank 0
-    writes the manifest and commits by rename once every rank is done."""
+    is for DCP and DeepSpeed): each rank writes and hashes its part, rank 0 writes the manifest and
+    commits by rename once every rank is done."""
 
     def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
-        self.pending: tuple[Any, tuple] | None = None  # (future, commit args) of an async save
+        self.pending: tuple[Future, tuple] | None = None  # (hashes of an async save, commit args)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""
@@ -172,9 +189,11 @@ class CheckpointManager:
         identity: dict[str, Any],
         config_yaml: str,
         async_ok: bool = False,
+        host_state: dict[str, Any] | None = None,
     ) -> Path | None:
-        """Write and commit a checkpoint of `step`. With `async_ok` and a backend that can
-        (`save_async`), the backend's files are written in the background: the commit happens in
+        """Write and commit a checkpoint of `step`, from `host_state` (a host copy of this step's
+        backend state, such as a rollback snapshot) when given. With `async_ok` the backend's
+        files are written in the background: the commit happens in
         `poll_pending`/`finish_pending` once every rank finished; returns None then."""
         self.finish_pending()  # one checkpoint in flight at a time
         final = self.root / step_dir_name(step)
@@ -184,24 +203,27 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
             tmp.mkdir(parents=True)
         barrier()
-        torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        own = [f"rng_rank{self.rank}.pt"]
+        torch.save(rng_state(), tmp / own[0])
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
+            own += ["trainer.json", "config.yaml"]
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity)
-        if async_ok and hasattr(backend, "save_async"):
-            self.pending = (backend.save_async(tmp), commit)
+        if async_ok:
+            written = backend.save_async(tmp, host_state)
+            hashes = self._hasher.submit(lambda: hash_files(tmp, own + written.result()))
+            self.pending = (hashes, commit)
             return None
-        backend.save(tmp)
-        return self._commit(*commit)
+        return self._commit(*commit, hash_files(tmp, own + backend.save(tmp, host_state)))
 
     def poll_pending(self) -> Path | None:
         """Commit the checkpoint in flight if every rank finished writing it (a tiny collective,
         only while one is in flight); the committed path, or None."""
         if self.pending is None:
             return None
-        future, commit = self.pending
-        if not all_true(future.done()):
+        hashes, _ = self.pending
+        if not all_true(hashes.done()):
             return None
         return self.finish_pending()
 
@@ -209,10 +231,9 @@ class CheckpointManager:
         """Wait for the checkpoint in flight and commit it."""
         if self.pending is None:
             return None
-        future, commit = self.pending
+        hashes, commit = self.pending
         self.pending = None
-        future.result()
-        return self._commit(*commit)
+        return self._commit(*commit, hashes.result())
 
     def _commit(
         self,
@@ -222,16 +243,12 @@ class CheckpointManager:
         backend_name: str,
         data: dict[str, Any],
         identity: dict[str, Any],
+        mine: dict[str, dict[str, Any]],
     ) -> Path:
-        barrier()  # every rank's files are written
-        # Each rank fsyncs and hashes its share of the files; rank 0 assembles the manifest.
-        names = _list_files(tmp)
-        mine = {}
-        for name in names[self.rank :: self.world_size]:
-            _fsync_file(tmp / name)
-            mine[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
         if self.rank == 0:
+            unlisted = sorted(set(_list_files(tmp)) - set(files))
+            assert not unlisted, f"files no rank reported writing: {unlisted}"
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "step": step,

@@ -23,6 +23,7 @@ from bigtrain.resilience.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from bigtrain.train import HostCopy
 
 
 @dataclass
@@ -61,14 +62,11 @@ class Rollback(Callback):
 
     def take(self, trainer) -> None:
         # Host copies of this rank's shard (pinned, non-blocking on CUDA; see Backend.local_state).
+        state = trainer.backend.local_state()
         self.ring.append(
-            Snapshot(
-                trainer.step,
-                trainer.backend.local_state(),
-                copy.deepcopy(trainer.trainer_state()),
-                rng_state(),
-            )
+            Snapshot(trainer.step, state, copy.deepcopy(trainer.trainer_state()), rng_state())
         )
+        trainer.host_copy = HostCopy(trainer.step, state)  # a checkpoint of this step reuses it
 
     def rollback(self, trainer, metrics: dict[str, Any]) -> None:
         state = trainer.state

@@ -4,6 +4,7 @@ skips, snapshots, checkpoints across world sizes."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,6 @@ from torch import nn
 
 from bigtrain.build import build_trainer, run
 from bigtrain.config import load_config
-from bigtrain.errors import ConfigError
 from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import read_env, shutdown
 from tests.conftest import micro_overrides
@@ -171,40 +171,49 @@ def test_sharded_resume_is_bit_exact(tmp_path, corpus_files, cache_dir, backend)
     assert "rng_rank1.pt" in manifest["files"]
 
 
-def zero_refuses_other_world_size(args: list[str]) -> str:
-    try:
-        run(load_config([], args), read_env(), log=lambda *_: None)
-    except ConfigError as e:
-        return str(e)
-    finally:
-        shutdown(clean=False)
-    return "no error"
+def train_metrics(args: list[str]) -> dict:
+    final = run(load_config([], args), read_env(), log=lambda *_: None)
+    out = Path(load_config([], args).train.out_dir)
+    losses = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
+    kinds = [e["kind"] for e in read_jsonl(out / "events.jsonl")]
+    return {"final": final, "losses": losses, "events": kinds}
 
 
-def test_zero_checkpoint_at_another_world_size_is_refused(tmp_path, corpus_files, cache_dir):
-    opts = [
+def test_zero_checkpoint_resumes_under_another_stage_and_world_size(
+    tmp_path, corpus_files, cache_dir
+):
+    """ZeRO checkpoints hold fragments by parameter name: a ZeRO-2 checkpoint of 2 ranks resumes
+    under ZeRO-3 on 2 ranks and ZeRO-1 on 1 rank (same global batch) with the FP32 weights and
+    moments intact: the next steps' losses follow the uninterrupted run (FP32 compute)."""
+    common = [
         "parallel.backend=zero",
         "train.micro_batch_size=8",
         "train.eval_every=0",
-        "checkpoint.every=2",
+        "train.log_every=1",
+        "checkpoint.every=4",
+        "precision.compute_dtype=fp32",
+        "train.max_steps=7",
     ]
-    run_distributed(
-        train, 2, _args(tmp_path, "z", corpus_files, cache_dir, *opts, "train.max_steps=2")
-    )
-    message = run_distributed(
-        zero_refuses_other_world_size,
-        1,
-        _args(
-            tmp_path,
-            "z",
-            corpus_files,
-            cache_dir,
-            *opts,
-            "train.grad_accum_steps=2",
-            "train.max_steps=4",
-        ),
+    straight = run_distributed(
+        train_metrics, 2, _args(tmp_path, "s", corpus_files, cache_dir, *common)
     )[0]
-    assert "ZeRO partitions for 2 ranks" in message
+    run_distributed(
+        train, 2, _args(tmp_path, "z", corpus_files, cache_dir, *common, "train.stop_at_step=4")
+    )
+    for name, world, extra in (
+        ("stage3", 2, ["parallel.zero_stage=3"]),
+        ("one_rank", 1, ["parallel.zero_stage=1", "train.grad_accum_steps=2"]),
+    ):
+        shutil.copytree(tmp_path / "z", tmp_path / name)
+        resumed = run_distributed(
+            train_metrics, world, _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
+        )[0]
+        assert "resume" in resumed["events"], name
+        for step in (5, 6, 7):
+            assert resumed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-3), (
+                name,
+                step,
+            )
 
 
 def snapshot_round_trip(args: list[str]) -> tuple[str, str, str]:

@@ -46,8 +46,8 @@ def test_interrupted_write_leaves_the_previous_checkpoint_loadable(micro, monkey
     cfg = micro("train.max_steps=20", "checkpoint.every=10")
     original = LocalBackend.save
 
-    def crash_on_second_save(self, directory):
-        files = original(self, directory)
+    def crash_on_second_save(self, directory, host_state=None):
+        files = original(self, directory, host_state)
         if directory.name.endswith("00000020"):
             raise KeyboardInterrupt("killed mid-write")  # files written, no manifest, no rename
         return files
@@ -135,3 +135,10 @@ def test_resume_from_an_explicit_bad_path_exits_2(micro_args, tmp_path):
     result = run_cli("train", *micro_args(f"checkpoint.resume={tmp_path / 'nowhere'}"))
     assert result.returncode == 2
     assert "has no manifest.json" in result.stderr
+
+
+def test_checkpoint_every_minus_one_writes_none(micro):
+    cfg = micro("train.max_steps=4", "checkpoint.every=-1", "train.eval_every=0")
+    final = run(cfg, ENV, **QUIET)
+    assert final["step"] == 4
+    assert not (Path(cfg.train.out_dir) / "checkpoints").exists()

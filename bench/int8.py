@@ -153,7 +153,7 @@ def main() -> None:
             f"train.eval_every={args.steps}",
             f"train.log_every={max(1, args.steps // 5)}",
             f"train.micro_batch_size={args.batch}",
-            "checkpoint.every=0",
+            "checkpoint.every=-1",
             f"train.out_dir={out}/{name}",
             *extra,
             *user,

@@ -148,7 +148,7 @@ def step_share(steps: int, every: int, device: str, config: list[str]) -> dict:
                 f"train.device={device}",
                 f"monitor.every={every}",
                 "train.eval_every=0",
-                "checkpoint.every=0",
+                "checkpoint.every=-1",
                 "train.progress=false",
                 "wandb.mode=disabled",
             ],

@@ -85,7 +85,7 @@ def main() -> None:
             "wandb.mode=disabled",
             "train.progress=false",
             "train.eval_every=0",
-            "checkpoint.every=0",
+            "checkpoint.every=-1",
             "train.max_steps=1000000",
             *overrides,
         ],

@@ -87,7 +87,7 @@ def wall_time(steps: int, fault_every: int) -> dict:
                 trainer = trainer_for(
                     out,
                     f"train.max_steps={steps}",
-                    "checkpoint.every=0",
+                    "checkpoint.every=-1",
                     "checkpoint.keep=1",
                     "resilience.snapshot_every=5",
                     "resilience.confirm_steps=3",

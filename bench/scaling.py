@@ -66,7 +66,7 @@ def main() -> None:
         "wandb.mode=disabled",
         "train.progress=false",
         "train.eval_every=0",
-        "checkpoint.every=0",
+        "checkpoint.every=-1",
         "train.max_steps=100000",
     ]
     micro = load_config(files, user).train.micro_batch_size

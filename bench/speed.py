@@ -92,7 +92,7 @@ def main() -> None:
             f"train.max_steps={args.steps}",
             "train.eval_every=0",
             f"train.log_every={max(1, args.steps // 4)}",
-            "checkpoint.every=0",
+            "checkpoint.every=-1",
             f"train.out_dir={out}/{name.replace(' ', '-')}",
             *PLAIN,
             *VARIANTS[name],

@@ -12,11 +12,13 @@ import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
 
 FORMATS = {
     ".txt": "text",
@@ -91,6 +93,8 @@ def corpus_fingerprint(cfg: DataConfig) -> str:
 
 def load_documents(cfg: DataConfig) -> datasets.Dataset:
     """The corpus as a Dataset with a `text` column, one row per document (or line, for text)."""
+    import datasets  # only to tokenize: a run from the token cache does not need it
+
     if cfg.source == "shakespeare":
         texts = [strip_play_markup(f.read_text(encoding="utf-8")) for f in shakespeare_files()]
         return datasets.Dataset.from_dict({"text": texts})

@@ -94,12 +94,16 @@ def _tokenizer_key(cfg: DataConfig) -> str:
     return "hub-" + cfg.tokenizer
 
 
+def cache_entry(cfg: DataConfig) -> Path:
+    """The cache directory of this corpus and tokenizer (it may not exist yet)."""
+    key = hashlib.sha256(f"{corpus_fingerprint(cfg)}|{_tokenizer_key(cfg)}".encode()).hexdigest()
+    return cache_root(cfg) / f"corpus-{key[:16]}"
+
+
 def prepare_corpus(cfg: DataConfig, log=print) -> TokenCorpus:
     """Tokenize the corpus (or reuse the cache) and return the packed token memmap."""
-    key = hashlib.sha256(f"{corpus_fingerprint(cfg)}|{_tokenizer_key(cfg)}".encode()).hexdigest()[
-        :16
-    ]
-    entry = cache_root(cfg) / f"corpus-{key}"
+    entry = cache_entry(cfg)
+    key = entry.name.removeprefix("corpus-")
     if not (entry / "meta.json").is_file():
         log(f"data: tokenizing the corpus into {entry}")
         _build_entry(cfg, entry)

@@ -1,0 +1,50 @@
+"""The GPU script's parts that run without a GPU: its syntax, its cache check and its table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_gpu_script_parses():
+    for script in ("bench/gpu.sh", "bench/gpu_carry.sh"):
+        assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
+
+
+def test_gpu_cache_check_names_what_is_missing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_data.py", "--check", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "tiny (vocab 2048)" in result.stderr and "vocab 8192" in result.stderr
+    assert str(tmp_path / "corpus-") in result.stderr
+
+
+def test_gpu_summary_reads_each_steps_json(tmp_path):
+    (tmp_path / "llama-1b").mkdir()
+    metrics = [{"step": s, "mfu": m, "tokens_per_s": 60000.0} for s, m in ((10, 0.1), (20, 0.5))]
+    (tmp_path / "llama-1b" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics))
+    (tmp_path / "monitor.json").write_text(
+        json.dumps({"bandwidth": [{"values": 10**9, "of_flat_sum": 0.8, "kernel_ms": 2.0}]})
+    )
+    ckpt = {"bytes": 15e9, "sync_s": 30.0, "async_stall_s": 1.5, "ratio": 0.05}
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"backends": {"local": ckpt}}))
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_data.py", "--summary", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "50.0% MFU" in result.stdout  # the first interval (compilation) is left out
+    assert "1000M 80%" in result.stdout
+    assert "async stall 1.50 s (0.050 of sync)" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # 2 ms for 1B values -> 2.47 ms for the 1B's gradients, over 16384 tokens at 60k tokens/s
+    assert abs(summary["monitor"]["share_of_1b_step_est"] - 2.472e-3 / (16384 / 60000)) < 1e-6

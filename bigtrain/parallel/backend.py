@@ -100,8 +100,9 @@ class Backend(Protocol):
         """This rank's shard of master weights and floating optimizer states, on the device (the
         finite check before a checkpoint)."""
 
-    def local_state(self) -> dict[str, Any]:
-        """Host copy of this rank's shard of master weights and optimizer state (snapshots)."""
+    def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Host copy of this rank's shard of master weights and optimizer state (snapshots,
+        checkpoints), into the tensors of an earlier copy `into` where they fit."""
 
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Restore what local_state returned, on the same world size."""
@@ -285,12 +286,10 @@ class TorchBackend:
                     out.append((f"param{i}.{key}", local_tensor(value)))
         return out
 
-    def local_state(self) -> dict[str, Any]:
+    def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
         params = self._params()
-        return {
-            "params": [to_cpu(p) for p in params],
-            "optim": [{k: to_cpu(v) for k, v in self.optimizer.state[p].items()} for p in params],
-        }
+        state = {"params": params, "optim": [dict(self.optimizer.state[p]) for p in params]}
+        return to_cpu(state, into)
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:
@@ -369,18 +368,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any, into: Any = None) -> Any:
     """Host copies of the tensors in `obj`. From CUDA: into pinned memory, without waiting (the
     copy is ordered on the stream before later kernels that change the source, and before any
-    later copy back, so no synchronisation is needed)."""
+    later copy back, so no synchronisation is needed). `into`: an earlier result of the same
+    structure whose tensors are reused where they fit (warm host pages copy several times faster
+    than fresh ones)."""
     if isinstance(obj, torch.Tensor):
         t = local_tensor(obj).detach()
+        if (
+            isinstance(into, torch.Tensor)
+            and into.shape == t.shape
+            and into.dtype == t.dtype
+            and (not t.is_cuda or into.is_pinned())
+        ):
+            return into.copy_(t, non_blocking=t.is_cuda)
         if t.is_cuda:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return host.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        into = into if isinstance(into, dict) else {}
+        return {k: to_cpu(v, into.get(k)) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [to_cpu(v) for v in obj]
+        into = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
+        return [to_cpu(v, old) for v, old in zip(obj, into, strict=True)]
     return obj

@@ -36,6 +36,7 @@ class LocalBackend(TorchBackend):
         )
         super().__init__(model.to(device), policy, cfg, device)
         self._writer = checkpoint_writer()
+        self._spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
 
     def _canonical_state(self) -> dict[str, torch.Tensor]:
         """The model's tensors by canonical name, each storage once (tied weights share one), so a
@@ -55,8 +56,9 @@ class LocalBackend(TorchBackend):
     ) -> Future[list[str]]:
         """model.safetensors and optimizer.pt from a host copy of the state, written by the
         writer thread (sync saves wait for it: both paths write the same bytes)."""
-        host = host_state if host_state is not None else self.local_state()
-        ready = host_ready(self.device)
+        if host_state is None:  # the previous save's buffers are free again (one write at a time)
+            host_state = self._spare = self.local_state(into=self._spare)
+        host, ready = host_state, host_ready(self.device)
         index = {
             local_tensor(p).untyped_storage().data_ptr(): i for i, p in enumerate(self._params())
         }

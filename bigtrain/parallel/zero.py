@@ -153,6 +153,7 @@ class ZeroBackend:
             self.optimizer, self._params, self.stage, dist.get_rank()
         )
         self._writer = checkpoint_writer()
+        self._spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min
         if policy.compute_dtype != torch.float32:
@@ -286,8 +287,9 @@ class ZeroBackend:
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None
     ) -> Future[list[str]]:
-        host = host_state if host_state is not None else self.local_state()
-        ready = host_ready(self.device)
+        if host_state is None:  # the previous save's buffers are free again (one write at a time)
+            host_state = self._spare = self.local_state(into=self._spare)
+        host, ready = host_state, host_ready(self.device)
         header = {
             "stage": self.stage,
             "world_size": dist.get_world_size(),
@@ -367,13 +369,11 @@ class ZeroBackend:
                     out.append((f"fp32_partition{i}.{key}", value))
         return out
 
-    def local_state(self) -> dict[str, Any]:
+    def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
         flats = self._fp32_flats()
         base = self.optimizer.optimizer  # the client AdamW, holding the flat partitions
-        return {
-            "fp32": [to_cpu(f) for f in flats],
-            "optim": [to_cpu(dict(base.state.get(f, {}))) for f in flats],
-        }
+        state = {"fp32": flats, "optim": [dict(base.state.get(f, {})) for f in flats]}
+        return to_cpu(state, into)
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:

@@ -311,7 +311,11 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             trainer.event("checkpoint_invalid", **bad)
         if ctx["resume_from"]:
             trainer.event("resume", **ctx["resume_from"])
-        state = trainer.fit()
+        try:
+            state = trainer.fit()
+        except AbortRun as e:  # every rank gave up at the same step
+            trainer.callbacks.on_stop(trainer, str(e))
+            raise
         if state.step < cfg.train.max_steps:
             trainer.event(
                 "stop",

@@ -10,6 +10,9 @@ Order of one run (train.py):
                                            loss, lr, grad_norm, ... ; callbacks may add keys
     on_event(trainer, record)              whenever an event is written (any time)
     on_finish(trainer)                     after the last step, before final.json
+    on_stop(trainer, reason)               instead of on_finish when every rank gives up at the
+                                           same step (an abort, exit 3; a suspect host, exit 6):
+                                           finish what must not be lost
 
 A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its state travels in the
 trainer state (checkpoints and rollback snapshots) under that key.
@@ -39,6 +42,8 @@ class Callback:
     def on_event(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
 
     def on_finish(self, trainer: Trainer) -> None: ...
+
+    def on_stop(self, trainer: Trainer, reason: str) -> None: ...
 
     def close(self) -> None:
         """Release resources; called on every exit path, also after an error."""

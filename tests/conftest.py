@@ -91,3 +91,28 @@ def run_cli(
         env=full_env,
         timeout=timeout,
     )
+
+
+SLOW_WRITER = """
+import os, threading, time
+import bigtrain.parallel.local as local, bigtrain.parallel.zero_ckpt as zero_ckpt
+
+def slow(original):
+    def write(*args, **kwargs):
+        original(*args, **kwargs)
+        if threading.current_thread().name.startswith("bigtrain-ckpt-write"):
+            time.sleep(float(os.environ["BIGTRAIN_TEST_WRITE_DELAY_S"]))
+    return write
+
+local.save_file = slow(local.save_file)
+zero_ckpt.save_file = slow(zero_ckpt.save_file)
+"""
+
+
+def slow_writer_env(tmp_path: Path, seconds: float) -> dict[str, str]:
+    """Environment for run_cli in which background checkpoint writes (local, zero) stall for
+    `seconds` after their first file: a checkpoint is then reliably still in flight."""
+    patch = tmp_path / "slow-writer"
+    patch.mkdir(exist_ok=True)
+    (patch / "sitecustomize.py").write_text(SLOW_WRITER)
+    return {"PYTHONPATH": f"{patch}:{ROOT}", "BIGTRAIN_TEST_WRITE_DELAY_S": str(seconds)}

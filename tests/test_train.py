@@ -10,7 +10,7 @@ from bigtrain.errors import AbortRun
 from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv
 from bigtrain.train import lr_at
-from tests.conftest import run_cli
+from tests.conftest import run_cli, slow_writer_env
 
 ENV = DistEnv()
 
@@ -39,8 +39,13 @@ def test_short_run_loss_falls_and_writes_the_run_directory(micro):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_seen"):
         assert key in train[-1], key
     assert train[-1]["samples_seen"] == 30 * 8
-    kinds = [e["kind"] for e in read_jsonl(Path(out) / "events.jsonl")]
-    assert kinds == ["start", "checkpoint", "checkpoint", "checkpoint", "finish"]
+    events = read_jsonl(Path(out) / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    # steps 10 and 20 are written in the background and committed at a later step; 30 (the last)
+    # synchronously
+    assert kinds == ["start"] + ["checkpoint_started", "checkpoint"] * 2 + ["checkpoint", "finish"]
+    committed = [e["path"][-13:] for e in events if e["kind"] == "checkpoint"]
+    assert committed == ["step_00000010", "step_00000020", "step_00000030"]
     saved = json.loads((Path(out) / "final.json").read_text())
     assert saved == final
     assert (
@@ -126,7 +131,8 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
         "fault.nan_loss_step=[7]",
         "monitor.nonfinite=abort",
     )
-    result = run_cli("train", *args)
+    # The step-5 checkpoint's background write stalls 5 s: it is still in flight at the abort.
+    result = run_cli("train", *args, env=slow_writer_env(tmp_path, 5))
     assert result.returncode == 3, result.stderr
     assert "non-finite loss at step 7" in result.stderr
     out = tmp_path / "run"
@@ -135,7 +141,9 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
         "step_00000005"
     ]  # none after the anomaly
     kinds = [e["kind"] for e in read_jsonl(out / "events.jsonl")]
-    assert kinds[-2:] == ["anomaly", "abort"]
+    # the step-5 checkpoint, still being written in the background, is committed on the way out
+    assert kinds[-3:] == ["anomaly", "abort", "checkpoint"]
+    assert "checkpoint" not in kinds[:-1]
     assert not (out / "final.json").exists()
     again = run_cli("train", *args)
     assert again.returncode == 3 and "ABORTED exists" in again.stderr

@@ -271,6 +271,9 @@ class FusedAdamWKernel:
         rows: list[int] = []
         offset = 0
         for i, p in enumerate(tensors.params):
+            # The kernel reads raw memory: FP32 masters and gradients, dense (no strides).
+            assert p.dtype == tensors.grads[i].dtype == torch.float32, "FP32 master weights"
+            assert p.is_contiguous() and tensors.grads[i].is_contiguous(), "contiguous tensors"
             rows += [
                 p.data_ptr(),
                 tensors.grads[i].data_ptr(),

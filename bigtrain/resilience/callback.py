@@ -76,3 +76,8 @@ class CheckpointCallback(Callback):
         path = self.manager.finish_pending()
         if path is not None:
             self._committed(trainer, path)
+
+    def on_stop(self, trainer, reason: str) -> None:
+        # The checkpoint in flight holds a state that was healthy and checked finite: commit it
+        # (every rank stops at the same step, so the commit's collectives meet).
+        self.on_finish(trainer)

@@ -3,7 +3,6 @@ committed at a later step, loadable only once committed."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from bigtrain.config import load_config
 from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv, read_env
 from bigtrain.parallel.local import LocalBackend
-from tests.conftest import ROOT, micro_overrides, run_cli
+from tests.conftest import micro_overrides, run_cli, slow_writer_env
 from tests.distributed import run_distributed
 
 QUIET = {"log": lambda *_: None}
@@ -53,29 +52,10 @@ def test_async_checkpoint_commits_later_and_resumes_bit_exactly(
     assert resumed[0]["final"]["fingerprint"] == straight["final"]["fingerprint"]
 
 
-SLOW_WRITER = """
-import threading, time
-import bigtrain.parallel.local as local, bigtrain.parallel.zero_ckpt as zero_ckpt
-
-def slow(original):
-    def write(*args, **kwargs):
-        original(*args, **kwargs)
-        if threading.current_thread().name.startswith("bigtrain-ckpt-write"):
-            time.sleep(60)  # the background write is stuck halfway: the SIGKILL lands here
-    return write
-
-local.save_file = slow(local.save_file)
-zero_ckpt.save_file = slow(zero_ckpt.save_file)
-"""
-
-
 @pytest.mark.parametrize("backend", ["local", "zero"])
 def test_sigkill_during_the_background_write_never_loads_it(micro_args, tmp_path, backend):
     """The step-5 checkpoint is still being written (its writer is held after the first file)
     when the process is SIGKILLed at step 6. The restart never loads the half-written one."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(textwrap.dedent(SLOW_WRITER))
     args = micro_args(
         f"parallel.backend={backend}",
         "train.max_steps=8",
@@ -83,7 +63,7 @@ def test_sigkill_during_the_background_write_never_loads_it(micro_args, tmp_path
         "train.eval_every=0",
         "fault.kill_step=6",
     )
-    result = run_cli("train", *args, env={"PYTHONPATH": f"{patch}:{ROOT}"})
+    result = run_cli("train", *args, env=slow_writer_env(tmp_path, 60))
     assert result.returncode == -9, result.stderr[-2000:]
     root = tmp_path / "run" / "checkpoints"
     assert [p.name for p in root.iterdir()] == [".tmp-step_00000005"]

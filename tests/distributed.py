@@ -6,6 +6,7 @@ an exception in any rank fails the call with that rank's traceback."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import sys
@@ -46,13 +47,16 @@ def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 600):
+    # Ranks fork from a server that imported torch, bigtrain and DeepSpeed once (forkserver: the
+    # server itself never ran a thread or an OpenMP region, so forking it is safe).
+    multiprocessing.set_forkserver_preload(["tests.distributed_preload"])
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker,
             args=(fn, world_size, free_port(), out_dir, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         while not context.join(timeout=timeout):
             pass

@@ -26,6 +26,7 @@ from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
 from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.observe.rundir import RunDir
+from bigtrain.observe.timing import StragglerReport
 from bigtrain.observe.wandb_logger import WandbLogger
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
 from bigtrain.parallel.backend import Backend, canonical_name
@@ -58,6 +59,7 @@ from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes
 from bigtrain.resilience.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.resilience.preempt import PreemptionHandler
 from bigtrain.resilience.rollback import Rollback
+from bigtrain.resilience.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.train import Trainer
 
 
@@ -143,6 +145,8 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         )
 
     device = pick_device(cfg.train.device, env)
+    if device.type == "cuda":
+        enable_nccl_flight_recorder()  # before the process group: dumped if the run hangs
     init_process_group(
         env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
     )
@@ -213,6 +217,8 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         "train_samples": len(train_samples),
     }
     callbacks = [
+        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
+        StragglerReport(cfg.monitor.straggler_factor),
         FaultInjector(cfg.fault, env.rank),
         AnomalyGuard(cfg.monitor),
         EvalCallback(val, cfg.train.eval_every),

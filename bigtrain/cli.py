@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from bigtrain.errors import AbortRun, ConfigError, Preempted, ReplicaMismatch
+from bigtrain.errors import AbortRun, ConfigError, Preempted, ReplicaMismatch, SuspectHost
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             print(build_report(args.run_dir))
             return 0
         return _ckpt(args.ckpt_command, args.path)
-    except (ConfigError, AbortRun, Preempted, ReplicaMismatch) as e:
+    except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost) as e:
         # One line, no traceback, the documented exit code.
         prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")
         print(f"bigtrain: {prefix}{e}", file=sys.stderr)

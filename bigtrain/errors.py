@@ -21,7 +21,17 @@ class Preempted(RuntimeError):
     exit_code = 4
 
 
+class SuspectHost(RuntimeError):
+    """Transient faults kept coming from one host (resilience.max_transient_per_rank): its name is
+    in RUN_DIR/suspect_hosts.txt. Exit 6: requeue without it."""
+
+    exit_code = 6
+
+
 class ReplicaMismatch(RuntimeError):
     """Ranks ended with different weights where they must agree: a bug or silent corruption."""
 
-    exit_code = 5
+    exit_code = 7
+
+
+HANG_EXIT_CODE = 5  # the hang watchdog (resilience/watchdog.py) ends the process with os._exit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -12,11 +12,13 @@ import torch
 from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
 from bigtrain.hooks import Callbacks
-from bigtrain.monitor.monitor import GradMonitor
+from bigtrain.monitor.monitor import GradMonitor, Health
 from bigtrain.observe.rundir import RunDir
+from bigtrain.observe.timing import StepTimer
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.clip import ClipThreshold
+from bigtrain.replay import Replay
 
 
 @dataclass
@@ -33,6 +35,7 @@ class TrainState:
     lr_scale: float = 1.0  # < 1 after a rollback, until backoff_until
     clip_scale: float = 1.0  # the clipping threshold's factor, likewise
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
+    transients: dict[str, int] = field(default_factory=dict)  # transient faults by host (replay)
 
 
 @dataclass
@@ -94,14 +97,20 @@ class Trainer:
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
         self.stop_signal: str | None = None  # set by a preemption signal handler (preempt.py)
         self.host_copy: HostCopy | None = None  # the newest snapshot's state (rollback.py)
+        self.replay = Replay(cfg.resilience, cfg.monitor)  # re-runs an anomalous step once
+        self.replaying = False  # True while a step's micro-batches run the second time
+        self.step_in_progress: int | None = None  # the step train_step is running
+        self.timer = StepTimer(device, cfg.monitor.timing_every)
 
     @property
     def step(self) -> int:
         return self.state.step
 
     def event(self, kind: str, **details: Any) -> dict[str, Any]:
-        """Write an event (rank 0) and let callbacks (console, wandb) hear of it."""
-        record = self.run_dir.event(self.state.step, kind, **details)
+        """Write an event (rank 0) and let callbacks (console, wandb) hear of it. During a step,
+        events carry that step's number; between steps, the last finished step's."""
+        step = self.step_in_progress if self.step_in_progress is not None else self.state.step
+        record = self.run_dir.event(step, kind, **details)
         self.callbacks.on_event(self, record)
         return record
 
@@ -129,25 +138,16 @@ class Trainer:
         self._enter_phase()
         self._end_backoff()
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
+        step = self.step_in_progress = self.state.step + 1
+        self.timer.start(step)
         micro_batches = self.loader.next_step()
-        n = len(micro_batches)
-        losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
-        step = self.state.step + 1
-        metrics: dict[str, Any] = {"step": step, "local_loss": torch.stack(losses).mean(), "lr": lr}
-        self.callbacks.on_after_backward(self, metrics)
-        grad_factor = backend.unscale_grads()
-        log_step = step % cfg.train.log_every == 0 or step >= self.end_step
-        # One pass over the gradients and one or two small all-reduces; every rank then holds the
-        # same numbers and takes the same decision (step, skip, anomaly).
-        health = self.monitor.check(
-            backend.named_grads(),
-            metrics.pop("local_loss"),
-            grad_factor,
-            full=self.monitor.full_step(step, log_step),
-            loss_scaled=backend.loss_scale() is not None,
-            stop_requested=self.stop_signal is not None,
-        )
-        metrics.update(loss=health.loss, grad_norm=health.grad_norm, **health.telemetry)
+        self.timer.mark("data")
+        rng = self.replay.before_step()  # the step's RNG state, kept for a replay
+        metrics, health = self._forward_backward_check(micro_batches, step, lr)
+        if self.replay.wanted(health):
+            metrics, health = self.replay.run(
+                self, rng, health, lambda: self._forward_backward_check(micro_batches, step, lr)
+            )
         if health.skip:
             backend.skip_step()
             self.state.skipped_steps += 1
@@ -156,6 +156,7 @@ class Trainer:
             backend.step(lr)
             if self.clip.adaptive:
                 self.clip.record(health.host_grad_norm)
+        self.timer.mark("optimizer")
         scale = backend.update_loss_scale(overflow=health.overflow)
         if scale is not None:
             metrics["loss_scale"], metrics["scale_update"] = scale.scale, scale
@@ -170,11 +171,39 @@ class Trainer:
         metrics["finite"] = health.finite
         metrics["precision_phase"] = self.phase.name
         self.state.step += 1
+        self.step_in_progress = None
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step
+        metrics["step_timing"] = self.timer.finish()  # per part, on timing steps; else None
         # The step's own time; callbacks (eval, checkpoints) are not included.
         metrics["step_time"] = time.perf_counter() - started
         return metrics
+
+    def _forward_backward_check(
+        self, micro_batches: list, step: int, lr: float
+    ) -> tuple[dict[str, Any], Health]:
+        """Forward and backward of the step's micro-batches, then the monitor's verdict."""
+        backend = self.backend
+        n = len(micro_batches)
+        losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
+        metrics: dict[str, Any] = {"step": step, "local_loss": torch.stack(losses).mean(), "lr": lr}
+        self.callbacks.on_after_backward(self, metrics)
+        self.timer.mark("forward_backward")
+        grad_factor = backend.unscale_grads()
+        log_step = step % self.cfg.train.log_every == 0 or step >= self.end_step
+        # One pass over the gradients and one or two small all-reduces; every rank then holds the
+        # same numbers and takes the same decision (step, skip, anomaly).
+        health = self.monitor.check(
+            backend.named_grads(),
+            metrics.pop("local_loss"),
+            grad_factor,
+            full=self.monitor.full_step(step, log_step),
+            loss_scaled=backend.loss_scale() is not None,
+            stop_requested=self.stop_signal is not None,
+        )
+        self.timer.mark("sync")
+        metrics.update(loss=health.loss, grad_norm=health.grad_norm, **health.telemetry)
+        return metrics, health
 
     def _end_backoff(self) -> None:
         """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""

@@ -38,10 +38,11 @@ def slurm():
     subprocess.run(["bash", "launch/local-slurm.sh", "down"], cwd=ROOT)
 
 
-def submit(env, out: Path, cache_dir: Path) -> str:
+def submit(env, out: Path, cache_dir: Path, extra: str = "") -> str:
     overrides = (
         f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=30 "
-        "train.micro_batch_size=8 train.eval_every=10 checkpoint.every=10 wandb.mode=disabled"
+        "train.micro_batch_size=8 train.eval_every=10 checkpoint.every=10 wandb.mode=disabled "
+        + extra
     )
     result = subprocess.run(
         [
@@ -126,3 +127,37 @@ def test_requeued_job_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_
     final = json.loads((out / "final.json").read_text())
     straight = json.loads((uninterrupted[1] / "final.json").read_text())
     assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]
+
+
+@pytest.mark.e2e
+def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cache_dir):
+    """Rank 1 hangs at step 15 (once per run directory): the watchdogs end both tasks with exit 5
+    and their stacks; the job requeues itself, resumes from step 10 and ends like the one that
+    never hung."""
+    out = tmp_path / "hang"
+    extra = "fault.rank=1 fault.hang_step=[15] resilience.hang_timeout_s=10 parallel.timeout_s=120"
+    job_id = submit(slurm, out, cache_dir, extra)
+    info = wait_for(slurm, job_id, restarts=1)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    assert (out / "hang" / "rank_1.txt").read_text().startswith("rank 1: no step ended")
+    kinds = [e["kind"] for e in read_jsonl(out / "events.jsonl")]
+    assert "hang" in kinds and "resume" in kinds
+    final = json.loads((out / "final.json").read_text())
+    straight = json.loads((uninterrupted[1] / "final.json").read_text())
+    assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]
+
+
+@pytest.mark.e2e
+def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_path, cache_dir):
+    out = tmp_path / "suspect"
+    extra = "fault.transient_nan_step=[3] resilience.max_transient_per_rank=1"
+    job_id = submit(slurm, out, cache_dir, extra)
+    host = out / "suspect_hosts.txt"
+    deadline = time.time() + 200
+    while job(slurm, job_id).get("ExcNodeList", "(null)") == "(null)":
+        assert time.time() < deadline, job(slurm, job_id)
+        time.sleep(1)
+    info = job(slurm, job_id)
+    subprocess.run(["scancel", job_id], env=slurm)  # the one node is excluded: it would wait
+    assert info["ExcNodeList"] == host.read_text().split()[0], info
+    assert info["JobState"] == "PENDING", info

@@ -203,6 +203,9 @@ def validate(config: Config) -> None:
         "resilience.snapshots": config.resilience.snapshots,
         "resilience.lr_backoff": config.resilience.lr_backoff,
         "resilience.clip_backoff": config.resilience.clip_backoff,
+        "resilience.max_transient_per_rank": config.resilience.max_transient_per_rank,
+        "monitor.warmup_factor": config.monitor.warmup_factor,
+        "monitor.straggler_factor": config.monitor.straggler_factor,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -212,6 +215,8 @@ def validate(config: Config) -> None:
         "data.prefetch": config.data.prefetch,
         "monitor.every": config.monitor.every,
         "monitor.warmup": config.monitor.warmup,
+        "monitor.timing_every": config.monitor.timing_every,
+        "fault.slow_s": config.fault.slow_s,
         "resilience.snapshot_every": config.resilience.snapshot_every,
         "resilience.confirm_steps": config.resilience.confirm_steps,
         "resilience.skip_margin": config.resilience.skip_margin,
@@ -282,6 +287,12 @@ def validate(config: Config) -> None:
     if config.parallel.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"
+        )
+    hang = config.resilience.hang_timeout_s
+    if hang is not None and hang <= 0:
+        raise ConfigError(
+            f"key 'resilience.hang_timeout_s' got {hang}, expected a positive number of seconds "
+            "(or null: automatic)"
         )
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(

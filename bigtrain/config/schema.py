@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bigtrain.config.faults import FaultConfig
+
 
 @dataclass
 class ModelConfig:
@@ -301,7 +303,10 @@ class MonitorConfig:
     """The same for each tensor's max |g|. Higher than k: with hundreds of tensors tested at once,
     k = 3 would flag some tensor on most steps by chance."""
     warmup: int = 50
-    """Healthy values a detector needs before it may fire (early training swings widely)."""
+    """Healthy values a detector needs before k sigma may fire (early training swings widely)."""
+    warmup_factor: float = 20.0
+    """During the warm-up (from 5 values on), a value at least this many times the median of the
+    values seen so far is a spike: early training is where blow-ups are most common."""
     min_factor: float = 5.0
     """A grad_norm or tensor_max spike must also be at least this many times its baseline: these
     magnitudes are heavy-tailed and pass k sigma by chance (on configs/tiny.yaml k = 3 alone
@@ -313,6 +318,11 @@ class MonitorConfig:
     """Stop with exit 3 after this many anomalous steps in a row (a shift no skip can fix)."""
     top_k: int = 5
     """Tensors named in an anomaly event (by max |g| and by non-finite count)."""
+    timing_every: int = 50
+    """Every N steps the ranks share their step time split into data, forward+backward, optimizer
+    and other (one small all-gather): per-rank times in metrics, `straggler` events. 0: off."""
+    straggler_factor: float = 1.3
+    """A rank whose part of the step takes this many times the median rank's is a straggler."""
 
 
 @dataclass
@@ -338,6 +348,16 @@ class ResilienceConfig:
     """An anomaly within this many steps of the previous rollback goes one snapshot further back."""
     max_rollbacks: int = 5
     """More rollbacks than this in a run stop it with exit 3 (the last good checkpoint is kept)."""
+    replay: bool = True
+    """On a non-finite or spike anomaly, run the same micro-batches again from the same state
+    first: a clean replay is a transient fault (the step goes on, nothing skipped), a reproduced
+    anomaly takes the action above."""
+    max_transient_per_rank: int = 3
+    """After this many transient faults on one host, stop with exit 6 and its name in
+    RUN_DIR/suspect_hosts.txt (requeue without it)."""
+    hang_timeout_s: float | None = None
+    """No step finishing within this long is a hang: stacks to RUN_DIR/hang/, exit 5. None: 10x
+    the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""
 
 
 @dataclass
@@ -379,37 +399,6 @@ class WandbConfig:
     """Run tags."""
     notes: str | None = None
     """Run notes (a description shown on the wandb run page)."""
-
-
-@dataclass
-class FaultConfig:
-    rank: int = 0
-    """Rank the faults are injected on."""
-    nan_loss_step: list[int] = field(default_factory=list)
-    """Steps at which the loss of `rank` becomes NaN before backward (a drill for the monitor)."""
-    nan_grad_step: list[int] = field(default_factory=list)
-    """Steps at which one gradient of `rank` gets a NaN after backward."""
-    inf_grad_step: list[int] = field(default_factory=list)
-    """Steps at which one gradient of `rank` gets an Inf after backward (an FP16 overflow drill)."""
-    grad_spike_step: list[int] = field(default_factory=list)
-    """Steps at which one gradient of `rank` is multiplied by `spike_factor` after backward."""
-    loss_spike_step: list[int] = field(default_factory=list)
-    """Steps at which the loss `rank` reports is multiplied by `spike_factor` (gradients intact)."""
-    spike_factor: float = 100.0
-    """Factor of the spike drills."""
-    spike_step: list[int] = field(default_factory=list)
-    """Steps at which the loss and the gradients of `rank` are multiplied by `spike_factor`."""
-    kill_step: list[int] = field(default_factory=list)
-    """Steps at which `rank` SIGKILLs itself after the step (once per run directory, so that the
-    restarted run does not repeat it): a drill for torchrun/SLURM restarts."""
-    sigterm_step: list[int] = field(default_factory=list)
-    """Steps at which `rank` sends itself SIGTERM (a preemption drill)."""
-    corrupt_checkpoint: bool = False
-    """Flip bytes in the newest committed checkpoint before resuming (once per run directory): a
-    drill for verified resume."""
-    grad_tensor: str = ""
-    """Canonical name of the gradient the grad drills poison (e.g. `blocks.0.mlp.fc.weight`);
-    empty: the first one `rank` holds a part of."""
 
 
 @dataclass

@@ -3,6 +3,8 @@
 Fed the same reduced numbers on every rank, they reach the same decision on every rank. A value is
 a spike when it exceeds the baseline of the previous `window` healthy values by `k` spreads, once
 `warmup` values have been seen, and (for magnitudes) is at least `min_factor` times the baseline.
+Before that, from `WARMUP_MIN_VALUES` values on, a value at least `warmup_factor` times the median
+of those seen is a spike: early training swings too widely for k sigma, but not by 20x.
 `check` does not change the window; the monitor `add`s a step's
 values only when the step was healthy, so spikes never become "normal".
 
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
+WARMUP_MIN_VALUES = 5
 METHODS = ("mean_std", "median_mad")
 
 
@@ -47,20 +50,24 @@ class SpikeDetector:
         method: str = "mean_std",
         warmup: int = 20,
         min_factor: float = 1.0,
+        warmup_factor: float = 20.0,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if warmup > window:
             raise ValueError(f"warmup ({warmup}) cannot exceed the window ({window})")
         self.metric, self.names, self.k, self.method, self.warmup = metric, names, k, method, warmup
-        self.min_factor = min_factor
+        self.min_factor, self.warmup_factor = min_factor, warmup_factor
         self.values: deque[np.ndarray] = deque(maxlen=window)
 
     def bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """(baseline, threshold) per column, or None during warm-up."""
-        if len(self.values) < self.warmup:
+        """(baseline, threshold) per column; None before WARMUP_MIN_VALUES values."""
+        if not self.values or len(self.values) < min(self.warmup, WARMUP_MIN_VALUES):
             return None
         data = np.stack(self.values).astype(np.float64)  # [window, columns]
+        if len(self.values) < self.warmup:  # warm-up: only far-off values (a column at 0: none)
+            baseline = np.median(data, axis=0)
+            return baseline, np.where(baseline > 0, self.warmup_factor * baseline, np.inf)
         if self.method == "mean_std":
             baseline, spread = data.mean(axis=0), data.std(axis=0)
         else:

@@ -76,9 +76,15 @@ class GradMonitor:
     ) -> None:
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
+        self.last_local: torch.Tensor | None = None
         unknown = set(cfg.spikes) - set(SPIKE_METRICS)
         assert not unknown, f"validated by config.load: {unknown}"
-        common = dict(window=cfg.window, method=cfg.detector, warmup=cfg.warmup)
+        common = dict(
+            window=cfg.window,
+            method=cfg.detector,
+            warmup=cfg.warmup,
+            warmup_factor=cfg.warmup_factor,
+        )
         self.detectors: dict[str, SpikeDetector] = {}
         for metric in cfg.spikes:
             if metric == "tensor_max":
@@ -111,6 +117,8 @@ class GradMonitor:
         loss are an overflow to back off from."""
         assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
+        # This rank's own numbers, before the reduction: a replay compares them between its runs.
+        self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
         stats, loss, stops = reduce_grad_stats(stats, local_loss, float(stop_requested))
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm

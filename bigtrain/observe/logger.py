@@ -13,6 +13,10 @@ from bigtrain.observe.mfu import mfu
 
 CONSOLE_EVENTS = {
     "resume",
+    "replay",
+    "straggler",
+    "hang",
+    "suspect_host",
     "checkpoint",
     "anomaly",
     "abort",
@@ -38,6 +42,7 @@ NOT_LOGGED = {
     "preempt",
     "rolled_back",
     "checkpoint_now",
+    "step_timing",
 }
 
 
@@ -70,6 +75,7 @@ class MetricsLogger(Callback):
             or not metrics["finite"]
             or metrics["anomaly"] is not None
             or "val_loss" in metrics
+            or "step_time_by_rank" in metrics
         ):
             return
         # Expensive device-to-host synchronization, at log steps only.

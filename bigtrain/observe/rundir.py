@@ -42,22 +42,26 @@ class RunDir:
     def aborted_marker(self) -> Path:
         return self.path / ABORTED
 
-    def _append(self, name: str, record: dict[str, Any]) -> None:
-        if not self.is_main:
+    def _append(self, name: str, record: dict[str, Any], any_rank: bool = False) -> None:
+        if not (self.is_main or any_rank):
             return
         with open(self.path / name, "a") as f:
-            f.write(json.dumps(_clean(record)) + "\n")
+            f.write(json.dumps(_clean(record)) + "\n")  # one write of a whole line
             f.flush()
 
     def metrics(self, record: dict[str, Any]) -> None:
         self._append("metrics.jsonl", record)
 
-    def event(self, step: int, kind: str, /, **details: Any) -> dict[str, Any]:
+    def event(
+        self, step: int, kind: str, /, any_rank: bool = False, **details: Any
+    ) -> dict[str, Any]:
+        """Append an event (rank 0; `any_rank`: from this rank too, for what only it can tell,
+        such as its own hang)."""
         assert not {"time", "step", "kind"} & set(details), (
             f"reserved event keys in {sorted(details)}"
         )
         record = {"time": time.time(), "step": step, "kind": kind, **details}
-        self._append("events.jsonl", record)
+        self._append("events.jsonl", record, any_rank)
         return record
 
     def write_text(self, name: str, text: str) -> None:

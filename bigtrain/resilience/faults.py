@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,9 @@ class FaultInjector(Callback):
     priority = 0  # before any monitor reads the gradients
 
     def __init__(self, cfg: FaultConfig, rank: int) -> None:
-        self.cfg, self.active = cfg, rank == cfg.rank
-        self.fired: set[tuple[str, int]] = set()  # a rollback replays step numbers: fire once
+        self.cfg, self.rank, self.active = cfg, rank, rank == cfg.rank
+        self.fired: set[tuple[str, int]] = set()  # a rollback repeats step numbers: fire once
+        self.this_step: list[str] = []  # what fired in this step's first run (for its replay)
 
     def _due(self, kind: str, steps: list[int], step: int) -> bool:
         if step not in steps or (kind, step) in self.fired:
@@ -48,33 +51,54 @@ class FaultInjector(Callback):
 
     @torch.no_grad()
     def on_after_backward(self, trainer, metrics: dict[str, Any]) -> None:
+        if self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
+            time.sleep(self.cfg.slow_s)  # a straggler: this rank's forward+backward is slower
         if not self.active:
             return
         step, cfg = metrics["step"], self.cfg
-        named = trainer.backend.named_grads()
-        for kind, steps in (
+        if trainer.replaying:
+            # A replay of the step meets the same data faults again; a transient one is gone.
+            kinds = [k for k in self.this_step if k != "transient_nan"]
+        else:
+            kinds = [k for k, steps in self._schedule() if self._due(k, steps, step)]
+            self.this_step = kinds
+        named = trainer.backend.named_grads() if kinds else []
+        for kind in kinds:
+            self._apply(kind, trainer, metrics, named)
+        if self._once_per_run_dir(trainer, "hang", cfg.hang_step, step):
+            trainer.event("fault", type="hang")
+            threading.Event().wait()  # forever; the hang watchdog ends the process
+
+    def _schedule(self) -> list[tuple[str, list[int]]]:
+        cfg = self.cfg
+        return [
             ("nan_grad", cfg.nan_grad_step),
             ("inf_grad", cfg.inf_grad_step),
             ("grad_spike", cfg.grad_spike_step),
-        ):
-            if self._due(kind, steps, step):
-                name, grad = self._target(named)
-                if kind == "grad_spike":
-                    grad.mul_(cfg.spike_factor)
-                else:
-                    grad.view(-1)[0] = float("nan") if kind == "nan_grad" else float("inf")
-                trainer.event("fault", type=kind, tensor=name)
-        if self._due(
-            "spike", cfg.spike_step, step
-        ):  # a loss spike with the gradients that come with it
-            metrics["local_loss"] = metrics["local_loss"] * cfg.spike_factor
+            ("transient_nan", cfg.transient_nan_step),
+            ("spike", cfg.spike_step),
+            ("loss_spike", cfg.loss_spike_step),
+            ("nan_loss", cfg.nan_loss_step),
+        ]
+
+    def _apply(self, kind: str, trainer, metrics: dict[str, Any], named) -> None:
+        factor = self.cfg.spike_factor
+        if kind in ("nan_grad", "inf_grad", "grad_spike", "transient_nan"):
+            name, grad = self._target(named)
+            if kind == "grad_spike":
+                grad.mul_(factor)
+            else:
+                grad.view(-1)[0] = float("inf") if kind == "inf_grad" else float("nan")
+            trainer.event("fault", type=kind, tensor=name)
+        elif kind == "spike":  # a loss spike with the gradients that come with it
+            metrics["local_loss"] = metrics["local_loss"] * factor
             for _, grad in named:
-                grad.mul_(cfg.spike_factor)
-            trainer.event("fault", type="spike", factor=cfg.spike_factor)
-        if self._due("loss_spike", cfg.loss_spike_step, step):
-            metrics["local_loss"] = metrics["local_loss"] * cfg.spike_factor
-            trainer.event("fault", type="loss_spike", factor=cfg.spike_factor)
-        if self._due("nan_loss", cfg.nan_loss_step, step):
+                grad.mul_(factor)
+            trainer.event("fault", type="spike", factor=factor)
+        elif kind == "loss_spike":
+            metrics["local_loss"] = metrics["local_loss"] * factor
+            trainer.event("fault", type="loss_spike", factor=factor)
+        elif kind == "nan_loss":
             # A NaN loss poisons every gradient through backward; inject both.
             metrics["local_loss"] = metrics["local_loss"] * float("nan")
             for _, grad in named:
@@ -88,12 +112,18 @@ class FaultInjector(Callback):
         if self._due("sigterm", self.cfg.sigterm_step, step):
             trainer.event("fault", type="sigterm")
             os.kill(os.getpid(), signal.SIGTERM)
-        if step in self.cfg.kill_step:
-            marker = trainer.run_dir.path / f".fault-killed-step-{step}"
-            if not marker.exists():  # once per run directory: the restarted run goes on
-                marker.write_text("")
-                trainer.event("fault", type="kill")
-                os.kill(os.getpid(), signal.SIGKILL)
+        if self._once_per_run_dir(trainer, "killed", self.cfg.kill_step, step):
+            trainer.event("fault", type="kill")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    def _once_per_run_dir(trainer, kind: str, steps: list[int], step: int) -> bool:
+        """Due at `step`, once per run directory: the restarted (requeued) run goes on."""
+        marker = trainer.run_dir.path / f".fault-{kind}-step-{step}"
+        if step not in steps or marker.exists():
+            return False
+        marker.write_text("")
+        return True
 
 
 def corrupt_newest_checkpoint(root: Path, run_dir: Path) -> str | None:

@@ -4,7 +4,10 @@ Every rank takes the same decision in the same step, because the monitor's numbe
 every rank (one all-reduce); so every rank restores the same step, adds the same skip window and
 backs off the same way, with no extra agreement round. The snapshot ring holds this rank's shard
 only (`Backend.local_state`); a snapshot counts as good once `confirm_steps` healthy steps followed
-it. Without a good snapshot the newest verified disk checkpoint before the anomaly is loaded.
+it. The state the run started from (its initialisation, or the verified checkpoint it resumed
+from) is a snapshot that is good by definition, so an anomaly at any step can roll back, also
+early in training, where blow-ups are most common. Without a good snapshot before the anomaly the
+newest verified disk checkpoint before it is loaded.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ class Rollback(Callback):
     def __init__(self, cfg: ResilienceConfig, manager: CheckpointManager) -> None:
         self.cfg, self.manager = cfg, manager
         self.ring: deque[Snapshot] = deque(maxlen=max(cfg.snapshots, 1))
+        self.origin: Snapshot | None = None  # the state the run started from: good by definition
         self.last: tuple[int, int] | None = None  # (step restored to, anomaly step) of the last one
+
+    def on_start(self, trainer) -> None:
+        if self.cfg.snapshot_every > 0:  # snapshots on: keep one of the starting state too
+            self.origin = self._snapshot(trainer)
+            self.origin.healthy_after = self.cfg.confirm_steps
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         anomaly = metrics.get("anomaly")
@@ -61,12 +70,16 @@ class Rollback(Callback):
             self.rollback(trainer, metrics)
 
     def take(self, trainer) -> None:
+        snapshot = self._snapshot(trainer)
+        self.ring.append(snapshot)
+        # A checkpoint of this step writes from it instead of copying again.
+        trainer.host_copy = HostCopy(trainer.step, snapshot.backend_state)
+
+    @staticmethod
+    def _snapshot(trainer) -> Snapshot:
         # Host copies of this rank's shard (pinned, non-blocking on CUDA; see Backend.local_state).
         state = trainer.backend.local_state()
-        self.ring.append(
-            Snapshot(trainer.step, state, copy.deepcopy(trainer.trainer_state()), rng_state())
-        )
-        trainer.host_copy = HostCopy(trainer.step, state)  # a checkpoint of this step reuses it
+        return Snapshot(trainer.step, state, copy.deepcopy(trainer.trainer_state()), rng_state())
 
     def rollback(self, trainer, metrics: dict[str, Any]) -> None:
         state = trainer.state
@@ -84,33 +97,14 @@ class Rollback(Callback):
         repeat = self.last is not None and anomaly_step - self.last[0] <= self.cfg.window
         if repeat:
             bound = self.last[0]
-        good = [s for s in self.ring if s.healthy_after >= self.cfg.confirm_steps]
-        target = next((s for s in reversed(good) if s.step < bound), None)
         # Counters of the run survive the restore (they count what happened, not the weights).
         kept = {
-            k: getattr(state, k) for k in ("anomalies", "rollbacks", "skipped_steps", "lr_scale")
+            k: getattr(state, k)
+            for k in ("anomalies", "rollbacks", "skipped_steps", "lr_scale", "clip_scale")
         }
-        kept["clip_scale"] = state.clip_scale
+        kept["transients"] = state.transients
         windows = list(trainer.loader.stream.skip_windows)
-        if target is not None:
-            trainer.backend.load_local_state(target.backend_state)
-            trainer.load_trainer_state(copy.deepcopy(target.trainer_state))
-            set_rng_state(target.rng)
-            source, restored = "memory", target.step
-            while self.ring and self.ring[-1] is not target:
-                self.ring.pop()  # newer snapshots belong to the abandoned future
-        else:
-            found = self._disk_target(bound)
-            if found is None:
-                abort(
-                    trainer,
-                    f"anomaly at step {anomaly_step}: no good snapshot or checkpoint before step "
-                    f"{bound} to roll back to",
-                )
-            saved = self.manager.load(found, trainer.backend)
-            trainer.load_trainer_state(saved)
-            source, restored = "disk", trainer.step
-            self.ring.clear()
+        source, restored = self._restore(trainer, bound, anomaly_step, repeat)
         state = trainer.state  # load_trainer_state made a new one
         for key, value in kept.items():
             setattr(state, key, value)
@@ -146,6 +140,32 @@ class Rollback(Callback):
             clip_scale=state.clip_scale,
             until_step=state.backoff_until,
         )
+
+    def _restore(self, trainer, bound: int, anomaly_step: int, repeat: bool) -> tuple[str, int]:
+        """Load the newest good state before step `bound`: a snapshot (the starting state
+        included), else a verified checkpoint; abort when there is none. (source, step)."""
+        good = [s for s in self.ring if s.healthy_after >= self.cfg.confirm_steps]
+        if self.origin is not None:
+            good.insert(0, self.origin)
+        target = next((s for s in reversed(good) if s.step < bound), None)
+        if target is not None:
+            trainer.backend.load_local_state(target.backend_state)
+            trainer.load_trainer_state(copy.deepcopy(target.trainer_state))
+            set_rng_state(target.rng)
+            while self.ring and self.ring[-1] is not target:
+                self.ring.pop()  # newer snapshots belong to the abandoned future
+            return "memory", target.step
+        found = self._disk_target(bound)
+        if found is None:
+            again = f", again within {self.cfg.window} steps of the rollback" if repeat else ""
+            abort(
+                trainer,
+                f"anomaly at step {anomaly_step}{again}: no good snapshot or checkpoint before "
+                f"step {bound} to roll back to",
+            )
+        trainer.load_trainer_state(self.manager.load(found, trainer.backend))
+        self.ring.clear()
+        return "disk", trainer.step
 
     def _disk_target(self, bound: int):
         """The newest verified checkpoint written before step `bound` (checked finite on write)."""

@@ -69,3 +69,16 @@ def test_min_factor_keeps_a_heavy_tailed_wiggle_from_firing():
         d.add(1.0 + 0.05 * math.sin(i))
     assert d.check(2.0) == []  # far beyond 3 sigma, but only 2x the baseline
     assert [s.value for s in d.check(10.0)] == [10.0]
+
+
+def test_during_warmup_only_a_value_far_above_the_median_is_a_spike():
+    from bigtrain.monitor.detectors import SpikeDetector
+
+    d = SpikeDetector("grad_norm", names=["a", "b"], warmup=50, warmup_factor=20, min_factor=5)
+    for _ in range(4):
+        d.add([1.0, 0.0])
+    assert d.check([100.0, 1.0]) == []  # fewer than 5 values: nothing fires yet
+    d.add([1.0, 0.0])
+    assert d.check([10.0, 1e9]) == []  # 10x is warm-up noise; a column at 0 has no baseline
+    (spike,) = d.check([25.0, 1e9])
+    assert (spike.tensor, spike.baseline, spike.threshold) == ("a", 1.0, 20.0)

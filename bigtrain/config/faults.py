@@ -1,0 +1,46 @@
+"""Fault-injection switches (`fault.*`), for drills and tests; all off by default. Kept apart from
+the user settings: nothing here belongs in a real run's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FaultConfig:
+    rank: int = 0
+    """Rank the faults are injected on."""
+    nan_loss_step: list[int] = field(default_factory=list)
+    """Steps at which the loss of `rank` becomes NaN before backward (a drill for the monitor)."""
+    nan_grad_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` gets a NaN after backward."""
+    inf_grad_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` gets an Inf after backward (an FP16 overflow drill)."""
+    grad_spike_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` is multiplied by `spike_factor` after backward."""
+    loss_spike_step: list[int] = field(default_factory=list)
+    """Steps at which the loss `rank` reports is multiplied by `spike_factor` (gradients intact)."""
+    spike_factor: float = 100.0
+    """Factor of the spike drills."""
+    spike_step: list[int] = field(default_factory=list)
+    """Steps at which the loss and the gradients of `rank` are multiplied by `spike_factor`."""
+    kill_step: list[int] = field(default_factory=list)
+    """Steps at which `rank` SIGKILLs itself after the step (once per run directory, so that the
+    restarted run does not repeat it): a drill for torchrun/SLURM restarts."""
+    sigterm_step: list[int] = field(default_factory=list)
+    """Steps at which `rank` sends itself SIGTERM (a preemption drill)."""
+    corrupt_checkpoint: bool = False
+    """Flip bytes in the newest committed checkpoint before resuming (once per run directory): a
+    drill for verified resume."""
+    grad_tensor: str = ""
+    """Canonical name of the gradient the grad drills poison (e.g. `blocks.0.mlp.fc.weight`);
+    empty: the first one `rank` holds a part of."""
+    transient_nan_step: list[int] = field(default_factory=list)
+    """Steps at which one gradient of `rank` gets a NaN on the step's first execution only (a
+    flaky-hardware drill: the replay comes out clean)."""
+    hang_step: list[int] = field(default_factory=list)
+    """Steps at which `rank` sleeps forever inside the step (a hang drill; once per run
+    directory, so the restarted run goes on)."""
+    slow_rank: int = -1
+    """Rank that sleeps `slow_s` seconds in every step's forward+backward (a straggler drill)."""
+    slow_s: float = 0.0

@@ -1,0 +1,114 @@
+"""Replay: run an anomalous step's micro-batches once more, to tell bad hardware from bad data.
+
+The monitor decides before the optimizer step, so when it finds a non-finite value or a spike the
+weights and optimizer states are still those the step started from: a replay needs only the step's
+micro-batches (still in hand) and its RNG state (taken before its forward). Every rank discards its
+gradients, restores the RNG and runs forward and backward again, deterministically; fault drills
+that model bad data fire again, `fault.transient_nan_step` does not.
+
+- The anomaly comes back: `reproduced`. The step is handled as before (rollback, skip window, LR
+  back-off, per monitor.nonfinite / on_spike).
+- The second run is clean: `transient`. The step goes on with the replayed gradients: nothing is
+  skipped, the LR is not cut, and the weights end as if the fault never happened. The rank whose
+  local statistics (per-tensor sums of squares, non-finite counts, its loss) moved between the two
+  runs is named; after `resilience.max_transient_per_rank` transients on one host the run stops
+  with exit 6 and the host's name in RUN_DIR/suspect_hosts.txt (requeue without it).
+
+Every rank reaches the same verdict: the monitor's numbers are reduced over all ranks, and the
+ranks' distances are gathered (one small collective, on replays only).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bigtrain.config.schema import MonitorConfig, ResilienceConfig
+from bigtrain.errors import SuspectHost
+from bigtrain.parallel.env import all_gather_objects
+from bigtrain.resilience.checkpoint import rng_state, set_rng_state
+
+MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed
+
+
+def local_distance(first: torch.Tensor, second: torch.Tensor) -> float:
+    """How far a rank's local statistics moved between two runs of a step: the largest relative
+    change; inf where a value turned non-finite or finite."""
+    a, b = first.double(), second.double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)):
+        return math.inf
+    change = ((a - b).abs() / a.abs().clamp_min(1e-30)).masked_fill(~finite, 0.0)
+    return float(change.max()) if change.numel() else 0.0  # host sync: replays only
+
+
+class Replay:
+    def __init__(self, cfg: ResilienceConfig, monitor_cfg: MonitorConfig) -> None:
+        self.cfg, self.monitor_cfg = cfg, monitor_cfg
+        self.hosts: list[str] | None = None  # every rank's hostname, gathered at the first replay
+
+    def before_step(self) -> dict[str, Any] | None:
+        """The RNG state a replay restores (host copies of the generators' states: cheap)."""
+        return rng_state() if self.cfg.replay else None
+
+    def wanted(self, health) -> bool:
+        anomaly = health.anomaly
+        if not self.cfg.replay or anomaly is None:
+            return False
+        if anomaly.kind == "spike":
+            return self.monitor_cfg.on_spike != "warn"  # a warned spike is applied anyway
+        return anomaly.kind == "nonfinite"
+
+    def run(self, trainer, rng: dict[str, Any], first, execute: Callable):
+        """Run the step again; returns the second run's (metrics, health)."""
+        first_local = trainer.monitor.last_local
+        trainer.backend.skip_step()  # the first run's gradients go
+        set_rng_state(rng)
+        trainer.replaying = True
+        try:
+            metrics, health = execute()
+        finally:
+            trainer.replaying = False
+        distances = all_gather_objects(local_distance(first_local, trainer.monitor.last_local))
+        moved = [r for r, d in enumerate(distances) if d > MOVED]
+        rank = max(moved, key=lambda r: distances[r]) if moved else None
+        verdict = "reproduced" if health.anomaly is not None else "transient"
+        second = health.anomaly.value if health.anomaly is not None else None
+        trainer.event(
+            "replay",
+            verdict=verdict,
+            rank=rank,
+            ranks=moved,
+            metric=first.anomaly.metric,
+            first=first.anomaly.value,
+            second=second,
+        )
+        if verdict == "transient" and rank is not None:
+            self._count(trainer, rank)
+        return metrics, health
+
+    def _count(self, trainer, rank: int) -> None:
+        if self.hosts is None:
+            self.hosts = all_gather_objects(socket.gethostname())
+        host = self.hosts[rank]
+        counts = trainer.state.transients
+        counts[host] = counts.get(host, 0) + 1
+        if counts[host] < self.cfg.max_transient_per_rank:
+            return
+        if trainer.env.is_main:
+            path = trainer.run_dir.path / "suspect_hosts.txt"
+            known = path.read_text().split() if path.is_file() else []
+            if host not in known:
+                with open(path, "a") as f:
+                    f.write(host + "\n")
+        reason = (
+            f"{counts[host]} transient faults on host {host} (rank {rank}) by step "
+            f"{trainer.step + 1} (resilience.max_transient_per_rank="
+            f"{self.cfg.max_transient_per_rank})"
+        )
+        trainer.event("suspect_host", host=host, rank=rank, transients=counts[host])
+        raise SuspectHost(f"{reason}; its name is in suspect_hosts.txt, exit 6: requeue without it")

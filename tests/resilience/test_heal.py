@@ -1,0 +1,209 @@
+"""Runs that heal from any step: rollback targets from step 0, spikes during the detectors' warm-up,
+replay (transient vs reproduced), the hang watchdog, straggler reports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bigtrain.build import run
+from bigtrain.config import load_config
+from bigtrain.errors import SuspectHost
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.parallel.env import DistEnv, free_port, read_env
+from tests.conftest import ROOT, micro_overrides
+from tests.distributed import run_distributed
+
+QUIET = {"log": lambda *_: None}
+
+
+def train_events(args: list[str]) -> dict:
+    final = run(load_config([], args), read_env(), **QUIET)
+    out = Path(load_config([], args).train.out_dir)
+    return {"final": final, "events": read_jsonl(out / "events.jsonl")}
+
+
+def kinds(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_early_anomalies_roll_back_to_step_0_and_the_run_finishes(
+    tmp_path, corpus_files, cache_dir, backend
+):
+    """NaN at steps 1, 3 and 15 and a x50 spike at step 19 (inside the detectors' warm-up) on
+    rank 1: each replays, reproduces and rolls every rank back to the state the run started from
+    (no snapshot is good that early); the run finishes."""
+    args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
+        f"parallel.backend={backend}",
+        "train.max_steps=25",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "fault.rank=1",
+        "fault.nan_grad_step=[1,3,15]",
+        "fault.spike_step=[19]",
+        "fault.spike_factor=50",
+        "resilience.window=1",  # each anomaly on its own, not a repeat of the one before
+    ]
+    r0, r1 = run_distributed(train_events, 2, args)
+    assert r0["final"]["step"] == r1["final"]["step"] == 25
+    assert r0["final"]["fingerprint"] == r1["final"]["fingerprint"]
+    events = r0["events"]
+    rollbacks = kinds(events, "rollback")
+    assert [(e["from_step"], e["to_step"]) for e in rollbacks] == [(1, 0), (3, 0), (15, 0), (19, 0)]
+    assert [e["verdict"] for e in kinds(events, "replay")] == ["reproduced"] * 4
+    spike = kinds(events, "anomaly")[-1]
+    assert spike["type"] == "spike" and spike["step"] == 19
+    assert len(kinds(events, "skip_data")) == 4 and not kinds(events, "abort")
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero"])
+def test_a_transient_fault_is_replayed_and_leaves_no_trace(
+    tmp_path, corpus_files, cache_dir, backend
+):
+    common = [
+        f"parallel.backend={backend}",
+        "train.max_steps=20",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "fault.rank=1",
+    ]
+
+    def args(name: str, *extra: str) -> list[str]:
+        return micro_overrides(tmp_path / name, corpus_files, cache_dir) + common + list(extra)
+
+    clean = run_distributed(train_events, 2, args("clean"))[0]
+    faulty = run_distributed(train_events, 2, args("faulty", "fault.transient_nan_step=[15]"))[0]
+    (replay,) = kinds(faulty["events"], "replay")
+    assert (replay["verdict"], replay["rank"], replay["step"]) == ("transient", 1, 15)
+    assert (replay["metric"], replay["first"], replay["second"]) == ("grads", 1.0, None)
+    assert not kinds(faulty["events"], "skip_data") and not kinds(faulty["events"], "lr_backoff")
+    assert faulty["final"]["fingerprint"] == clean["final"]["fingerprint"]
+    assert faulty["final"]["rollbacks"] == 0
+
+
+def test_three_transients_on_one_host_exit_6_naming_it(micro):
+    cfg = micro(
+        "train.max_steps=10",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "fault.transient_nan_step=[4,6,8]",
+    )
+    with pytest.raises(SuspectHost, match="3 transient faults on host") as err:
+        run(cfg, DistEnv(), **QUIET)
+    assert err.value.exit_code == 6
+    out = Path(cfg.train.out_dir)
+    assert (out / "suspect_hosts.txt").read_text().split() == [socket.gethostname()]
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["step"] for e in kinds(events, "replay")] == [4, 6, 8]
+    assert kinds(events, "suspect_host")[0]["transients"] == 3
+
+
+def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path):
+    args = micro_args(
+        "parallel.backend=fsdp",
+        "train.max_steps=20",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "fault.rank=1",
+        "fault.hang_step=[5]",
+        "resilience.hang_timeout_s=20",
+        "parallel.timeout_s=300",  # the collective waits longer than the watchdog
+    )
+    port = str(free_port())
+    procs = []
+    started = time.monotonic()
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            "WANDB_SILENT": "true",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bigtrain", "train", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
+    codes = [p.wait(timeout=180) for p in procs]
+    assert codes == [5, 5], [p.stderr.read()[-1500:] for p in procs]
+    assert time.monotonic() - started < 90
+    hang = tmp_path / "run" / "hang"
+    for rank in (0, 1):
+        text = (hang / f"rank_{rank}.txt").read_text()
+        assert f"rank {rank}: no step ended" in text and "most recent call first" in text
+    assert "on_after_backward" in (hang / "rank_1.txt").read_text()  # where rank 1 sleeps
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert {e["rank"] for e in kinds(events, "hang")} <= {0, 1} and kinds(events, "hang")
+
+
+def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
+    """A Python thread cannot run while C code holds the GIL: faulthandler's C watchdog dumps the
+    stacks and ends the process BACKSTOP_S after the timeout."""
+    script = textwrap.dedent(
+        f"""
+        import ctypes
+        from pathlib import Path
+        from bigtrain.config.schema import ResilienceConfig
+        from bigtrain.resilience import watchdog
+        watchdog.BACKSTOP_S = 2.0
+        dog = watchdog.HangWatchdog(ResilienceConfig(hang_timeout_s=1.0), 600, 0, Path("{tmp_path}"))
+        dog.beat()
+        ctypes.PyDLL(None).sleep(60)  # PyDLL keeps the GIL for the call
+        """
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stderr[-1000:]
+    assert time.monotonic() - started < 20
+    dump = (tmp_path / "rank_0.backstop.txt").read_text()
+    assert "most recent call first" in dump and "<string>" in dump
+
+
+def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_dir):
+    args = micro_overrides(tmp_path / "slow", corpus_files, cache_dir) + [
+        "parallel.backend=fsdp",
+        "train.max_steps=20",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "monitor.timing_every=10",
+        "fault.slow_rank=1",
+        "fault.slow_s=0.2",
+    ]
+    r0, _ = run_distributed(train_events, 2, args)
+    stragglers = kinds(r0["events"], "straggler")
+    assert {(e["rank"], e["part"]) for e in stragglers} == {(1, "forward_backward")}
+    assert [e["step"] for e in stragglers] == [10, 20]
+    metrics = read_jsonl(tmp_path / "slow" / "metrics.jsonl")
+    timed = [m for m in metrics if "step_time_by_rank" in m]
+    assert [m["step"] for m in timed] == [10, 20]
+    fwd = timed[-1]["step_time_by_rank"]["forward_backward"]
+    assert fwd[1] - fwd[0] > 0.15  # rank 1 sleeps 0.2 s in its forward+backward
+
+
+def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
+    import torch
+
+    from bigtrain.replay import local_distance
+
+    a = torch.tensor([1.0, 4.0, float("nan")])
+    assert local_distance(a, torch.tensor([1.0, 4.0, 2.0])) == float("inf")  # turned finite
+    assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 4.0])) == 0.0
+    assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 5.0])) == 0.25

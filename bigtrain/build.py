@@ -16,7 +16,7 @@ from torch import nn
 
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import BatchLoader, SampleStream, eval_batches, prepare_corpus, split_samples
-from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch
+from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
 from bigtrain.evaluate import EvalCallback
 from bigtrain.hooks import Callbacks
 from bigtrain.model import build_model, model_flops_per_token, num_params
@@ -319,7 +319,7 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             trainer.event("resume", **ctx["resume_from"])
         try:
             state = trainer.fit()
-        except AbortRun as e:  # every rank gave up at the same step
+        except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
             trainer.callbacks.on_stop(trainer, str(e))
             raise
         if state.step < cfg.train.max_steps:

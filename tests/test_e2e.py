@@ -27,6 +27,7 @@ def test_tiny_config_trains_end_to_end(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr[-2000:]
     final = json.loads((out / "final.json").read_text())
     assert final["step"] == 30 and final["tokens"] == 30 * 16 * 128
+    assert final["anomalies"] == 0  # the warm-up spike rule stays quiet on a healthy run
     assert json.loads(result.stdout.strip().splitlines()[-1]) == final
     vals = [m["val_loss"] for m in read_jsonl(out / "metrics.jsonl") if "val_loss" in m]
     assert len(vals) == 3 and vals[-1] < vals[0] - 1.0

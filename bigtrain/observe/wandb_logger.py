@@ -77,11 +77,15 @@ class WandbLogger(Callback):
 def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
     """A metrics record as wandb keys: scalars under `train/`; per-layer dicts as one key per layer
     under `layers/<metric>/`, prefixed with the layer's position in the model so that the keys
-    sort as the layers stack (a layer x step heatmap reads them in order)."""
+    sort as the layers stack (a layer x step heatmap reads them in order); per-rank step times as
+    `timing/<part>/rank<r>`."""
     out: dict[str, Any] = {}
     for key, value in record.items():
         if key == "step":
             out[key] = value
+        elif key == "step_time_by_rank":
+            for part, per_rank in value.items():
+                out.update({f"timing/{part}/rank{r}": v for r, v in enumerate(per_rank)})
         elif isinstance(value, dict):
             width = max(2, len(str(len(value) - 1)))
             for i, (layer, v) in enumerate(value.items()):

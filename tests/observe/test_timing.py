@@ -19,3 +19,16 @@ def test_the_slow_part_of_the_slow_rank_is_named():
     ]
     # waiting (sync) is the symptom on the fast ranks, never judged; tiny excesses are noise
     assert find_stragglers([base(other=0.001), base(other=0.008)], 1.3) == []
+
+
+def test_per_rank_times_become_one_wandb_key_per_part_and_rank():
+    from bigtrain.observe.wandb_logger import wandb_record
+
+    out = wandb_record({"step": 50, "step_time_by_rank": {"data": [0.1, 0.2], "sync": [0.0, 0.3]}})
+    assert out == {
+        "step": 50,
+        "timing/data/rank0": 0.1,
+        "timing/data/rank1": 0.2,
+        "timing/sync/rank0": 0.0,
+        "timing/sync/rank1": 0.3,
+    }

@@ -47,17 +47,29 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1
 
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, size: int) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    """Square matmuls of growing size up to `size`, stopping early where one takes over 50 ms:
+    a dtype the CPU only emulates (BF16 without AVX512-BF16/AMX) would otherwise cost seconds
+    per process for a number that says only that it is slow."""
+    n = min(256, size)
+    while True:
+        flops, seconds = _best_matmul(device, dtype, n)
+        if n >= size or seconds > 0.05:
+            return flops
+        n = min(2 * n, size)
+
+
+def _best_matmul(device: torch.device, dtype: torch.dtype, n: int) -> tuple[float, float]:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up: thread pools, kernels
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         started = time.perf_counter()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # host sync: timing only, at setup
         best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+    return 2 * n**3 / best, best
 
 
 def resolve_peak_flops(

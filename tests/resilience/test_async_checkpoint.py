@@ -95,6 +95,8 @@ def test_a_checkpoint_at_a_snapshot_step_writes_from_the_snapshot(micro, monkeyp
     trainer = build_trainer(cfg, DistEnv(), **QUIET)
     trainer.fit()
     trainer.callbacks.close()
-    assert len(calls) == 2  # the snapshots of steps 5 and 10; the checkpoints reused them
+    # the starting state (a rollback target) and the snapshots of steps 5 and 10; the checkpoints
+    # of steps 5 and 10 reused those
+    assert len(calls) == 3
     ckpts = sorted(p.name for p in (Path(cfg.train.out_dir) / "checkpoints").iterdir())
     assert ckpts == ["step_00000005", "step_00000010"]

@@ -135,7 +135,7 @@ def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cac
     and their stacks; the job requeues itself, resumes from step 10 and ends like the one that
     never hung."""
     out = tmp_path / "hang"
-    extra = "fault.rank=1 fault.hang_step=[15] resilience.hang_timeout_s=10 parallel.timeout_s=120"
+    extra = "fault.rank=1 fault.hang_step=[15] resilience.hang_timeout_s=5 parallel.timeout_s=120"
     job_id = submit(slurm, out, cache_dir, extra)
     info = wait_for(slurm, job_id, restarts=1)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info

@@ -114,7 +114,7 @@ def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path
         "checkpoint.every=-1",
         "fault.rank=1",
         "fault.hang_step=[5]",
-        "resilience.hang_timeout_s=20",
+        "resilience.hang_timeout_s=8",
         "parallel.timeout_s=300",  # the collective waits longer than the watchdog
     )
     port = str(free_port())

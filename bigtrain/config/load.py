@@ -205,6 +205,7 @@ def validate(config: Config) -> None:
         "resilience.clip_backoff": config.resilience.clip_backoff,
         "resilience.max_transient_per_rank": config.resilience.max_transient_per_rank,
         "monitor.warmup_factor": config.monitor.warmup_factor,
+        "monitor.tensor_min_factor": config.monitor.tensor_min_factor,
         "monitor.straggler_factor": config.monitor.straggler_factor,
     }
     for key, value in positive.items():

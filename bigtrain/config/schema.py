@@ -308,9 +308,12 @@ class MonitorConfig:
     """During the warm-up (from 5 values on), a value at least this many times the median of the
     values seen so far is a spike: early training is where blow-ups are most common."""
     min_factor: float = 5.0
-    """A grad_norm or tensor_max spike must also be at least this many times its baseline: these
-    magnitudes are heavy-tailed and pass k sigma by chance (on configs/tiny.yaml k = 3 alone
+    """A grad_norm spike must also be at least this many times its baseline and its recent values:
+    the norm is heavy-tailed and passes k sigma by chance (on configs/tiny.yaml k = 3 alone
     flagged 13 healthy steps in 500; with this factor, none). 1 turns the floor off."""
+    tensor_min_factor: float = 20.0
+    """The same floor for each tensor's max |g|: one value of one tensor is more heavy-tailed still
+    (a healthy FP32 run of configs/tiny.yaml had a 7x jump of one qkv weight's max |g|)."""
     on_spike: str = "rollback"
     """What a spike does: `rollback` (see resilience.*), `skip` the optimizer step, or `warn`
     (anomaly event only; the step is applied)."""

@@ -2,7 +2,8 @@
 
 Fed the same reduced numbers on every rank, they reach the same decision on every rank. A value is
 a spike when it exceeds the baseline of the previous `window` healthy values by `k` spreads, once
-`warmup` values have been seen, and (for magnitudes) is at least `min_factor` times the baseline.
+`warmup` values have been seen, and (for magnitudes) is at least `min_factor` times the baseline
+and times the median of the last `RECENT` values.
 Before that, from `WARMUP_MIN_VALUES` values on, a value at least `warmup_factor` times the median
 of those seen is a spike: early training swings too widely for k sigma, but not by 20x.
 `check` does not change the window; the monitor `add`s a step's
@@ -23,6 +24,7 @@ import numpy as np
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 WARMUP_MIN_VALUES = 5
+RECENT = 5  # the last healthy values a spike must also exceed by min_factor
 METHODS = ("mean_std", "median_mad")
 
 
@@ -85,6 +87,10 @@ class SpikeDetector:
         if found is None:
             return []
         baseline, threshold = found
+        # The factor counts against the recent values too: a series that grows over training (a
+        # layer's max |g| often does) drifts past its long-window mean without any spike.
+        recent = np.median(np.stack(list(self.values)[-RECENT:]), axis=0)
+        floor = self.min_factor * np.maximum(baseline, recent)
         spikes = [
             Spike(
                 self.metric,
@@ -93,9 +99,7 @@ class SpikeDetector:
                 float(baseline[i]),
                 self.names[i] if self.names else None,
             )
-            for i in np.flatnonzero(
-                np.isfinite(x) & (x > threshold) & (x >= self.min_factor * baseline)
-            )
+            for i in np.flatnonzero(np.isfinite(x) & (x > threshold) & (x >= floor))
         ]
         return sorted(spikes, key=lambda s: -s.ratio)
 

@@ -89,7 +89,7 @@ class GradMonitor:
         for metric in cfg.spikes:
             if metric == "tensor_max":
                 self.detectors[metric] = SpikeDetector(
-                    metric, names, k=cfg.tensor_k, min_factor=cfg.min_factor, **common
+                    metric, names, k=cfg.tensor_k, min_factor=cfg.tensor_min_factor, **common
                 )
             elif metric == "grad_norm":
                 self.detectors[metric] = SpikeDetector(

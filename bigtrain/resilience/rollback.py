@@ -148,6 +148,8 @@ class Rollback(Callback):
         if self.origin is not None:
             good.insert(0, self.origin)
         target = next((s for s in reversed(good) if s.step < bound), None)
+        if target is None and repeat and self._origin_again(bound, anomaly_step):
+            target = self.origin
         if target is not None:
             trainer.backend.load_local_state(target.backend_state)
             trainer.load_trainer_state(copy.deepcopy(target.trainer_state))
@@ -166,6 +168,18 @@ class Rollback(Callback):
         trainer.load_trainer_state(self.manager.load(found, trainer.backend))
         self.ring.clear()
         return "disk", trainer.step
+
+    def _origin_again(self, bound: int, anomaly_step: int) -> bool:
+        """A repeat after a rollback to the starting state has nothing further back, but that
+        state is good by definition (the repeat cannot be its fault): go back to it again, with
+        a longer skip window and a lower LR, unless the anomaly came back at the very same step
+        (nothing the ladder changed helped: the repeated anomalies at one target end the run)."""
+        return (
+            self.origin is not None
+            and self.origin.step == bound
+            and self.last is not None
+            and anomaly_step != self.last[1]
+        )
 
     def _disk_target(self, bound: int):
         """The newest verified checkpoint written before step `bound` (checked finite on write)."""

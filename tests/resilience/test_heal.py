@@ -207,3 +207,19 @@ def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     assert local_distance(a, torch.tensor([1.0, 4.0, 2.0])) == float("inf")  # turned finite
     assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 4.0])) == 0.0
     assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 5.0])) == 0.25
+
+
+def test_a_repeat_after_a_rollback_to_the_start_goes_back_to_the_start_again(micro):
+    """Nothing lies further back than the starting state, but it is good by definition: a second
+    anomaly soon after a rollback to it (at another step) goes back to it again."""
+    cfg = micro(
+        "train.max_steps=14",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "fault.nan_grad_step=[6,9]",
+    )
+    final = run(cfg, DistEnv(), **QUIET)
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    rollbacks = [(e["from_step"], e["to_step"], e["repeat"]) for e in kinds(events, "rollback")]
+    assert rollbacks == [(6, 0, False), (9, 0, True)] and final["step"] == 14
+    assert kinds(events, "lr_backoff")[-1]["lr_scale"] == 0.25

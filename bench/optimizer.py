@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.precision.adamw import LowPrecisionAdamW  # noqa: E402
-
-SYNC_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
+from bigtrain.utils.syncs import count_host_syncs  # noqa: E402
 
 
 def model_like_sizes(num_tensors: int, total: int) -> list[int]:
@@ -48,28 +47,6 @@ def make_optimizer(kind: str, params: list[torch.nn.Parameter]) -> torch.optim.O
         return torch.optim.AdamW(params, fused=True, **hyper)
     dtype = {"fp32_states": torch.float32, "bf16_states": torch.bfloat16}.get(kind, torch.float16)
     return LowPrecisionAdamW(params, state_dtype=dtype, **hyper)
-
-
-def count_host_syncs(fn) -> int:
-    """Calls of the Tensor methods that read device values on the host, while fn runs."""
-    counts = [0]
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-    def counting(original):
-        def wrapper(self, *args, **kwargs):
-            counts[0] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counting(original))
-    try:
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return counts[0]
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,18 @@ def slow_writer_env(tmp_path: Path, seconds: float) -> dict[str, str]:
     patch.mkdir(exist_ok=True)
     (patch / "sitecustomize.py").write_text(SLOW_WRITER)
     return {"PYTHONPATH": f"{patch}:{ROOT}", "BIGTRAIN_TEST_WRITE_DELAY_S": str(seconds)}
+
+
+def run_in_triton_interpreter(module: str) -> dict:
+    """`python -m module` under TRITON_INTERPRET=1 (the interpreter is chosen when a kernel is
+    defined, so it needs a process of its own); its last output line, as JSON."""
+    result = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

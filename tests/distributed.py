@@ -71,3 +71,21 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
         if errors:
             raise AssertionError("\n".join(errors))
         return [value for _, value in outcomes]
+
+
+def train_run(args: list[str]) -> dict:
+    """A whole run of `bigtrain.build.run` on config overrides `args` (in a rank); its final.json
+    data, events and metrics."""
+    from bigtrain.build import run
+    from bigtrain.config import load_config
+    from bigtrain.observe.rundir import read_jsonl
+    from bigtrain.parallel.env import read_env
+
+    cfg = load_config([], args)
+    final = run(cfg, read_env(), log=lambda *_: None)
+    out = Path(cfg.train.out_dir)
+    return {
+        "final": final,
+        "events": read_jsonl(out / "events.jsonl"),
+        "metrics": read_jsonl(out / "metrics.jsonl"),
+    }

@@ -231,10 +231,7 @@ def validate(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
-    if config.checkpoint.every < -1:
-        raise ConfigError(
-            f"key 'checkpoint.every' got {config.checkpoint.every}, expected N >= 0 or -1 (never)"
-        )
+    _check_checkpoints_and_hangs(config)
     if not config.optim.lr > 0.0:
         raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
@@ -289,12 +286,6 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"
         )
-    hang = config.resilience.hang_timeout_s
-    if hang is not None and hang <= 0:
-        raise ConfigError(
-            f"key 'resilience.hang_timeout_s' got {hang}, expected a positive number of seconds "
-            "(or null: automatic)"
-        )
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(
             f"key 'train.stop_at_step' got {t.stop_at_step}, expected a positive step or null"
@@ -315,3 +306,16 @@ def to_yaml(config: Config) -> str:
 
 def to_dict(config: Config) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]
+
+
+def _check_checkpoints_and_hangs(config: Config) -> None:
+    if config.checkpoint.every < -1:
+        raise ConfigError(
+            f"key 'checkpoint.every' got {config.checkpoint.every}, expected N >= 0 or -1 (never)"
+        )
+    hang = config.resilience.hang_timeout_s
+    if hang is not None and hang <= 0:
+        raise ConfigError(
+            f"key 'resilience.hang_timeout_s' got {hang}, expected a positive number of seconds "
+            "(or null: automatic)"
+        )

@@ -14,28 +14,17 @@ count is exact. Empty tensors give zeros.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from bigtrain.utils.tables import DeviceTable, chunk_layout
+from bigtrain.utils.triton import tl, triton, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs without triton: the torch fallback runs instead
-    triton = None
-
-DEFAULT_CHUNK = 16384  # elements per program: 4 M programs' worth of 64 KB reads for 1B values
+DEFAULT_CHUNK = 16384  # elements per program (64 KB of FP32): 61K programs for 1B values
 DEFAULT_BLOCK = 2048  # elements per inner iteration of a program
 FOLD_BLOCK = 1024  # chunk partials per iteration of the fold
 
 
-def available(device: torch.device) -> bool:
-    """Triton can launch on this device (CUDA), or runs in its CPU interpreter (TRITON_INTERPRET)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+available = triton_available  # Triton runs on this device (CUDA) or in its CPU interpreter
 
 
 if triton is not None:

@@ -29,6 +29,7 @@ import torch
 
 from bigtrain.precision import adamw_kernel
 from bigtrain.precision.adamw_torch import (
+    AdamWHyper,
     AdamWTensors,
     NoisePool,
     Scratch,
@@ -150,25 +151,23 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         assert closure is None, "closures are not supported"
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            hyper = {
-                "lr": group["lr"],
-                "weight_decay": group["weight_decay"],
-                "beta1": beta1,
-                "beta2": beta2,
-                "eps": group["eps"],
-            }
-            stochastic = self.rounding == "stochastic"
+            hyper = AdamWHyper(
+                group["lr"],
+                group["weight_decay"],
+                beta1,
+                beta2,
+                group["eps"],
+                stochastic=self.rounding == "stochastic",
+            )
             for device, ts in self._group_tensors(group).items():
                 torch._foreach_add_(ts.steps, 1.0)
                 if self.uses_kernel(device):
                     key = (index, device)
                     if key not in self._kernels:
                         self._kernels[key] = adamw_kernel.FusedAdamWKernel()
-                    self._kernels[key].step(ts, stochastic=stochastic, **hyper)
+                    self._kernels[key].step(ts, hyper)
                 else:
-                    torch_step(
-                        ts, stochastic=stochastic, noise=self._noise, scratch=self._scratch, **hyper
-                    )
+                    torch_step(ts, hyper, self._noise, self._scratch)
 
     # --- checkpoints: always FP32 moments, like torch.optim.AdamW ------------------------------
     # Checkpoints hold decoded FP32 moments (DTensors for FSDP2 shards), so they load into any

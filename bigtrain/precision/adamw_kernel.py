@@ -18,18 +18,11 @@ The torch implementation (adamw_torch.py) is the reference: the tests compare th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from bigtrain.precision.adamw_torch import AdamWTensors
+from bigtrain.precision.adamw_torch import AdamWHyper, AdamWTensors
 from bigtrain.utils.tables import DeviceTable, chunk_layout
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs without triton: the foreach implementation runs instead
-    triton = None
+from bigtrain.utils.triton import tl, triton, triton_available
 
 CHUNK = 16384  # elements per program
 BLOCK = 1024  # elements per inner iteration
@@ -37,11 +30,7 @@ FIELDS = 8  # per tensor: param, grad, exp_avg, exp_avg_sq, 2 scales, numel, off
 STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def available(device: torch.device) -> bool:
-    """Triton can launch on this device (CUDA), or runs in its CPU interpreter (TRITON_INTERPRET)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+available = triton_available  # Triton runs on this device (CUDA) or in its CPU interpreter
 
 
 if triton is not None:
@@ -81,7 +70,31 @@ if triton is not None:
 
     @triton.jit
     def _row(table, t, field):
-        return tl.load(table + t * 8 + field)
+        return tl.load(table + t * 8 + field)  # 8 = FIELDS
+
+    @triton.jit
+    def _tensor(table, t, STATE_DTYPE: tl.constexpr):
+        """Tensor t's parameter, gradient and moment pointers, and its size."""
+        p_ptr = _row(table, t, 0).to(tl.pointer_type(tl.float32))
+        g_ptr = _row(table, t, 1).to(tl.pointer_type(tl.float32))
+        m_ptr = _row(table, t, 2).to(tl.pointer_type(STATE_DTYPE))
+        v_ptr = _row(table, t, 3).to(tl.pointer_type(STATE_DTYPE))
+        return p_ptr, g_ptr, m_ptr, v_ptr, _row(table, t, 6)
+
+    @triton.jit
+    def _scales(table, t):
+        """Tensor t's FP16 scales (of m and of sqrt(v))."""
+        m_scale = tl.load(_row(table, t, 4).to(tl.pointer_type(tl.float32)))
+        return m_scale, tl.load(_row(table, t, 5).to(tl.pointer_type(tl.float32)))
+
+    @triton.jit
+    def _moments_at(
+        g_ptr, m_ptr, v_ptr, idx, mask, m_scale, v_scale, beta1, beta2, STATE: tl.constexpr
+    ):
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        m_raw = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v_raw = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        return _new_moments(g, m_raw, v_raw, m_scale, v_scale, beta1, beta2, STATE)
 
     @triton.jit
     def _amax_pass(
@@ -99,21 +112,15 @@ if triton is not None:
         c = tl.program_id(0)
         t = tl.load(chunk_tensor + c)
         start = tl.load(chunk_start + c)
-        end = tl.minimum(start + CHUNK, _row(table, t, 6))
-        g_ptr = _row(table, t, 1).to(tl.pointer_type(tl.float32))
-        m_ptr = _row(table, t, 2).to(tl.pointer_type(STATE_DTYPE))
-        v_ptr = _row(table, t, 3).to(tl.pointer_type(STATE_DTYPE))
-        m_scale = tl.load(_row(table, t, 4).to(tl.pointer_type(tl.float32)))
-        v_scale = tl.load(_row(table, t, 5).to(tl.pointer_type(tl.float32)))
+        _, g_ptr, m_ptr, v_ptr, numel = _tensor(table, t, STATE_DTYPE)
+        end = tl.minimum(start + CHUNK, numel)
+        m_scale, v_scale = _scales(table, t)
         acc_m = tl.zeros([BLOCK], dtype=tl.float32)
         acc_r = tl.zeros([BLOCK], dtype=tl.float32)
         for offset in range(0, CHUNK, BLOCK):
             idx = start + offset + tl.arange(0, BLOCK)
             mask = idx < end
-            g = tl.load(g_ptr + idx, mask=mask, other=0.0)
-            m_raw = tl.load(m_ptr + idx, mask=mask, other=0.0)
-            v_raw = tl.load(v_ptr + idx, mask=mask, other=0.0)
-            m, v, r = _new_moments(g, m_raw, v_raw, m_scale, v_scale, beta1, beta2, 2)
+            m, v, r = _moments_at(g_ptr, m_ptr, v_ptr, idx, mask, m_scale, v_scale, beta1, beta2, 2)
             acc_m = tl.maximum(acc_m, tl.abs(m))  # masked lanes hold 0
             acc_r = tl.maximum(acc_r, r)
         tl.atomic_max(amax + 2 * t, tl.max(acc_m, axis=0))
@@ -143,12 +150,9 @@ if triton is not None:
         c = tl.program_id(0)
         t = tl.load(chunk_tensor + c)
         start = tl.load(chunk_start + c)
-        end = tl.minimum(start + CHUNK, _row(table, t, 6))
+        p_ptr, g_ptr, m_ptr, v_ptr, numel = _tensor(table, t, STATE_DTYPE)
+        end = tl.minimum(start + CHUNK, numel)
         base = _row(table, t, 7)  # position of the tensor's first value among all (RNG offsets)
-        p_ptr = _row(table, t, 0).to(tl.pointer_type(tl.float32))
-        g_ptr = _row(table, t, 1).to(tl.pointer_type(tl.float32))
-        m_ptr = _row(table, t, 2).to(tl.pointer_type(STATE_DTYPE))
-        v_ptr = _row(table, t, 3).to(tl.pointer_type(STATE_DTYPE))
         step_size = tl.load(step_sizes + t)  # lr / (1 - beta1^step), per tensor
         bc2_sqrt = tl.load(bc2_sqrts + t)  # sqrt(1 - beta2^step)
         decay = 1.0 - lr * weight_decay
@@ -157,8 +161,7 @@ if triton is not None:
         m_new_scale = 1.0
         v_new_scale = 1.0
         if STATE == 2:
-            m_scale = tl.load(_row(table, t, 4).to(tl.pointer_type(tl.float32)))
-            v_scale = tl.load(_row(table, t, 5).to(tl.pointer_type(tl.float32)))
+            m_scale, v_scale = _scales(table, t)
             m_new_scale = _fp16_scale(tl.load(amax + 2 * t))
             v_new_scale = _fp16_scale(tl.load(amax + 2 * t + 1))
             first = start == 0  # one program per tensor publishes its new scales
@@ -168,10 +171,9 @@ if triton is not None:
         for offset in range(0, CHUNK, BLOCK):
             idx = start + offset + tl.arange(0, BLOCK)
             mask = idx < end
-            g = tl.load(g_ptr + idx, mask=mask, other=0.0)
-            m_raw = tl.load(m_ptr + idx, mask=mask, other=0.0)
-            v_raw = tl.load(v_ptr + idx, mask=mask, other=0.0)
-            m, v, r = _new_moments(g, m_raw, v_raw, m_scale, v_scale, beta1, beta2, STATE)
+            m, v, r = _moments_at(
+                g_ptr, m_ptr, v_ptr, idx, mask, m_scale, v_scale, beta1, beta2, STATE
+            )
             p = tl.load(p_ptr + idx, mask=mask, other=0.0)
             p = p * decay - step_size * (m / (r / bc2_sqrt + eps))
             tl.store(p_ptr + idx, p, mask=mask)
@@ -216,20 +218,10 @@ class FusedAdamWKernel:
         self._table = DeviceTable()
         self._layout = DeviceTable()
 
-    def step(
-        self,
-        tensors: AdamWTensors,
-        *,
-        lr: float,
-        weight_decay: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        stochastic: bool,
-    ) -> None:
+    def step(self, tensors: AdamWTensors, hyper: AdamWHyper) -> None:
         """One AdamW step of every tensor (step counters already incremented)."""
         device = tensors.params[0].device
-        step_sizes, bc2_sqrts = bias_terms(tensors.steps, lr, beta1, beta2)
+        step_sizes, bc2_sqrts = bias_terms(tensors.steps, hyper.lr, hyper.beta1, hyper.beta2)
         state_dtype = tensors.exp_avgs[0].dtype
         table, chunk_tensor, chunk_start = self._tables(tensors, device)
         num_chunks = chunk_tensor.numel()
@@ -239,7 +231,7 @@ class FusedAdamWKernel:
         n = len(tensors.params)
         amax = torch.zeros(2 * n if fp16 else 1, dtype=torch.float32, device=device)
         new_scales = torch.empty_like(amax)
-        if state_dtype == torch.bfloat16 and stochastic:
+        if state_dtype == torch.bfloat16 and hyper.stochastic:
             # Stochastic rounding's seed: drawn on the device from the generator that checkpoints
             # save (no host sync; a resumed run draws the same seeds).
             seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
@@ -248,13 +240,13 @@ class FusedAdamWKernel:
         dtype = TL_STATE_DTYPES[state_dtype]
         if fp16:
             _amax_pass[(num_chunks,)](
-                table, chunk_tensor, chunk_start, amax, beta1, beta2,
+                table, chunk_tensor, chunk_start, amax, hyper.beta1, hyper.beta2,
                 STATE_DTYPE=dtype, CHUNK=self.chunk, BLOCK=self.block,
             )  # fmt: skip
         _update_pass[(num_chunks,)](
             table, chunk_tensor, chunk_start, amax, new_scales, seed, step_sizes, bc2_sqrts,
-            lr, weight_decay, beta1, beta2, eps,
-            STATE=STATE_CODES[state_dtype], STATE_DTYPE=dtype, STOCHASTIC=stochastic,
+            hyper.lr, hyper.weight_decay, hyper.beta1, hyper.beta2, hyper.eps,
+            STATE=STATE_CODES[state_dtype], STATE_DTYPE=dtype, STOCHASTIC=hyper.stochastic,
             CHUNK=self.chunk, BLOCK=self.block,
         )  # fmt: skip
         if fp16:

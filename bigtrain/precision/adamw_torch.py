@@ -25,6 +25,18 @@ FP16_TARGET_EXP = 14  # scale so that amax * scale ~ 2^14, below FP16's max of ~
 CHUNK_NUMEL = 1 << 24  # values per chunk: FP32 temporaries of 64 MB each
 
 
+@dataclass(frozen=True)
+class AdamWHyper:
+    """One parameter group's settings for one step."""
+
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    stochastic: bool  # BF16 states: stochastic rounding, else round to nearest
+
+
 @dataclass
 class AdamWTensors:
     """One parameter group's tensors on one device, index-aligned: local shards, contiguous."""
@@ -129,18 +141,7 @@ class Scratch:
         return views[: len(params)], views[len(params) :]
 
 
-def torch_step(
-    ts: AdamWTensors,
-    *,
-    lr: float,
-    weight_decay: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    stochastic: bool,
-    noise: NoisePool,
-    scratch: Scratch,
-) -> None:
+def torch_step(ts: AdamWTensors, hyper: AdamWHyper, noise: NoisePool, scratch: Scratch) -> None:
     """One AdamW step of every tensor in `ts` (steps already incremented)."""
     for lo, hi in _chunks([p.numel() for p in ts.params], CHUNK_NUMEL):
         part = ts.select(lo, hi)
@@ -155,16 +156,16 @@ def torch_step(
             v,
             [],
             part.steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
+            lr=hyper.lr,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
             amsgrad=False,
             maximize=False,
         )
         if not fp32:
-            _encode(part, flat, m, v, stochastic, noise)
+            _encode(part, flat, m, v, hyper.stochastic, noise)
 
 
 def _chunks(numels: list[int], limit: int) -> list[tuple[int, int]]:

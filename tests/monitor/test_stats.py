@@ -1,8 +1,4 @@
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +11,7 @@ from bigtrain.monitor.stats import (
     reduce_grad_stats,
     scale_stats,
 )
-from tests.conftest import ROOT
+from tests.conftest import run_in_triton_interpreter
 from tests.distributed import run_distributed
 from tests.monitor.grads import DTYPES, many_chunk_grads, poisoned_grads, reference
 
@@ -54,17 +50,7 @@ def test_cheap_steps_skip_max_abs_but_count_nonfinite_values():
 
 
 def test_triton_kernel_in_the_interpreter_against_the_same_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.monitor.kernel_check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = run_in_triton_interpreter("tests.monitor.kernel_check")
     for dtype in DTYPES:
         check_against_reference(poisoned_grads(dtype), *out[str(dtype)])
     max_abs, sum_sq, nonfinite = out["mixed"]

@@ -1,8 +1,4 @@
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +6,10 @@ import torch
 
 from bigtrain.precision.adamw import LowPrecisionAdamW, bf16_stochastic
 from bigtrain.precision.adamw_torch import NoisePool
+from bigtrain.utils.syncs import count_host_syncs
+from tests.conftest import run_in_triton_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
-SYNC_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__", "numpy")
 
 
 def make(state_dtype, seed=0, shape=(64, 64), **kw):
@@ -160,28 +157,6 @@ def test_fp32_torch_checkpoint_loads_into_fp16_states():
     )
 
 
-def count_host_syncs(fn) -> int:
-    """Calls of the Tensor methods that read a device value on the host while fn runs."""
-    calls = [0]
-    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
-
-    def counting(original):
-        def wrapper(self, *args, **kwargs):
-            calls[0] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, counting(original))
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return calls[0]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_step_reads_nothing_back_from_the_device(dtype):
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 1000)]
@@ -240,17 +215,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
     the torch implementation on the same tensors: FP32, FP16 (and its scales) and BF16 with
     round-to-nearest agree to rounding; BF16 with stochastic rounding stays unbiased."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.precision.adamw_kernel_check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_in_triton_interpreter("tests.precision.adamw_kernel_check")
     for dtype in ("float32", "float16", "bfloat16"):
         assert result[dtype]["param_rel"] < 1e-6, (dtype, result[dtype])
         assert result[dtype]["state_rel"] < 1e-6, (dtype, result[dtype])

@@ -15,20 +15,9 @@ from bigtrain.errors import ConfigError
 from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv, read_env, shutdown
 from tests.conftest import micro_overrides
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_run
 
 QUIET = {"log": lambda *_: None}
-
-
-def train_and_events(args: list[str]) -> dict:
-    cfg = load_config([], args)
-    final = run(cfg, read_env(), **QUIET)
-    out = Path(cfg.train.out_dir)
-    return {
-        "final": final,
-        "events": read_jsonl(out / "events.jsonl"),
-        "metrics": read_jsonl(out / "metrics.jsonl"),
-    }
 
 
 def deepspeed_supports_fp16() -> bool:
@@ -57,9 +46,9 @@ def test_fp16_overflow_is_skipped_by_every_rank_and_backs_off(
     if backend == "zero" and not deepspeed_supports_fp16():
         # DeepSpeed's CPU accelerator has FP16 only with AVX512-FP16/AMX: a clear config error.
         with pytest.raises(AssertionError, match="accelerator does not support fp16"):
-            run_distributed(train_and_events, 2, args)
+            run_distributed(train_run, 2, args)
         return
-    r0, r1 = run_distributed(train_and_events, 2, args)
+    r0, r1 = run_distributed(train_run, 2, args)
     for r in (r0, r1):
         assert r["final"]["skipped_steps"] == 1 and r["final"]["anomalies"] == 0
     overflow = [e for e in r0["events"] if e["kind"] == "overflow"]
@@ -150,7 +139,7 @@ def test_fsdp_schedule_runs(tmp_path, corpus_files, cache_dir):
         SCHEDULE,
         "train.eval_every=0",
     ]
-    r0, _ = run_distributed(train_and_events, 2, args)
+    r0, _ = run_distributed(train_run, 2, args)
     assert [m["precision_phase"] for m in r0["metrics"] if "loss" in m] == [
         "fp32",
         "bf16",
@@ -183,10 +172,8 @@ def test_fp32_state_checkpoint_resumes_with_fp16_states(
         "train.eval_every=0",
         "checkpoint.every=3",
     ]
-    run_distributed(train_and_events, world, base + ["train.stop_at_step=3"])
-    resumed = run_distributed(
-        train_and_events, world, base + ["precision.optimizer_state_dtype=fp16"]
-    )[0]
+    run_distributed(train_run, world, base + ["train.stop_at_step=3"])
+    resumed = run_distributed(train_run, world, base + ["precision.optimizer_state_dtype=fp16"])[0]
     assert resumed["final"]["step"] == 6
     assert [e for e in resumed["events"] if e["kind"] == "resume"]
     losses = [m["loss"] for m in resumed["metrics"] if "loss" in m]

@@ -7,22 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import build_trainer, run
-from bigtrain.config import load_config
+from bigtrain.build import build_trainer
 from bigtrain.observe.rundir import read_jsonl
-from bigtrain.parallel.env import DistEnv, read_env
+from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.local import LocalBackend
 from tests.conftest import micro_overrides, run_cli, slow_writer_env
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_run
 
 QUIET = {"log": lambda *_: None}
 WORLD = {"local": 1, "zero": 2, "fsdp": 2}
-
-
-def train(args: list[str]) -> dict:
-    final = run(load_config([], args), read_env(), **QUIET)
-    events = read_jsonl(Path(load_config([], args).train.out_dir) / "events.jsonl")
-    return {"final": final, "events": events}
 
 
 @pytest.mark.parametrize("backend", ["local", "zero"])
@@ -40,7 +33,7 @@ def test_async_checkpoint_commits_later_and_resumes_bit_exactly(
     def args(name: str, *extra: str) -> list[str]:
         return micro_overrides(tmp_path / name, corpus_files, cache_dir) + opts + list(extra)
 
-    straight = run_distributed(train, WORLD[backend], args("straight"))[0]
+    straight = run_distributed(train_run, WORLD[backend], args("straight"))[0]
     started = [e for e in straight["events"] if e["kind"] == "checkpoint_started"]
     committed = [e for e in straight["events"] if e["kind"] == "checkpoint"]
     assert [e["step"] for e in started] == [5]  # step 10 is the last: synchronous
@@ -48,7 +41,9 @@ def test_async_checkpoint_commits_later_and_resumes_bit_exactly(
     assert committed[-1]["path"].endswith("step_00000010") and committed[-1]["step"] == 10
     # Resume from the asynchronously written step-5 checkpoint: the same weights at step 10.
     step5 = tmp_path / "straight" / "checkpoints" / "step_00000005"
-    resumed = run_distributed(train, WORLD[backend], args("resumed", f"checkpoint.resume={step5}"))
+    resumed = run_distributed(
+        train_run, WORLD[backend], args("resumed", f"checkpoint.resume={step5}")
+    )
     assert resumed[0]["final"]["fingerprint"] == straight["final"]["fingerprint"]
 
 

@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from bigtrain.build import run
-from bigtrain.config import load_config
 from bigtrain.errors import SuspectHost
 from bigtrain.observe.rundir import read_jsonl
-from bigtrain.parallel.env import DistEnv, free_port, read_env
+from bigtrain.parallel.env import DistEnv, free_port
 from tests.conftest import ROOT, micro_overrides
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_run
 
 QUIET = {"log": lambda *_: None}
-
-
-def train_events(args: list[str]) -> dict:
-    final = run(load_config([], args), read_env(), **QUIET)
-    out = Path(load_config([], args).train.out_dir)
-    return {"final": final, "events": read_jsonl(out / "events.jsonl")}
 
 
 def kinds(events: list[dict], kind: str) -> list[dict]:
@@ -52,7 +45,7 @@ def test_early_anomalies_roll_back_to_step_0_and_the_run_finishes(
         "fault.spike_factor=50",
         "resilience.window=1",  # each anomaly on its own, not a repeat of the one before
     ]
-    r0, r1 = run_distributed(train_events, 2, args)
+    r0, r1 = run_distributed(train_run, 2, args)
     assert r0["final"]["step"] == r1["final"]["step"] == 25
     assert r0["final"]["fingerprint"] == r1["final"]["fingerprint"]
     events = r0["events"]
@@ -79,8 +72,8 @@ def test_a_transient_fault_is_replayed_and_leaves_no_trace(
     def args(name: str, *extra: str) -> list[str]:
         return micro_overrides(tmp_path / name, corpus_files, cache_dir) + common + list(extra)
 
-    clean = run_distributed(train_events, 2, args("clean"))[0]
-    faulty = run_distributed(train_events, 2, args("faulty", "fault.transient_nan_step=[15]"))[0]
+    clean = run_distributed(train_run, 2, args("clean"))[0]
+    faulty = run_distributed(train_run, 2, args("faulty", "fault.transient_nan_step=[15]"))[0]
     (replay,) = kinds(faulty["events"], "replay")
     assert (replay["verdict"], replay["rank"], replay["step"]) == ("transient", 1, 15)
     assert (replay["metric"], replay["first"], replay["second"]) == ("grads", 1.0, None)
@@ -187,7 +180,7 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
         "fault.slow_rank=1",
         "fault.slow_s=0.2",
     ]
-    r0, _ = run_distributed(train_events, 2, args)
+    r0, _ = run_distributed(train_run, 2, args)
     stragglers = kinds(r0["events"], "straggler")
     assert {(e["rank"], e["part"]) for e in stragglers} == {(1, "forward_backward")}
     assert [e["step"] for e in stragglers] == [10, 20]

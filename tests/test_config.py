@@ -125,5 +125,7 @@ def test_cli_accepts_local_rank_before_and_after_subcommand():
 
 
 def test_a_hang_timeout_must_be_positive():
-    with pytest.raises(ConfigError, match="resilience.hang_timeout_s' got 0.0, expected a positive"):
+    with pytest.raises(
+        ConfigError, match="resilience.hang_timeout_s' got 0.0, expected a positive"
+    ):
         load_config([], ["resilience.hang_timeout_s=0"])

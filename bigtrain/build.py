@@ -26,6 +26,7 @@ from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
 from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.observe.rundir import RunDir
+from bigtrain.observe.runlock import RunLock
 from bigtrain.observe.timing import StragglerReport
 from bigtrain.observe.wandb_logger import WandbLogger
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
@@ -131,7 +132,55 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
             "use parallel.backend=fsdp or zero"
         )
     out = Path(cfg.train.out_dir)
+    check_out_dir(out)
+    device = pick_device(cfg.train.device, env)
+    if device.type == "cuda":
+        enable_nccl_flight_recorder()  # before the process group: dumped if the run hangs
+    init_process_group(
+        env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
+    )
     run_dir = RunDir(out, env.is_main)
+    lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
+    try:
+        return _build_trainer(cfg, env, run_dir, device, log, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def check_out_dir(out: Path) -> None:
+    """train.out_dir must be a directory or a path where one can be made."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "train.out_dir" if path == out else f"train.out_dir's parent '{path}'"
+                raise ConfigError(
+                    f"key 'train.out_dir' ({out}): {what} is an existing file, expected a "
+                    "directory (or a path where one can be created)"
+                )
+            return
+
+
+def lock_run_dir(run_dir: RunDir, timeout_s: float, is_main: bool) -> RunLock | None:
+    """Rank 0 locks the run directory; every rank learns whether it could, and all exit 2
+    together when another live run holds it."""
+    lock, error = None, None
+    if is_main:
+        try:
+            lock = RunLock(run_dir.path, timeout_s).acquire()
+        except ConfigError as e:
+            error = str(e)
+    error = all_gather_objects(error)[0]
+    if error is not None:
+        raise ConfigError(error)
+    return lock
+
+
+def _build_trainer(
+    cfg: Config, env: DistEnv, run_dir: RunDir, device: torch.device, log, lock: RunLock | None
+) -> Trainer:
+    out = run_dir.path
     if run_dir.aborted_marker.exists():
         raise AbortRun(
             f"{run_dir.aborted_marker} exists: this run gave up earlier "
@@ -144,12 +193,6 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
             "use checkpoint.resume=auto or another train.out_dir"
         )
 
-    device = pick_device(cfg.train.device, env)
-    if device.type == "cuda":
-        enable_nccl_flight_recorder()  # before the process group: dumped if the run hangs
-    init_process_group(
-        env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
-    )
     if cfg.data.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
@@ -206,6 +249,7 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
         device, dtype_name(policy.compute_dtype), policy.allow_tf32, cfg.train.peak_flops
     )
     context = {
+        "lock": lock,
         "peak_flops": peak_flops,
         "peak_flops_source": peak_source,
         "policy": policy,
@@ -311,6 +355,11 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             peak_flops=ctx["peak_flops"],
             peak_flops_source=ctx["peak_flops_source"],
         )
+        lock = ctx["lock"]
+        if lock is not None and lock.taken_over is not None:
+            trainer.event(
+                "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
+            )
         if ctx.get("fault_corrupted"):
             trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
         for bad in ctx.get("invalid_checkpoints", []):
@@ -354,4 +403,6 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
         return final
     finally:
         trainer.callbacks.close()
+        if ctx["lock"] is not None:
+            ctx["lock"].release()
         shutdown(clean)

@@ -191,6 +191,7 @@ def validate(config: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum_steps": t.grad_accum_steps,
         "train.log_every": t.log_every,
+        "train.lock_timeout_s": t.lock_timeout_s,
         "train.eval_batches": t.eval_batches,
         "checkpoint.keep": config.checkpoint.keep,
         "data.vocab_size": config.data.vocab_size,

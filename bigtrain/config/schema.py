@@ -223,7 +223,12 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/tiny"
-    """Run directory: config, metrics, events, checkpoints, wandb."""
+    """Run directory: config, metrics, events, checkpoints, wandb. One live run at a time: rank 0
+    locks it (`RUN_DIR/.lock`) at setup; a second run on it exits 2."""
+    lock_timeout_s: float = 120.0
+    """A run directory's lock held by another host counts as abandoned once its heartbeat (every
+    min(this / 4, 30) s) is this old; a lock on this host whose process is gone is taken over at
+    once. At setup."""
     max_steps: int = 300
     """Optimizer steps of the whole run; the LR schedule spans them. May change on resume."""
     stop_at_step: int | None = None

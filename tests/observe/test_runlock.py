@@ -1,0 +1,166 @@
+"""The run directory's lock: one live run per directory, stale locks taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bigtrain.errors import ConfigError
+from bigtrain.observe.rundir import read_jsonl
+from bigtrain.observe.runlock import LOCK_NAME, RunLock, _process_start, owner_record
+from bigtrain.resilience.checkpoint import verify
+from tests.conftest import ROOT, run_cli
+
+
+def _write_lock(run_dir: Path, **owner) -> Path:
+    path = run_dir / LOCK_NAME
+    path.write_text(json.dumps({**owner_record(), **owner}))
+    return path
+
+
+def test_acquire_writes_the_owner_and_release_removes_it(tmp_path):
+    lock = RunLock(tmp_path, timeout_s=60).acquire()
+    owner = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert owner["pid"] == os.getpid() and owner["host"] == lock.owner["host"]
+    assert lock.taken_over is None
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_live_process_on_this_host_keeps_its_lock(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        _write_lock(tmp_path, pid=sleeper.pid, process_start=_process_start(sleeper.pid))
+        with pytest.raises(ConfigError, match=f"in use by a live run .*pid {sleeper.pid}"):
+            RunLock(tmp_path, timeout_s=60).acquire()
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_dead_process_lock_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(tmp_path, pid=dead.pid, process_start="1")
+    lock = RunLock(tmp_path, timeout_s=60).acquire()
+    try:
+        assert lock.taken_over is not None and lock.taken_over.owner["pid"] == dead.pid
+        assert "no longer runs" in lock.taken_over.reason
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_runs_lock(tmp_path):
+    # our own parent's pid is alive, but was started at another time than the lock says
+    _write_lock(tmp_path, pid=os.getppid(), process_start="12345")
+    lock = RunLock(tmp_path, timeout_s=60).acquire()
+    assert "another process" in lock.taken_over.reason
+    lock.release()
+
+
+def test_another_hosts_lock_is_taken_over_after_its_heartbeat_stops(tmp_path):
+    path = _write_lock(tmp_path, host="node-7", pid=4242)
+    old = time.time() - 30
+    os.utime(path, (old, old))
+    lock = RunLock(tmp_path, timeout_s=10).acquire()
+    assert lock.taken_over.owner["host"] == "node-7" and "no heartbeat" in lock.taken_over.reason
+    lock.release()
+    # a fresh lock of a dead host: watched until it is timeout_s old, then taken
+    _write_lock(tmp_path, host="node-7", pid=4242)
+    started = time.monotonic()
+    lock = RunLock(tmp_path, timeout_s=1.0).acquire(poll_s=0.1)
+    assert 0.8 <= time.monotonic() - started < 5 and lock.taken_over is not None
+    lock.release()
+
+
+def test_another_hosts_lock_with_a_heartbeat_is_live(tmp_path):
+    path = _write_lock(tmp_path, host="node-7", pid=4242)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            os.utime(path)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(ConfigError, match="host node-7, pid 4242"):
+            RunLock(tmp_path, timeout_s=5).acquire(poll_s=0.3)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_heartbeat_refreshes_the_lock(tmp_path):
+    lock = RunLock(tmp_path, timeout_s=0.4).acquire()
+    path = tmp_path / LOCK_NAME
+    old = time.time() - 100
+    os.utime(path, (old, old))
+    time.sleep(0.4)
+    assert time.time() - path.stat().st_mtime < 1
+    lock.release()
+
+
+def test_a_second_run_on_a_live_run_dir_exits_2_and_changes_nothing(micro_args, tmp_path):
+    args = micro_args("fault.slow_rank=0", "fault.slow_s=0.25", "train.max_steps=20")
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "bigtrain", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out = tmp_path / "run"
+    deadline = time.time() + 120
+    while not (out / LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    second = run_cli("train", *args)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    assert second.returncode == 2
+    assert f"pid {first.pid}" in second.stderr and "in use by a live run" in second.stderr
+    assert "Traceback" not in second.stderr
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 20
+    for path in sorted((out / "checkpoints").glob("step_*")):
+        verify(path)
+    assert not list((out / "checkpoints").glob(".replaced-*"))
+    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+    assert not (out / LOCK_NAME).exists()  # released at the end
+
+
+def test_a_killed_runs_lock_is_taken_over_with_an_event(micro, tmp_path):
+    from bigtrain.build import run
+    from bigtrain.parallel.env import DistEnv
+
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(out, pid=dead.pid, process_start="1")
+    run(micro("train.max_steps=2", "checkpoint.every=-1"), DistEnv(), log=lambda *a: None)
+    takeover = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "lock_takeover"]
+    assert len(takeover) == 1 and takeover[0]["previous"]["pid"] == dead.pid
+
+
+def test_out_dir_that_is_a_file_exits_2(micro_args, tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("precious\n")
+    result = run_cli("train", *micro_args(f"train.out_dir={target}"))
+    assert result.returncode == 2
+    assert "train.out_dir" in result.stderr and "existing file" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert target.read_text() == "precious\n"

@@ -4,7 +4,6 @@ which drives a whole training run and writes final.json."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import time
 from pathlib import Path
@@ -56,11 +55,12 @@ from bigtrain.precision.int8 import (
     int_mm_available,
 )
 from bigtrain.resilience.callback import CheckpointCallback
-from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes
+from bigtrain.resilience.checkpoint import CheckpointManager
 from bigtrain.resilience.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.resilience.preempt import PreemptionHandler
 from bigtrain.resilience.rollback import Rollback
 from bigtrain.resilience.watchdog import HangWatchdog, enable_nccl_flight_recorder
+from bigtrain.resume import start_state
 from bigtrain.train import Trainer
 
 
@@ -232,7 +232,9 @@ def _build_trainer(
     )
 
     with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
-        n_params = num_params(build_model(cfg.model, corpus.vocab_size))
+        shaped = build_model(cfg.model, corpus.vocab_size)
+    n_params = num_params(shaped)
+    shapes = {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()}
     if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
         with torch.device("meta"):  # FSDPBackend materialises this rank's shards only
             model = build_model(cfg.model, corpus.vocab_size)
@@ -256,6 +258,7 @@ def _build_trainer(
         "num_params": n_params,
         "flops_per_token": flops_per_token,
         "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
+        "shapes": shapes,
         "config_yaml": to_yaml(cfg),
         "tokenizer_dir": corpus.tokenizer_dir,
         "train_samples": len(train_samples),
@@ -285,47 +288,8 @@ def _build_trainer(
         if env.is_main:
             context["fault_corrupted"] = corrupt_newest_checkpoint(run_dir.checkpoints, out)
         barrier()
-    context["resume_from"] = _resume(cfg, trainer, manager)
+    context["resume_from"] = start_state(cfg, trainer, manager)
     return trainer
-
-
-def _resume(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any] | None:
-    choice = cfg.checkpoint.resume
-    if choice == "never":
-        return None
-    if choice == "auto":
-        invalid: list[dict[str, str]] = []
-        found = manager.newest_valid(
-            on_invalid=lambda p, why: invalid.append({"path": str(p), "reason": why})
-        )
-        trainer.context["invalid_checkpoints"] = invalid
-        if found is None:
-            return None
-        path, manifest = found
-    else:
-        path = Path(choice)
-        manifest = manager.verify(
-            path
-        )  # raises CheckpointError (exit 2) naming the file that fails
-    if manifest["backend"] != trainer.backend.name:
-        raise ConfigError(
-            f"checkpoint '{path}' was written by parallel.backend={manifest['backend']}, "
-            f"this run uses {trainer.backend.name}: checkpoints load on the backend that wrote them"
-        )
-    changes = identity_changes(manifest["identity"], trainer.context["identity"])
-    if changes and not cfg.checkpoint.allow_config_change:
-        raise ConfigError(
-            f"checkpoint '{path}' was written with different {', '.join(changes)}; "
-            "set checkpoint.allow_config_change=true to resume anyway"
-        )
-    saved = manager.load(path, trainer.backend)
-    trainer.load_trainer_state(saved)
-    restarts = {
-        k.lower(): int(os.environ[k])
-        for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-        if k in os.environ
-    }
-    return {"path": str(path), "changed": changes, **restarts}
 
 
 def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
@@ -360,12 +324,20 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             trainer.event(
                 "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
             )
+        if ctx.get("init_from"):
+            trainer.event("init_from", **ctx["init_from"])
         if ctx.get("fault_corrupted"):
             trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
         for bad in ctx.get("invalid_checkpoints", []):
             trainer.event("checkpoint_invalid", **bad)
         if ctx["resume_from"]:
             trainer.event("resume", **ctx["resume_from"])
+            if env.is_main and ctx["resume_from"]["changes"]:
+                changed = ctx["resume_from"]["changes"].items()
+                log(
+                    "resume: config changed since the checkpoint: "
+                    + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed)
+                )
         try:
             state = trainer.fit()
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step

@@ -1,4 +1,4 @@
-from bigtrain.config.load import load_config, to_dict, to_yaml, validate
+from bigtrain.config.load import config_changes, load_config, to_dict, to_yaml, validate
 from bigtrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -14,6 +14,7 @@ from bigtrain.config.schema import (
 )
 
 __all__ = [
+    "config_changes",
     "CheckpointConfig",
     "Config",
     "DataConfig",

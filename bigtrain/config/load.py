@@ -226,6 +226,7 @@ def validate(config: Config) -> None:
         "resilience.window": config.resilience.window,
         "resilience.max_rollbacks": config.resilience.max_rollbacks,
         "optim.warmup_steps": config.optim.warmup_steps,
+        "wandb.hold_steps": config.wandb.hold_steps or 0,
         "optim.grad_clip": config.optim.grad_clip,
         "optim.weight_decay": config.optim.weight_decay,
     }
@@ -307,6 +308,29 @@ def to_yaml(config: Config) -> str:
 
 def to_dict(config: Config) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[return-value]
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}; dicts of free form (model.hf_config) too."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved_yaml: str, config: Config) -> dict[str, list[Any]]:
+    """Every key whose value differs between a saved config.yaml and `config`: {key: [old, new]}
+    (a key that one side lacks counts as None there)."""
+    saved = flatten(yaml.safe_load(saved_yaml) or {})
+    current = flatten(to_dict(config))
+    return {
+        key: [saved.get(key), current.get(key)]
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    }
 
 
 def _check_checkpoints_and_hangs(config: Config) -> None:

@@ -268,7 +268,12 @@ class CheckpointConfig:
     """`auto`: the newest checkpoint under out_dir whose manifest verifies (older on failure);
     `never`: start fresh (refused if out_dir already holds checkpoints); or a checkpoint path."""
     allow_config_change: bool = False
-    """On resume, accept a changed model, tokenizer, sequence length or global batch."""
+    """On resume, accept a changed model setting, tokenizer/corpus or global batch (never a
+    changed parameter shape). Every changed key is listed in the `resume` event either way."""
+    init_from: str | None = None
+    """A checkpoint directory whose model weights start this run: step 0, fresh optimizer state,
+    data from the start. Only when there is nothing to resume (a restarted job resumes its own
+    checkpoints). Same backend and parameter shapes as the run that wrote it. At setup."""
     async_save: bool = True
     """Write checkpoints in the background: the state is copied to host memory (or taken from
     this step's rollback snapshot), training goes on while the files are written, fsynced and
@@ -407,6 +412,11 @@ class WandbConfig:
     """Run tags."""
     notes: str | None = None
     """Run notes (a description shown on the wandb run page)."""
+    hold_steps: int | None = None
+    """Metric records reach wandb this many steps after their own step, so that a rollback can
+    drop those of the steps it abandons first (wandb's history cannot be rewritten). None:
+    resilience.snapshot_every + resilience.confirm_steps, which covers a rollback to the newest
+    good snapshot; 0: send at once. Whatever is held is sent when the run ends or stops. At start."""
 
 
 @dataclass

@@ -30,6 +30,9 @@ CONSOLE_EVENTS = {
 }
 
 
+# trainer.context key of the record MetricsLogger writes in on_start (the step-0 evaluation).
+START_RECORD = "start_record"
+
 # Step metrics that steer callbacks and are not numbers to log.
 NOT_LOGGED = {
     "finite",
@@ -53,7 +56,8 @@ def _scalar(value: Any) -> Any:
 class MetricsLogger(Callback):
     """Turns the step's device tensors into one JSON record every `train.log_every` steps, at the
     last step and at any anomalous or non-finite step. Records go to `metrics["record"]` for the
-    console and wandb, which run after this."""
+    console and wandb, which run after this; the record of the evaluation before a fresh run's first
+    step (written in `on_start`) goes to `trainer.context[START_RECORD]`."""
 
     priority = 80
 
@@ -63,7 +67,9 @@ class MetricsLogger(Callback):
 
     def on_start(self, trainer) -> None:
         if "val_loss" in trainer.context.get("initial_eval", {}):
-            trainer.run_dir.metrics({"step": trainer.step, **trainer.context["initial_eval"]})
+            record = {"step": trainer.step, **trainer.context["initial_eval"]}
+            trainer.run_dir.metrics(record)
+            trainer.context[START_RECORD] = record
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
         self.interval_time += metrics["step_time"]

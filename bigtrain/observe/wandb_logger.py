@@ -1,16 +1,37 @@
 """wandb: metrics at log steps and every event, online, offline (files under out_dir/wandb) or
-disabled. The run id is kept in the run directory so a restarted run continues the same wandb run."""
+disabled. The run id is kept in the run directory so a restarted run continues the same wandb run.
+
+wandb's own step only ever increases (a row logged at a lower step is dropped), and its history
+cannot be rewritten offline, so the training step travels as the metric `train/step`, the x-axis of
+every chart. Metric records are held back for `wandb.hold_steps` steps: a rollback drops the held
+records of the steps it abandons, so the history keeps the trajectory the run kept. Events are sent
+at once, a rollback at the step it happened in (`from_step`)."""
 
 from __future__ import annotations
 
+import math
 import uuid
+from array import array
+from bisect import bisect_right
+from collections import deque
 from typing import Any
 
-from bigtrain.config.schema import WandbConfig
+from bigtrain.config.schema import ResilienceConfig, WandbConfig
 from bigtrain.hooks import Callback
+from bigtrain.observe.logger import START_RECORD
 
 RUN_ID_FILE = "wandb_run_id"
 ALERTS = ("rollback", "abort", "preempt")  # online runs also raise a wandb alert for these
+STEP_KEY = "train/step"  # the training step: the x-axis of every wandb chart
+
+
+def resolve_hold_steps(cfg: WandbConfig, resilience: ResilienceConfig) -> int:
+    """Steps a metric record waits before it is sent: `wandb.hold_steps`, by default enough for a
+    rollback to the newest good snapshot (taken every `snapshot_every` steps, good after
+    `confirm_steps` more)."""
+    if cfg.hold_steps is not None:
+        return cfg.hold_steps
+    return resilience.snapshot_every + resilience.confirm_steps
 
 
 class WandbLogger(Callback):
@@ -19,15 +40,27 @@ class WandbLogger(Callback):
     def __init__(self, cfg: WandbConfig, config_dict: dict[str, Any]) -> None:
         self.cfg, self.config_dict = cfg, config_dict
         self.run = None
+        self.hold_steps = 0
+        self.held: deque[dict[str, Any]] = deque()  # wandb records not yet sent, by step
+        self.sent_steps = array("q")  # steps of the records sent, ascending
 
     def on_start(self, trainer) -> None:
         if not trainer.env.is_main:
             return
+        self.run = self._init_run(trainer)
+        self.run.summary["precision"] = trainer.context["policy"].to_dict()
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
+        self.hold_steps = resolve_hold_steps(self.cfg, trainer.cfg.resilience)
+        if START_RECORD in trainer.context:  # MetricsLogger wrote it before wandb started
+            self.held.append(wandb_record(trainer.context[START_RECORD]))
+
+    def _init_run(self, trainer):
         import wandb
 
         id_file = trainer.run_dir.path / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-        self.run = wandb.init(
+        run = wandb.init(
             mode=self.cfg.mode,
             dir=str(trainer.run_dir.path),
             project=self.cfg.project,
@@ -41,49 +74,87 @@ class WandbLogger(Callback):
             resume="allow",
         )
         trainer.run_dir.write_text(RUN_ID_FILE, run_id + "\n")
-        self.run.summary["precision"] = trainer.context["policy"].to_dict()
+        return run
 
     def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+        if self.run is None:
+            return
         record = metrics.get("record")
-        if self.run is not None and record:
-            self.run.log(wandb_record(record), step=record["step"])
+        # A record of a step later than the trainer's is of the step a rollback has just undone.
+        if record and record["step"] <= trainer.step:
+            self.held.append(wandb_record(record))
+        self.send_until(trainer.step - self.hold_steps)
+
+    def send_until(self, step: float) -> None:
+        """Send the held records of steps up to `step`, oldest first."""
+        while self.held and self.held[0][STEP_KEY] <= step:
+            data = self.held.popleft()
+            self.run.log(data)  # no step=: wandb's own step just counts rows
+            self.sent_steps.append(data[STEP_KEY])
+
+    def abandon_after(self, step: int) -> int:
+        """Drop the held records after `step` (a rollback went back to it); returns how many
+        records after it were already sent (a rollback deeper than the hold): wandb keeps those,
+        and the replay's records of the same steps follow them."""
+        self.held = deque(r for r in self.held if r[STEP_KEY] <= step)
+        first = bisect_right(self.sent_steps, step)
+        num_sent = len(self.sent_steps) - first
+        del self.sent_steps[first:]  # the replay's records follow the kept ones: still ascending
+        return num_sent
 
     def on_event(self, trainer, record: dict[str, Any]) -> None:
         if self.run is None:
             return
+        kind = record["kind"]
         flat = {
-            f"events/{record['kind']}/{k}": v
+            f"events/{kind}/{k}": v
             for k, v in record.items()
             if isinstance(v, int | float | str) and k not in ("kind", "time")
         }
-        flat[f"events/{record['kind']}"] = 1
-        self.run.log(flat, step=max(record["step"], self.run.step))
-        if record["kind"] in ALERTS and self.cfg.mode == "online":
-            import wandb
+        flat[f"events/{kind}"] = 1
+        # A rollback's own step is the one it went back to; it is marked where it happened.
+        flat[STEP_KEY] = record["from_step"] if kind == "rollback" else record["step"]
+        if kind == "rollback":
+            flat["events/rollback/abandoned_sent"] = self.abandon_after(record["to_step"])
+        self.run.log(flat)
+        if kind in ALERTS and self.cfg.mode == "online":
+            self._alert(record, flat)
 
-            text = ", ".join(f"{k}={v}" for k, v in flat.items())
-            self.run.alert(
-                title=f"bigtrain {record['kind']} at step {record['step']}",
-                text=text,
-                level=wandb.AlertLevel.WARN,
-            )
+    def _alert(self, record: dict[str, Any], flat: dict[str, Any]) -> None:
+        import wandb
+
+        self.run.alert(
+            title=f"bigtrain {record['kind']} at step {record['step']}",
+            text=", ".join(f"{k}={v}" for k, v in flat.items()),
+            level=wandb.AlertLevel.WARN,
+        )
+
+    def flush(self) -> None:
+        """Send everything held: the run has ended or stopped, no rollback can come any more."""
+        if self.run is not None:
+            self.send_until(math.inf)
+
+    def on_finish(self, trainer) -> None:
+        self.flush()
+
+    def on_stop(self, trainer, reason: str) -> None:
+        self.flush()
 
     def close(self) -> None:
         if self.run is not None:
+            self.flush()
             self.run.finish()
             self.run = None
 
 
 def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A metrics record as wandb keys: scalars under `train/`; per-layer dicts as one key per layer
-    under `layers/<metric>/`, prefixed with the layer's position in the model so that the keys
-    sort as the layers stack (a layer x step heatmap reads them in order); per-rank step times as
-    `timing/<part>/rank<r>`."""
+    """A metrics record as wandb keys: the step as `train/step`, scalars under `train/`; per-layer
+    dicts as one key per layer under `layers/<metric>/`, prefixed with the layer's position in the
+    model so that the keys sort as the layers stack (a layer x step heatmap reads them in order);
+    per-rank step times as `timing/<part>/rank<r>`."""
     out: dict[str, Any] = {}
     for key, value in record.items():
-        if key == "step":
-            out[key] = value
-        elif key == "step_time_by_rank":
+        if key == "step_time_by_rank":
             for part, per_rank in value.items():
                 out.update({f"timing/{part}/rank{r}": v for r, v in enumerate(per_rank)})
         elif isinstance(value, dict):
@@ -91,5 +162,5 @@ def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
             for i, (layer, v) in enumerate(value.items()):
                 out[f"layers/{key.removeprefix('layer_')}/{i:0{width}d}.{layer}"] = v
         else:
-            out[f"train/{key}"] = value
+            out[f"train/{key}"] = value  # "step" becomes STEP_KEY
     return out

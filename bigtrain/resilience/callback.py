@@ -60,6 +60,7 @@ class CheckpointCallback(Callback):
             trainer.context["config_yaml"],
             async_ok=self.cfg.async_save and not wait,
             host_state=copy.state if copy is not None and copy.step == trainer.step else None,
+            shapes=trainer.context.get("shapes"),
         )
         if path is None:
             stall = time.perf_counter() - self.started

@@ -190,8 +190,10 @@ class CheckpointManager:
         config_yaml: str,
         async_ok: bool = False,
         host_state: dict[str, Any] | None = None,
+        shapes: dict[str, list[int]] | None = None,
     ) -> Path | None:
-        """Write and commit a checkpoint of `step`, from `host_state` (a host copy of this step's
+        """Write and commit a checkpoint of `step` (`shapes`: the model's parameter shapes by
+        canonical name, recorded in the manifest so that a resume can refuse another shape), from `host_state` (a host copy of this step's
         backend state, such as a rollback snapshot) when given. With `async_ok` the backend's
         files are written in the background: the commit happens in
         `poll_pending`/`finish_pending` once every rank finished; returns None then."""
@@ -209,7 +211,7 @@ class CheckpointManager:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
             own += ["trainer.json", "config.yaml"]
-        commit = (step, tmp, final, backend.name, trainer_state["data"], identity)
+        commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
             written = backend.save_async(tmp, host_state)
             hashes = self._hasher.submit(lambda: hash_files(tmp, own + written.result()))
@@ -243,6 +245,7 @@ class CheckpointManager:
         backend_name: str,
         data: dict[str, Any],
         identity: dict[str, Any],
+        shapes: dict[str, list[int]] | None,
         mine: dict[str, dict[str, Any]],
     ) -> Path:
         files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
@@ -258,6 +261,7 @@ class CheckpointManager:
                 "data": data,
                 "identity": identity,
                 "config_hash": identity_hash(identity),
+                "shapes": shapes,
                 "versions": library_versions(),
                 "git_commit": git_commit(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -334,3 +338,15 @@ def identity_hash(identity: dict[str, Any]) -> str:
 def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Keys whose value differs between a checkpoint's identity and this run's."""
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+
+
+def shape_changes(saved: dict[str, list[int]] | None, current: dict[str, list[int]]) -> list[str]:
+    """'name [saved shape] -> [this model's shape]' for each parameter whose shape differs or
+    that one side lacks; [] for a checkpoint that predates recorded shapes."""
+    if saved is None:
+        return []
+    return [
+        f"{name} {saved.get(name, 'missing')} -> {current.get(name, 'missing')}"
+        for name in sorted(set(saved) | set(current))
+        if saved.get(name) != current.get(name)
+    ]

@@ -117,6 +117,52 @@ def test_changed_model_on_resume_is_refused_unless_allowed(micro):
     assert final["step"] == 12
 
 
+def test_a_changed_shape_is_refused_even_with_allow_config_change(micro, micro_args):
+    run(micro("train.max_steps=10"), ENV, **QUIET)
+    with pytest.raises(
+        ConfigError, match=r"other shapes .*blocks.0.attn.proj.weight \[64, 64\] -> \[32, 32\]"
+    ):
+        run(micro("model.d_model=32", "checkpoint.allow_config_change=true"), ENV, **QUIET)
+    cli = run_cli("train", *micro_args("model.d_model=32", "checkpoint.allow_config_change=true"))
+    assert cli.returncode == 2 and "cannot be loaded" in cli.stderr
+    assert "Traceback" not in cli.stderr
+
+
+def test_resume_event_lists_every_changed_key(micro):
+    run(micro("train.max_steps=10"), ENV, **QUIET)
+    cfg = micro("train.max_steps=12", "optim.lr=1e-3")
+    run(cfg, ENV, **QUIET)
+    (resume,) = [
+        e for e in read_jsonl(Path(cfg.train.out_dir) / "events.jsonl") if e["kind"] == "resume"
+    ]
+    assert resume["changed"] == ["optim.lr", "train.max_steps"]
+    assert resume["changes"]["optim.lr"] == [3e-3, 1e-3]
+    assert resume["changes"]["train.max_steps"] == [10, 12]
+    assert resume["identity_changed"] == []
+
+
+def test_init_from_starts_a_new_run_from_anothers_weights(micro):
+    from bigtrain.build import build_trainer
+
+    first = micro("train.max_steps=10", out="first")
+    done = run(first, ENV, **QUIET)
+    source = Path(first.train.out_dir) / "checkpoints" / "step_00000010"
+    trainer = build_trainer(
+        micro(f"checkpoint.init_from={source}", "optim.lr=1e-3", out="second"), ENV, **QUIET
+    )
+    try:
+        assert trainer.backend.fingerprint() == done["fingerprint"]  # the weights of step 10
+        assert trainer.state.step == 0 and trainer.loader.stream.cursor == 0
+        assert not trainer.backend.optimizer.state  # fresh optimizer state
+        assert trainer.context["init_from"] == {"path": str(source), "source_step": 10}
+    finally:
+        trainer.callbacks.close()
+        trainer.context["lock"].release()
+    bad = micro(f"checkpoint.init_from={source}", "model.n_layers=3", out="third")
+    with pytest.raises(ConfigError, match="blocks.2.* missing -> "):
+        run(bad, ENV, **QUIET)
+
+
 def test_ckpt_cli_verify_and_inspect(micro):
     cfg = micro("train.max_steps=5", "checkpoint.every=5")
     run(cfg, ENV, **QUIET)

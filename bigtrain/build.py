@@ -262,6 +262,7 @@ def _build_trainer(
         "config_yaml": to_yaml(cfg),
         "tokenizer_dir": corpus.tokenizer_dir,
         "train_samples": len(train_samples),
+        "skipped_rows": corpus.skipped_rows,
     }
     callbacks = [
         HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
@@ -324,6 +325,9 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
             trainer.event(
                 "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
             )
+        if ctx["skipped_rows"]:
+            skipped = ctx["skipped_rows"]
+            trainer.event("data_skipped_rows", files=skipped, rows=sum(skipped.values()))
         if ctx.get("init_from"):
             trainer.event("init_from", **ctx["init_from"])
         if ctx.get("fault_corrupted"):

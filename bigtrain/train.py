@@ -106,10 +106,12 @@ class Trainer:
     def step(self) -> int:
         return self.state.step
 
-    def event(self, kind: str, **details: Any) -> dict[str, Any]:
+    def event(self, kind: str, at_step: int | None = None, **details: Any) -> dict[str, Any]:
         """Write an event (rank 0) and let callbacks (console, wandb) hear of it. During a step,
-        events carry that step's number; between steps, the last finished step's."""
+        events carry that step's number; between steps, the last finished step's; `at_step`
+        where the state no longer tells (a rollback's events: the anomaly's step)."""
         step = self.step_in_progress if self.step_in_progress is not None else self.state.step
+        step = at_step if at_step is not None else step
         record = self.run_dir.event(step, kind, **details)
         self.callbacks.on_event(self, record)
         return record

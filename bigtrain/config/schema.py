@@ -72,6 +72,11 @@ class DataConfig:
     """Split of the hub dataset to read."""
     text_key: str = "text"
     """Column holding the text in jsonl/json/parquet/hub data."""
+    skip_bad_rows: bool = False
+    """source=files, jsonl/json/parquet: skip rows whose `text_key` is missing, null or not a
+    string, and count them per file (kept in the cache entry's meta.json, on
+    `TokenCorpus.skipped_rows`). False: the first such row is an error naming its file and line.
+    Takes effect at tokenization, when the cache entry is built; it is part of the cache key."""
     tokenizer: str = "bpe"
     """`bpe`: train a byte-level BPE on the corpus with `tokenizers` and cache it. Otherwise a local
     directory or hub name loaded with `transformers.AutoTokenizer`."""

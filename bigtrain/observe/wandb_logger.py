@@ -112,8 +112,7 @@ class WandbLogger(Callback):
             if isinstance(v, int | float | str) and k not in ("kind", "time")
         }
         flat[f"events/{kind}"] = 1
-        # A rollback's own step is the one it went back to; it is marked where it happened.
-        flat[STEP_KEY] = record["from_step"] if kind == "rollback" else record["step"]
+        flat[STEP_KEY] = record["step"]  # where it happened (a rollback: the anomaly's step)
         if kind == "rollback":
             flat["events/rollback/abandoned_sent"] = self.abandon_after(record["to_step"])
         self.run.log(flat)

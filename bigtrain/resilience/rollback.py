@@ -123,8 +123,10 @@ class Rollback(Callback):
         # them, and checkpoint the restored state with its new skip window right away.
         retired = self.manager.retire_after(restored)
         metrics["rolled_back"] = metrics["checkpoint_now"] = True
+        # The three events belong to the anomaly's step (the state now reads the restored one).
         trainer.event(
             "rollback",
+            at_step=anomaly_step,
             from_step=anomaly_step,
             to_step=restored,
             source=source,
@@ -132,9 +134,10 @@ class Rollback(Callback):
             rollbacks=state.rollbacks,
             retired_checkpoints=retired,
         )
-        trainer.event("skip_data", start=start, end=end, samples=end - start)
+        trainer.event("skip_data", at_step=anomaly_step, start=start, end=end, samples=end - start)
         trainer.event(
             "lr_backoff",
+            at_step=anomaly_step,
             factor=self.cfg.lr_backoff,
             lr_scale=state.lr_scale,
             clip_scale=state.clip_scale,

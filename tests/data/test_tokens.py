@@ -1,9 +1,15 @@
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.data import load_tokenizer, prepare_corpus
 from bigtrain.errors import ConfigError
+from tests.conftest import run_cli
 
 
 def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files):
@@ -67,3 +73,83 @@ def test_missing_data_file_is_a_config_error(tmp_path):
         prepare_corpus(
             DataConfig(source="files", paths=[str(tmp_path / "none*.txt")], cache_dir=str(tmp_path))
         )
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def no_entries_left(cache: Path) -> bool:
+    """Neither a cache entry nor its `.tmp-` build directory is under the cache root."""
+    return not cache.exists() or not any(p.name.startswith("corpus-") for p in cache.iterdir())
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("docs.jsonl/", "", "is a directory"),
+        ("rows.jsonl", '{"text": "a"}\n{"body": "b"}\n', "line 2: no key 'text'"),
+        ("rows.jsonl", '{"text": "a"}\n{"text": 3}\n', "line 2: 'text' is a number"),
+        ("empty.jsonl", "", "holds no documents"),
+    ],
+)
+def test_bad_data_is_a_config_error_and_leaves_no_cache_entry(tmp_path, name, text, expected):
+    path = tmp_path / "data" / name
+    path.mkdir(parents=True) if name.endswith("/") else write(path, text)
+    cache = tmp_path / "cache"
+    cfg = DataConfig(source="files", paths=[str(path)], vocab_size=260, cache_dir=str(cache))
+    with pytest.raises(ConfigError) as e:
+        prepare_corpus(cfg, log=lambda *_: None)
+    assert f"'{path}'" in str(e.value) and expected in str(e.value)
+    assert no_entries_left(cache)
+
+
+def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(tmp_path, corpus_files):
+    lines = corpus_files[0].read_text().split("\n\n")[:40]  # 40 paragraphs of a play
+    good = [json.dumps({"text": t}) for t in lines]
+    bad = ['{"id": 1}', '{"text": null}', '{"text": 12}']
+    rows = write(tmp_path / "rows.jsonl", "\n".join(good[:10] + bad + good[10:]) + "\n")
+    clean = write(tmp_path / "clean" / "rows.jsonl", "\n".join(good) + "\n")
+    cache = tmp_path / "cache"
+    cfg = DataConfig(source="files", paths=[str(rows)], vocab_size=300, cache_dir=str(cache))
+    with pytest.raises(ConfigError, match=re.escape(f"'{rows}' line 11: no key 'text'")):
+        prepare_corpus(cfg)
+    logs = []
+    corpus = prepare_corpus(replace(cfg, skip_bad_rows=True), log=logs.append)
+    reference = prepare_corpus(replace(cfg, paths=[str(clean)]), log=lambda *_: None)
+    assert np.array_equal(np.asarray(corpus.tokens), np.asarray(reference.tokens))
+    assert int((np.asarray(corpus.tokens) == corpus.eos_id).sum()) == 40
+    assert corpus.skipped_rows == {str(rows.resolve()): 3}
+    meta = json.loads((cache / f"corpus-{corpus.key}" / "meta.json").read_text())
+    assert meta["skipped_rows"] == {str(rows.resolve()): 3}
+    assert reference.skipped_rows == {}
+    # from the cache: the count again, and said again
+    assert prepare_corpus(replace(cfg, skip_bad_rows=True), log=logs.append).skipped_rows == {
+        str(rows.resolve()): 3
+    }
+    assert sum("3 rows without a string 'text' were skipped" in line for line in logs) == 2
+    # the strict run still refuses the file: skip_bad_rows is part of the cache key
+    with pytest.raises(ConfigError, match="line 11"):
+        prepare_corpus(cfg)
+
+
+def test_cli_names_a_directory_in_data_paths_and_exits_2(tmp_path):
+    data = tmp_path / "data"
+    write(data / "a.txt", "some text\n")
+    result = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "data.source=files",
+        f"data.paths=[{data}]",
+        f"train.out_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "wandb.mode=disabled",
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0, result.stderr  # one line
+    assert f"'{data}' is a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert no_entries_left(tmp_path / "cache")

@@ -134,7 +134,7 @@ def test_held_records_of_abandoned_steps_never_reach_wandb():
     assert [d["train/step"] for d in logger.run.logged] == [1, 2, 3, 4, 5]  # 6..9 held
     # An anomaly at step 10 rolls back to 6: the event comes during step 10's callbacks (the
     # trainer is at 6 by then), then MetricsLogger's record of step 10.
-    rollback = {"time": 0, "step": 6, "kind": "rollback", "from_step": 10, "to_step": 6}
+    rollback = {"time": 0, "step": 10, "kind": "rollback", "from_step": 10, "to_step": 6}
     logger.on_event(None, rollback)
     logger.on_step_end(SimpleNamespace(step=6), {"record": {"step": 10, "loss": 10.0}})
     mark = logger.run.logged[-1]
@@ -154,7 +154,7 @@ def test_a_rollback_deeper_than_the_hold_counts_the_records_wandb_keeps():
     logger = WandbLogger(WandbConfig(), {})
     logger.run, logger.hold_steps = StubRun(), 0
     step_records(logger, range(1, 9))
-    rollback = {"time": 0, "step": 5, "kind": "rollback", "from_step": 8, "to_step": 5}
+    rollback = {"time": 0, "step": 8, "kind": "rollback", "from_step": 8, "to_step": 5}
     logger.on_event(None, rollback)
     assert logger.run.logged[-1]["events/rollback/abandoned_sent"] == 3  # steps 6, 7, 8
     step_records(logger, range(6, 10), loss_offset=0.5)

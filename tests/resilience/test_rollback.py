@@ -42,6 +42,9 @@ def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
     assert (skip["start"], skip["end"]) == (5 * 8, 12 * 8)  # from the snapshot's cursor on
     (backoff,) = events_of(cfg, "lr_backoff")
     assert backoff["lr_scale"] == 0.5 and backoff["until_step"] == 5 + 200
+    faults = events_of(cfg, "fault")  # the fault fires again when the step is replayed
+    # every event of the anomaly carries the step it happened in
+    assert {e["step"] for e in (*faults, anomaly, rollback, skip, backoff)} == {12}
     metrics = [m for m in read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl") if "lr" in m]
     after = [m for m in metrics if m["step"] == 15][-1]  # step 15 of the new timeline
     assert after["lr"] == pytest.approx(0.5 * lr_at(14, 20, cfg.optim))

@@ -43,8 +43,10 @@ class WandbLogger(Callback):
         self.hold_steps = 0
         self.held: deque[dict[str, Any]] = deque()  # wandb records not yet sent, by step
         self.sent_steps = array("q")  # steps of the records sent, ascending
+        self.early: list[dict[str, Any]] | None = []  # events before on_start (start, resume)
 
     def on_start(self, trainer) -> None:
+        early, self.early = self.early or [], None
         if not trainer.env.is_main:
             return
         self.run = self._init_run(trainer)
@@ -54,6 +56,8 @@ class WandbLogger(Callback):
         self.hold_steps = resolve_hold_steps(self.cfg, trainer.cfg.resilience)
         if START_RECORD in trainer.context:  # MetricsLogger wrote it before wandb started
             self.held.append(wandb_record(trainer.context[START_RECORD]))
+        for record in early:  # setup's events (start, resume, ...), in order
+            self.on_event(trainer, record)
 
     def _init_run(self, trainer):
         import wandb
@@ -103,6 +107,8 @@ class WandbLogger(Callback):
         return num_sent
 
     def on_event(self, trainer, record: dict[str, Any]) -> None:
+        if self.early is not None:
+            self.early.append(record)  # sent once the wandb run exists
         if self.run is None:
             return
         kind = record["kind"]

@@ -202,6 +202,8 @@ def test_wandb_history_is_the_kept_trajectory_after_a_rollback(micro, monkeypatc
     assert rollback["events/rollback/abandoned_sent"] == 0
     (anomaly,) = [r for r in rows if "events/anomaly" in r]
     assert anomaly["train/step"] == 12
+    (start,) = [r for r in rows if "events/start" in r]  # setup's events reach wandb too
+    assert start["train/step"] == 0 and start["events/start/backend"] == "local"
     # Every chart's x-axis is the training step; wandb's own step only increases, dropping nothing.
     assert any(d.glob_name == "*" and d.step_metric == "train/step" for d in definitions)
     assert [r["_step"] for r in rows] == list(range(len(rows)))

@@ -3,6 +3,7 @@ which drives a whole training run and writes final.json."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -139,6 +140,7 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     init_process_group(
         env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
     )
+    created = not out.exists()
     run_dir = RunDir(out, env.is_main)
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
     try:
@@ -146,6 +148,9 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     except BaseException:
         if lock is not None:
             lock.release()
+            if created:  # a setup error leaves no empty run directory behind (never a full one)
+                with contextlib.suppress(OSError):
+                    out.rmdir()
         raise
 
 

@@ -184,7 +184,7 @@ def validate(config: Config) -> None:
     if m.kind == "hf" and not (m.hf_config or m.hf_path):
         raise ConfigError("model.kind=hf needs 'model.hf_config' (a dict) or 'model.hf_path'")
     if m.kind == "hf" and m.hf_config is not None and "model_type" not in m.hf_config:
-        raise ConfigError("key 'model.hf_config' must name its 'model_type' (e.g. gpt2, llama)")
+        raise ConfigError(_hf_config_without_model_type(dict(m.hf_config)))
     positive = {
         "model.seq_len": m.seq_len,
         "train.max_steps": t.max_steps,
@@ -331,6 +331,20 @@ def config_changes(saved_yaml: str, config: Config) -> dict[str, list[Any]]:
         for key in sorted(set(saved) | set(current))
         if saved.get(key) != current.get(key)
     }
+
+
+def _hf_config_without_model_type(got: dict[str, Any]) -> str:
+    message = (
+        f"key 'model.hf_config' must name its 'model_type' (e.g. gpt2, llama); the value was read "
+        f"as YAML and gave the mapping {got}"
+    )
+    if any(":" in str(k) and v is None for k, v in got.items()):
+        # YAML reads `{a:1}` as a key 'a:1' without a value: a key needs ': ' (colon, space)
+        message += (
+            "; in YAML a key and its value are separated by ': ' (colon and space), e.g. "
+            "model.hf_config='{model_type: gpt2, n_layer: 2}'"
+        )
+    return message
 
 
 def _check_checkpoints_and_hangs(config: Config) -> None:

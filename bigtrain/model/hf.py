@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,35 @@ def build_hf(
         model_type = options.pop("model_type")
         if vocab_size is not None:
             options.setdefault("vocab_size", vocab_size)
-        try:
-            config = AutoConfig.for_model(model_type, **options)
-        except ValueError as e:
-            raise ConfigError(f"model.hf_config: {e}".splitlines()[0]) from None
+        config = _config_for(model_type, options)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if vocab_size is not None and model.config.vocab_size < vocab_size:
         raise ConfigError(
             f"model.hf_config/hf_path: vocab_size {model.config.vocab_size} is smaller than the tokenizer's {vocab_size}"
         )
     return HFCausalLM(model)
+
+
+def _config_for(model_type: str, options: dict):
+    """transformers' config of `model_type`; an unknown type names the close matches only."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type not in known:
+        close = difflib.get_close_matches(str(model_type), known, n=6, cutoff=0.5)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        raise ConfigError(
+            f"key 'model.hf_config': unknown model_type {model_type!r} (transformers "
+            f"{transformers_version()} knows {len(known)} types{hint})"
+        )
+    try:
+        return AutoConfig.for_model(model_type, **options)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"key 'model.hf_config': {e}".splitlines()[0]) from None
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -153,3 +153,4 @@ def test_cli_names_a_directory_in_data_paths_and_exits_2(tmp_path):
     assert f"'{data}' is a directory" in result.stderr
     assert "Traceback" not in result.stderr
     assert no_entries_left(tmp_path / "cache")
+    assert not (tmp_path / "run").exists()  # no partial run directory either

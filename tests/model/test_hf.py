@@ -1,6 +1,9 @@
+import pytest
 import torch
 
+from bigtrain.config import load_config
 from bigtrain.config.schema import ModelConfig
+from bigtrain.errors import ConfigError
 from bigtrain.model import build_model, model_flops_per_token
 
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 16}
@@ -38,3 +41,19 @@ def test_hf_config_only_directory_builds_fresh_weights(tmp_path):
     )
     assert fresh.hf.config.n_layer == 2
     assert not torch.equal(fresh.hf.transformer.wte.weight, model.hf.transformer.wte.weight)
+
+
+def test_unknown_model_type_names_the_close_matches_only():
+    with pytest.raises(ConfigError) as info:
+        build_model(ModelConfig(kind="hf", hf_config={"model_type": "gpt3"}), vocab_size=50)
+    message = str(info.value)
+    assert "unknown model_type 'gpt3'" in message and "gpt2" in message
+    assert len(message) < 300  # not the 800 types transformers knows
+
+
+def test_hf_config_without_spaces_shows_what_yaml_made_of_it():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["model.kind=hf", "model.hf_config={model_type:gpt2,n_layer:2}"])
+    message = str(info.value)
+    assert "{'model_type:gpt2': None, 'n_layer:2': None}" in message
+    assert "model.hf_config='{model_type: gpt2, n_layer: 2}'" in message

@@ -298,6 +298,53 @@ def _build_trainer(
     return trainer
 
 
+def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv, log) -> None:
+    """What setup found, printed (rank 0) and as events: start, lock takeover, skipped rows,
+    init_from, corrupted or invalid checkpoints, resume."""
+    ctx = trainer.context
+    if env.is_main:
+        log(
+            f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
+            f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}"
+        )
+    trainer.event(
+        "start",
+        backend=trainer.backend.name,
+        world_size=env.world_size,
+        device=str(trainer.device),
+        num_params=ctx["num_params"],
+        max_steps=cfg.train.max_steps,
+        precision=ctx["policy"].to_dict(),
+        global_batch_size=trainer.loader.global_batch_size,
+        monitor_kernel=ctx["monitor_kernel"],
+        flops_per_token=ctx["flops_per_token"],
+        peak_flops=ctx["peak_flops"],
+        peak_flops_source=ctx["peak_flops_source"],
+    )
+    lock = ctx["lock"]
+    if lock is not None and lock.taken_over is not None:
+        trainer.event(
+            "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
+        )
+    if ctx["skipped_rows"]:
+        skipped = ctx["skipped_rows"]
+        trainer.event("data_skipped_rows", files=skipped, rows=sum(skipped.values()))
+    if ctx.get("init_from"):
+        trainer.event("init_from", **ctx["init_from"])
+    if ctx.get("fault_corrupted"):
+        trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
+    for bad in ctx.get("invalid_checkpoints", []):
+        trainer.event("checkpoint_invalid", **bad)
+    if ctx["resume_from"]:
+        trainer.event("resume", **ctx["resume_from"])
+        if env.is_main and ctx["resume_from"]["changes"]:
+            changed = ctx["resume_from"]["changes"].items()
+            log(
+                "resume: config changed since the checkpoint: "
+                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed)
+            )
+
+
 def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
     """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data."""
     started = time.time()
@@ -306,47 +353,7 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
     clean = False  # every rank reached the end without an error (shutdown may then barrier)
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
-        if env.is_main:
-            log(
-                f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
-                f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}"
-            )
-        trainer.event(
-            "start",
-            backend=trainer.backend.name,
-            world_size=env.world_size,
-            device=str(trainer.device),
-            num_params=ctx["num_params"],
-            max_steps=cfg.train.max_steps,
-            precision=ctx["policy"].to_dict(),
-            global_batch_size=trainer.loader.global_batch_size,
-            monitor_kernel=ctx["monitor_kernel"],
-            flops_per_token=ctx["flops_per_token"],
-            peak_flops=ctx["peak_flops"],
-            peak_flops_source=ctx["peak_flops_source"],
-        )
-        lock = ctx["lock"]
-        if lock is not None and lock.taken_over is not None:
-            trainer.event(
-                "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
-            )
-        if ctx["skipped_rows"]:
-            skipped = ctx["skipped_rows"]
-            trainer.event("data_skipped_rows", files=skipped, rows=sum(skipped.values()))
-        if ctx.get("init_from"):
-            trainer.event("init_from", **ctx["init_from"])
-        if ctx.get("fault_corrupted"):
-            trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
-        for bad in ctx.get("invalid_checkpoints", []):
-            trainer.event("checkpoint_invalid", **bad)
-        if ctx["resume_from"]:
-            trainer.event("resume", **ctx["resume_from"])
-            if env.is_main and ctx["resume_from"]["changes"]:
-                changed = ctx["resume_from"]["changes"].items()
-                log(
-                    "resume: config changed since the checkpoint: "
-                    + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed)
-                )
+        _setup_events(trainer, cfg, env, log)
         try:
             state = trainer.fit()
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step

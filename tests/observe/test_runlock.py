@@ -164,3 +164,33 @@ def test_out_dir_that_is_a_file_exits_2(micro_args, tmp_path):
     assert "train.out_dir" in result.stderr and "existing file" in result.stderr
     assert "Traceback" not in result.stderr
     assert target.read_text() == "precious\n"
+
+
+def _refused_run(args: list[str]) -> str:
+    """A rank's run on a busy run directory: the error it stopped with."""
+    from bigtrain.build import run
+    from bigtrain.config import load_config
+    from bigtrain.parallel.env import read_env
+
+    try:
+        run(load_config([], args), read_env(), log=lambda *_: None)
+    except ConfigError as e:
+        return str(e)
+    return "ran"
+
+
+def test_every_rank_of_a_second_fsdp_run_exits_2(micro_args, tmp_path):
+    from tests.distributed import run_distributed
+
+    out = tmp_path / "run"
+    out.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        time.sleep(0.2)
+        _write_lock(out, pid=sleeper.pid, process_start=_process_start(sleeper.pid))
+        errors = run_distributed(_refused_run, 2, micro_args("parallel.backend=fsdp"))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert all(f"pid {sleeper.pid}" in e and "in use by a live run" in e for e in errors)
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written

@@ -211,3 +211,21 @@ def test_aborted_marker_blocks_a_restart(micro):
     (out / "ABORTED").write_text("earlier anomaly\n")
     with pytest.raises(AbortRun, match="earlier anomaly"):
         run(cfg, ENV, log=lambda *_: None)
+
+
+def test_skipped_bad_rows_reach_the_run_as_an_event(micro, corpus_files, tmp_path):
+    rows = [{"text": line} for line in corpus_files[0].read_text().splitlines() if line.strip()]
+    rows[3], rows[7] = {"title": "no text"}, {"text": None}
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = micro(
+        f"data.paths=[{data}]",
+        "data.skip_bad_rows=true",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=2",
+        "checkpoint.every=-1",
+    )
+    run(cfg, ENV, log=lambda *_: None)
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    (skipped,) = [e for e in events if e["kind"] == "data_skipped_rows"]
+    assert skipped["files"] == {str(data.resolve()): 2} and skipped["rows"] == 2

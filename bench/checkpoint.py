@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bigtrain.build import build_trainer  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import free_port, read_env, shutdown  # noqa: E402
-from bigtrain.resilience.checkpoint import CheckpointManager  # noqa: E402
+from bigtrain.store.checkpoint import CheckpointManager  # noqa: E402
 
 WIDE = ["model.n_layers=8", "model.d_model=640", "model.n_heads=8", "train.micro_batch_size=2"]
 

@@ -104,8 +104,8 @@ def matmul_speed(m: int, k: int, n: int, device: torch.device) -> dict[str, floa
 def child(files: list[str], overrides: list[str]) -> None:
     """Train one variant; print its numbers as JSON (runs in its own process)."""
     from bigtrain.build import run
-    from bigtrain.observe.rundir import read_jsonl
     from bigtrain.parallel.env import DistEnv
+    from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config(files, overrides)
     final = run(cfg, DistEnv(), log=lambda *_: None)

@@ -100,8 +100,8 @@ def main() -> None:
     def bigtrain_steps(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            metrics = trainer.train_step()
-            trainer.callbacks.on_step_end(trainer, metrics)
+            result = trainer.train_step()
+            trainer.callbacks.on_step_end(trainer, result)
         return time.perf_counter() - start
 
     bigtrain_steps(3)  # warm-up both (allocator, autocast caches)

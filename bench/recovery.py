@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.build import build_trainer  # noqa: E402
+from bigtrain.callbacks.rollback import Rollback  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv, shutdown  # noqa: E402
-from bigtrain.resilience.rollback import Rollback  # noqa: E402
 
 FAST = ["train.eval_every=0", "train.progress=false", "wandb.mode=disabled", "train.log_every=50"]
 

@@ -41,11 +41,11 @@ def timed(files: list[str], overrides: list[str], steps: int) -> dict:
     try:
         losses = []
         for _ in range(WARMUP):
-            losses.append(float(trainer.train_step()["loss"]))
+            losses.append(float(trainer.train_step().loss))
         start = time.perf_counter()
         for _ in range(steps):
             losses.append(
-                float(trainer.train_step()["loss"])
+                float(trainer.train_step().loss)
             )  # host sync per step, both sides alike
         seconds = time.perf_counter() - start
         return {"tokens_per_s": steps * trainer.tokens_per_step / seconds, "losses": losses}

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from bigtrain.build import run  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
-from bigtrain.observe.rundir import read_jsonl  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
+from bigtrain.store.rundir import read_jsonl  # noqa: E402
 
 PLAIN = [
     "parallel.compile=false",

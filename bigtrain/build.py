@@ -14,31 +14,27 @@ import numpy as np
 import torch
 from torch import nn
 
+from bigtrain.callbacks.checkpointing import CheckpointCallback
+from bigtrain.callbacks.evaluate import EvalCallback
+from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
+from bigtrain.callbacks.guard import AnomalyGuard
+from bigtrain.callbacks.int8_calibration import Int8Calibration
+from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
+from bigtrain.callbacks.preempt import PreemptionHandler
+from bigtrain.callbacks.rollback import Rollback
+from bigtrain.callbacks.straggler import StragglerReport
+from bigtrain.callbacks.wandb_logger import WandbLogger
+from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import BatchLoader, SampleStream, eval_batches, prepare_corpus, split_samples
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
-from bigtrain.evaluate import EvalCallback
-from bigtrain.hooks import Callbacks
 from bigtrain.model import build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
-from bigtrain.monitor.guard import AnomalyGuard
 from bigtrain.monitor.monitor import GradMonitor
-from bigtrain.observe.logger import ConsoleProgress, MetricsLogger
 from bigtrain.observe.mfu import resolve_peak_flops
-from bigtrain.observe.rundir import RunDir
-from bigtrain.observe.runlock import RunLock
-from bigtrain.observe.timing import StragglerReport
-from bigtrain.observe.wandb_logger import WandbLogger
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
-from bigtrain.parallel.backend import Backend, canonical_name
-from bigtrain.parallel.env import (
-    DistEnv,
-    all_gather_objects,
-    barrier,
-    init_process_group,
-    pick_device,
-    shutdown,
-)
+from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.meta_init import uses_meta_init
@@ -49,20 +45,15 @@ from bigtrain.precision import (
     dtype_name,
     resolve_policy,
 )
-from bigtrain.precision.int8 import (
-    Int8Calibration,
-    Int8Linear,
-    convert_to_int8,
-    int_mm_available,
-)
-from bigtrain.resilience.callback import CheckpointCallback
-from bigtrain.resilience.checkpoint import CheckpointManager
-from bigtrain.resilience.faults import FaultInjector, corrupt_newest_checkpoint
-from bigtrain.resilience.preempt import PreemptionHandler
-from bigtrain.resilience.rollback import Rollback
-from bigtrain.resilience.watchdog import HangWatchdog, enable_nccl_flight_recorder
+from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
 from bigtrain.resume import start_state
+from bigtrain.store.checkpoint import CheckpointManager
+from bigtrain.store.rundir import RunDir
+from bigtrain.store.runlock import RunLock
 from bigtrain.train import Trainer
+from bigtrain.train.hooks import Callbacks
+from bigtrain.utils.dist import all_gather_objects, barrier
+from bigtrain.utils.names import canonical_name
 
 
 def seed_everything(seed: int) -> None:

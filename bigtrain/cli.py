@@ -96,7 +96,7 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
 
 
 def _ckpt(command: str, path: Path) -> int:
-    from bigtrain.resilience.checkpoint import verify
+    from bigtrain.store.checkpoint import verify
 
     manifest = verify(path)
     if command == "verify":

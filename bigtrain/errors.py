@@ -34,4 +34,4 @@ class ReplicaMismatch(RuntimeError):
     exit_code = 7
 
 
-HANG_EXIT_CODE = 5  # the hang watchdog (resilience/watchdog.py) ends the process with os._exit
+HANG_EXIT_CODE = 5  # the hang watchdog (callbacks/watchdog.py) ends the process with os._exit

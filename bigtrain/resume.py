@@ -19,7 +19,7 @@ from typing import Any
 
 from bigtrain.config import Config, config_changes
 from bigtrain.errors import ConfigError
-from bigtrain.resilience.checkpoint import CheckpointManager, identity_changes, shape_changes
+from bigtrain.store.checkpoint import CheckpointManager, identity_changes, shape_changes
 from bigtrain.train import Trainer
 
 

@@ -78,8 +78,8 @@ def train_run(args: list[str]) -> dict:
     data, events and metrics."""
     from bigtrain.build import run
     from bigtrain.config import load_config
-    from bigtrain.observe.rundir import read_jsonl
     from bigtrain.parallel.env import read_env
+    from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config([], args)
     final = run(cfg, read_env(), log=lambda *_: None)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from bigtrain.observe.rundir import read_jsonl
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
 

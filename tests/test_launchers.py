@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import free_port
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT
 
 TORCHRUN_2 = ("torchrun", "--nproc-per-node", "2", "--master-port")

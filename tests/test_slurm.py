@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.observe.rundir import read_jsonl
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT
 
 SLURM_DIR = Path(os.environ.get("BIGTRAIN_SLURM_DIR", "/tmp/bigtrain-slurm"))

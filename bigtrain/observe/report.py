@@ -45,8 +45,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from bigtrain.errors import ConfigError
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.observe.trajectory import split_trajectory
+from bigtrain.store.rundir import read_jsonl
 
 EVENT_MARKERS = {"anomaly": "red", "rollback": "purple", "preempt": "orange"}  # kind: colour
 ABANDONED = "abandoned (rolled back)"

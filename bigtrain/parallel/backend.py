@@ -26,6 +26,8 @@ from bigtrain.precision.adamw import LowPrecisionAdamW
 from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
+from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import local_tensor, to_cpu
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -106,15 +108,6 @@ class Backend(Protocol):
 
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Restore what local_state returned, on the same world size."""
-
-
-def canonical_name(name: str) -> str:
-    """Parameter names without wrapper components (compile, DDP, DeepSpeed, activation
-    checkpointing), so fingerprints and telemetry agree across backends."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
-
-
-WRAPPER_COMPONENTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
 
 
 def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]]) -> str:
@@ -312,16 +305,6 @@ class TorchBackend:
                     current[key] = value
 
 
-def host_ready(device: torch.device) -> torch.cuda.Event | None:
-    """An event after the host copies queued so far (CUDA copies are non-blocking); a background
-    writer waits for it before reading them. None where copies complete at once."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 def checkpoint_writer() -> ThreadPoolExecutor:
     """The thread that writes a backend's checkpoint files from host copies, one at a time."""
     return ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
@@ -361,36 +344,3 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if buffer is not None and name not in module._non_persistent_buffers_set:
                 out[canonical_name(f"{module_name}.{name}" if module_name else name)] = buffer
     return out
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor as is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def to_cpu(obj: Any, into: Any = None) -> Any:
-    """Host copies of the tensors in `obj`. From CUDA: into pinned memory, without waiting (the
-    copy is ordered on the stream before later kernels that change the source, and before any
-    later copy back, so no synchronisation is needed). `into`: an earlier result of the same
-    structure whose tensors are reused where they fit (warm host pages copy several times faster
-    than fresh ones)."""
-    if isinstance(obj, torch.Tensor):
-        t = local_tensor(obj).detach()
-        if (
-            isinstance(into, torch.Tensor)
-            and into.shape == t.shape
-            and into.dtype == t.dtype
-            and (not t.is_cuda or into.is_pinned())
-        ):
-            return into.copy_(t, non_blocking=t.is_cuda)
-        if t.is_cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-        return t.to("cpu", copy=True)
-    if isinstance(obj, dict):
-        into = into if isinstance(into, dict) else {}
-        return {k: to_cpu(v, into.get(k)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        into = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
-        return [to_cpu(v, old) for v, old in zip(obj, into, strict=True)]
-    return obj

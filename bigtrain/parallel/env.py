@@ -152,31 +152,6 @@ def init_process_group(
     )
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_gather_objects(obj):
-    """[obj of rank 0, obj of rank 1, ...]; [obj] in one process."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def all_true(flag: bool) -> bool:
-    """True on every rank iff flag is True on every rank."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
 def shutdown(clean: bool) -> None:
     """Destroy the process groups. `clean`: every rank got here without an error, so a barrier
     first makes sure no rank tears down its group while another is still in a collective (after an

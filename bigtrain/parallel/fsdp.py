@@ -18,14 +18,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from bigtrain.config.schema import Config
 from bigtrain.parallel.apply import transformer_blocks
-from bigtrain.parallel.backend import (
-    TorchBackend,
-    canonical_name,
-    checkpoint_writer,
-    weights_fingerprint,
-)
+from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
 from bigtrain.parallel.meta_init import materialize
 from bigtrain.precision.policy import PrecisionPolicy
+from bigtrain.utils.names import canonical_name
 
 
 def gathers_in_compute_dtype(policy: PrecisionPolicy) -> bool:

@@ -14,15 +14,13 @@ from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.backend import (
     TorchBackend,
-    canonical_name,
     checkpoint_writer,
     fp32_optimizer_state,
-    host_ready,
-    local_tensor,
-    to_cpu,
     weights_fingerprint,
 )
 from bigtrain.precision.policy import PrecisionPolicy
+from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
 
 
 class LocalBackend(TorchBackend):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigtrain.errors import ConfigError
-from bigtrain.parallel.backend import canonical_name
+from bigtrain.utils.names import canonical_name
 
 META_INIT_PARAMS = 1_000_000_000  # parallel.meta_init=auto turns on from here
 

@@ -29,19 +29,18 @@ from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import (
     adamw_param_groups,
-    canonical_name,
     checkpoint_writer,
     fp32_optimizer_state,
-    host_ready,
     lm_loss,
     make_adamw,
     persistent_buffers,
     set_fp32_optimizer_state,
-    to_cpu,
     weights_fingerprint,
 )
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
+from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import host_ready, to_cpu
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 

@@ -37,13 +37,10 @@ from bigtrain.precision.adamw_torch import (
     fp16_scales,
     torch_step,
 )
+from bigtrain.utils.tensors import local_tensor
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 __all__ = ["LowPrecisionAdamW", "bf16_stochastic", "fp16_scale_for"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def fp16_scale_for(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +90,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     # --- state ------------------------------------------------------------------------------------
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
-        local = _local(p)
+        local = local_tensor(p)
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
         for key in STATE_KEYS:
@@ -104,7 +101,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     def _decode(self, state: dict[str, Any], key: str) -> torch.Tensor:
         """One stored moment as FP32 (a new tensor)."""
-        value = _local(state[key]).float()
+        value = local_tensor(state[key]).float()
         if self.state_dtype == torch.float16:
             value = value / state[key + "_scale"]
             if key == "exp_avg_sq":
@@ -132,14 +129,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self.state[p] if self.state.get(p) else self._init_state(p)
-            param, grad = _local(p), _local(p.grad)
+            param, grad = local_tensor(p), local_tensor(p.grad)
             if grad.dtype != torch.float32:
                 grad = grad.float()
             ts = by_device.setdefault(param.device, AdamWTensors([], [], [], [], []))
             ts.params.append(param)
             ts.grads.append(grad.contiguous())
-            ts.exp_avgs.append(_local(state["exp_avg"]))
-            ts.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            ts.exp_avgs.append(local_tensor(state["exp_avg"]))
+            ts.exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
             ts.steps.append(state["step"])
             if fp16:
                 ts.exp_avg_scales.append(state["exp_avg_scale"])
@@ -192,7 +189,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             encoded: dict[str, torch.Tensor] = {}
             self._encode(encoded, key, moments[key].to(state[key].device, torch.float32))
             for name, value in encoded.items():
-                _local(state[name]).copy_(value)
+                local_tensor(state[name]).copy_(value)
 
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()
@@ -207,11 +204,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         for p, state in self.state.items():
             if not state:
                 continue
-            decoded = {k: _local(state[k]).float() for k in STATE_KEYS}
+            decoded = {k: local_tensor(state[k]).float() for k in STATE_KEYS}
             for k in STATE_KEYS:
                 self._encode(state, k, decoded[k])
             step = state["step"]
-            device = _local(p).device
+            device = local_tensor(p).device
             state["step"] = (
                 step.detach().to(device=device, dtype=torch.float32)
                 if torch.is_tensor(step)
@@ -225,7 +222,7 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "device_mesh") and local.dim():
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(
+        return DTensor.fromlocal_tensor(
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
     return local

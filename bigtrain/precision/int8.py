@@ -26,17 +26,14 @@ snapshots (`Int8Calibration.state_dict`).
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
-from bigtrain.hooks import Callback
+from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import autocast_dtype, autocast_off
 
 EPS = 1e-12
@@ -223,23 +220,11 @@ def _linear_kind(module: nn.Module) -> bool | None:
     return None
 
 
-def compress_names(names: list[str]) -> str:
-    """`blocks.0.mlp.up, blocks.1.mlp.up` -> `blocks.*.mlp.up` (for the precision table)."""
-    seen: list[str] = []
-    for name in names:
-        pattern = re.sub(r"\.\d+\.", ".*.", name)
-        if pattern not in seen:
-            seen.append(pattern)
-    return ", ".join(seen)
-
-
 def convert_to_int8(
     model: nn.Module, cfg: Int8Config, fp32_patterns: tuple[str, ...] = ()
 ) -> dict[str, Int8Linear]:
     """Replace the linear layers that `cfg.modules` selects and `cfg.exclude` does not by
     Int8Linear, in place. Returns them by canonical name. Call before sharding and wrapping."""
-    from bigtrain.parallel.backend import canonical_name
-
     if cfg.weight_scheme != "symmetric":
         raise ConfigError(
             f"precision.int8.weight_scheme got {cfg.weight_scheme!r}, expected symmetric "
@@ -284,91 +269,3 @@ def convert_to_int8(
 def _ancestors(name: str) -> list[str]:
     parts = name.split(".")
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-class Int8Calibration(Callback):
-    """Folds each step's max |x| per input channel into the calibration (one MAX all-reduce over
-    all layers at once, so every rank holds the same scales), switches smoothing on when
-    `calibration_steps` are done, and carries the scales in the trainer state."""
-
-    priority = 5  # before snapshots and checkpoints read the trainer state
-    state_key = "int8"
-
-    def __init__(self, layers: dict[str, Int8Linear], cfg: Int8Config) -> None:
-        self.layers, self.cfg = layers, cfg
-        self.steps = 0  # optimizer steps folded into the calibration
-        self.smoothing_on = False  # whether the layers use the calibrated scales
-
-    @property
-    def calibrated(self) -> bool:
-        return self.steps >= self.cfg.calibration_steps
-
-    def on_start(self, trainer) -> None:
-        # DeepSpeed casts buffers to the compute dtype: amax values stay FP32.
-        for layer in self.layers.values():
-            layer.act_amax = layer.act_amax.float()
-            layer.step_amax = layer.step_amax.float()
-        self._apply()
-
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        if not self.cfg.calibration_steps:
-            return
-        if self.calibrated and self.cfg.calibration == "fixed":
-            return
-        layers = list(self.layers.values())
-        if not metrics.get("skipped"):  # a skipped step's activations may be the anomaly's
-            step_amax = torch.cat([layer.step_amax for layer in layers])
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(step_amax, op=dist.ReduceOp.MAX)
-            current = torch.cat([layer.act_amax for layer in layers])
-            if self.calibrated:  # EMA after calibration
-                d = self.cfg.ema_decay
-                folded = d * current + (1 - d) * step_amax
-            else:
-                folded = torch.maximum(current, step_amax)
-            for layer, part in zip(
-                layers, folded.split([x.in_features for x in layers]), strict=True
-            ):
-                layer.act_amax.copy_(part)
-            self.steps += 1
-            if self.calibrated and not self.smoothing_on:
-                trainer.event(
-                    "int8_calibrated",
-                    steps=self.steps,
-                    mode=self.cfg.calibration,
-                    layers=len(layers),
-                )
-        for layer in layers:
-            layer.step_amax.zero_()
-        self._apply()
-
-    def _apply(self) -> None:
-        observe = not self.calibrated or self.cfg.calibration == "ema"
-        on = self.calibrated and self.cfg.calibration_steps > 0
-        for layer in self.layers.values():
-            layer.smoothing = on
-            layer.observe = observe and self.cfg.calibration_steps > 0
-        self.smoothing_on = on
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "act_amax": {n: layer.act_amax.float().tolist() for n, layer in self.layers.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state["act_amax"]) != set(self.layers):
-            raise ConfigError(
-                "the checkpoint's INT8 calibration covers other layers "
-                f"({compress_names(sorted(state['act_amax']))}) than precision.int8 selects "
-                f"({compress_names(sorted(self.layers))})"
-            )
-        self.steps = int(state["steps"])
-        for name, layer in self.layers.items():
-            # New FP32 tensors: DeepSpeed casts buffers to BF16, and a resume loads before on_start.
-            device = layer.act_amax.device
-            layer.act_amax = torch.tensor(
-                state["act_amax"][name], dtype=torch.float32, device=device
-            )
-            layer.step_amax = torch.zeros_like(layer.act_amax)
-        self._apply()

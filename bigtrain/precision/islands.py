@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from bigtrain.errors import ConfigError
+from bigtrain.utils.names import canonical_name
 
 
 def matching_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
-    from bigtrain.parallel.backend import canonical_name
-
     out = []
     for name, module in model.named_modules():
         cname = canonical_name(name)

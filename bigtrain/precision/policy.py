@@ -13,6 +13,7 @@ import torch
 
 from bigtrain.config.schema import PrecisionConfig
 from bigtrain.errors import ConfigError
+from bigtrain.utils.names import compress_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_SOFTMAX_PARAMS = 7_000_000_000
@@ -118,8 +119,6 @@ class PrecisionPolicy:
             ),
         ]
         if self.int8:
-            from bigtrain.precision.int8 import compress_names
-
             modules = (
                 compress_names(list(self.int8_modules))
                 if self.int8_modules

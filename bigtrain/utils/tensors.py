@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -20,3 +21,46 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+def host_ready(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the host copies queued so far (CUDA copies are non-blocking); a background
+    writer waits for it before reading them. None where copies complete at once."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def to_cpu(obj: Any, into: Any = None) -> Any:
+    """Host copies of the tensors in `obj`. From CUDA: into pinned memory, without waiting (the
+    copy is ordered on the stream before later kernels that change the source, and before any
+    later copy back, so no synchronisation is needed). `into`: an earlier result of the same
+    structure whose tensors are reused where they fit (warm host pages copy several times faster
+    than fresh ones)."""
+    if isinstance(obj, torch.Tensor):
+        t = local_tensor(obj).detach()
+        if (
+            isinstance(into, torch.Tensor)
+            and into.shape == t.shape
+            and into.dtype == t.dtype
+            and (not t.is_cuda or into.is_pinned())
+        ):
+            return into.copy_(t, non_blocking=t.is_cuda)
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return t.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        into = into if isinstance(into, dict) else {}
+        return {k: to_cpu(v, into.get(k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        into = into if isinstance(into, list) and len(into) == len(obj) else [None] * len(obj)
+        return [to_cpu(v, old) for v, old in zip(obj, into, strict=True)]
+    return obj

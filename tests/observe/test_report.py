@@ -6,9 +6,9 @@ import pytest
 
 from bigtrain.build import run
 from bigtrain.observe.report import build_report
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.parallel.env import DistEnv
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
 

@@ -12,8 +12,8 @@ from bigtrain.parallel.apply import (
     apply_compile,
     transformer_blocks,
 )
-from bigtrain.parallel.backend import canonical_name
 from bigtrain.parallel.env import DistEnv
+from bigtrain.utils.names import canonical_name
 
 
 def test_transforms_keep_canonical_parameter_names():

@@ -8,8 +8,8 @@ import pytest
 
 from bigtrain.build import run
 from bigtrain.config import load_config
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import read_env
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
 

@@ -12,8 +12,8 @@ from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import rope_tables
-from bigtrain.parallel.backend import canonical_name
 from bigtrain.parallel.env import read_env, shutdown
+from bigtrain.utils.names import canonical_name
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from bigtrain.build import build_trainer, run
 from bigtrain.config import load_config
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import read_env, shutdown
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed, train_run
 

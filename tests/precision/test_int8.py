@@ -301,7 +301,7 @@ def test_tiny_model_int8_reaches_the_validation_loss_of_the_plain_run(tmp_path, 
 
 
 def test_calibration_of_other_layers_is_refused_with_the_layers_named():
-    from bigtrain.precision.int8 import Int8Calibration
+    from bigtrain.callbacks.int8_calibration import Int8Calibration
 
     layer = Int8Linear(nn.Linear(8, 4), transposed=False, affine=True)
     calibration = Int8Calibration({"blocks.0.mlp.up": layer}, Int8Config(enabled=True))
@@ -315,9 +315,9 @@ def test_every_int8_tensor_follows_the_layer_to_another_device():
     """The CPU-side guard for CUDA (a GPU run crashed on a CPU-held calibration buffer): after a
     calibrated state is loaded, moving the model moves every parameter and buffer of each INT8
     layer, a layer converted after the move is born there, and a forward runs on meta inputs."""
+    from bigtrain.callbacks.int8_calibration import Int8Calibration
     from bigtrain.config.schema import ModelConfig
     from bigtrain.model import build_model
-    from bigtrain.precision.int8 import Int8Calibration
 
     cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, seq_len=16)
     model = build_model(cfg, 64)

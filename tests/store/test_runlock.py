@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from bigtrain.errors import ConfigError
-from bigtrain.observe.rundir import read_jsonl
-from bigtrain.observe.runlock import LOCK_NAME, RunLock, _process_start, owner_record
-from bigtrain.resilience.checkpoint import verify
+from bigtrain.store.checkpoint import verify
+from bigtrain.store.rundir import read_jsonl
+from bigtrain.store.runlock import LOCK_NAME, RunLock, _process_start, owner_record
 from tests.conftest import ROOT, run_cli
 
 

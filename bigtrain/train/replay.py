@@ -29,8 +29,8 @@ import torch
 
 from bigtrain.config.schema import MonitorConfig, ResilienceConfig
 from bigtrain.errors import SuspectHost
-from bigtrain.parallel.env import all_gather_objects
-from bigtrain.resilience.checkpoint import rng_state, set_rng_state
+from bigtrain.store.checkpoint import rng_state, set_rng_state
+from bigtrain.utils.dist import all_gather_objects
 
 MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed
 
@@ -64,13 +64,13 @@ class Replay:
         return anomaly.kind == "nonfinite"
 
     def run(self, trainer, rng: dict[str, Any], first, execute: Callable):
-        """Run the step again; returns the second run's (metrics, health)."""
+        """Run the step again; returns the second run's (StepResult, Health)."""
         first_local = trainer.monitor.last_local
         trainer.backend.skip_step()  # the first run's gradients go
         set_rng_state(rng)
         trainer.replaying = True
         try:
-            metrics, health = execute()
+            result, health = execute()
         finally:
             trainer.replaying = False
         distances = all_gather_objects(local_distance(first_local, trainer.monitor.last_local))
@@ -89,7 +89,7 @@ class Replay:
         )
         if verdict == "transient" and rank is not None:
             self._count(trainer, rank)
-        return metrics, health
+        return result, health
 
     def _count(self, trainer, rank: int) -> None:
         if self.hosts is None:

@@ -17,7 +17,8 @@ import threading
 from typing import Any
 
 from bigtrain.errors import Preempted
-from bigtrain.hooks import Callback
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -41,8 +42,8 @@ class PreemptionHandler(Callback):
         for sig in SIGNALS:
             self.previous[sig] = signal.signal(sig, handler)
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        if not metrics.get("preempt"):
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        if not result.preempt:
             return
         reason = f"{trainer.stop_signal or 'a signal on another rank'} at step {trainer.step}"
         trainer.event("preempt", reason=reason, checkpoint_step=trainer.step)

@@ -9,9 +9,9 @@ import pytest
 
 from bigtrain.build import run
 from bigtrain.config import load_config
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv, read_env
-from bigtrain.resilience.checkpoint import verify
+from bigtrain.store.checkpoint import verify
+from bigtrain.store.rundir import read_jsonl
 from bigtrain.train import lr_at
 from tests.conftest import micro_overrides, run_cli
 from tests.distributed import run_distributed

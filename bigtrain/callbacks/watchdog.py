@@ -23,13 +23,13 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import HANG_EXIT_CODE
-from bigtrain.hooks import Callback
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 WARM_STEPS = 20  # steps before the timeout follows the measured step time
 MIN_TIMEOUT_S = 300.0
@@ -75,9 +75,9 @@ class HangWatchdog(Callback):
         self._thread = threading.Thread(target=self._watch, name="bigtrain-watchdog", daemon=True)
         self._thread.start()
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, result: StepResult) -> None:
         self.step = trainer.step
-        self.step_times.append(metrics["step_time"])
+        self.step_times.append(result.step_time)
         self.beat()
 
     def on_finish(self, trainer) -> None:

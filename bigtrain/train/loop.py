@@ -11,14 +11,15 @@ import torch
 
 from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
-from bigtrain.hooks import Callbacks
 from bigtrain.monitor.monitor import GradMonitor, Health
-from bigtrain.observe.rundir import RunDir
-from bigtrain.observe.timing import StepTimer
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.clip import ClipThreshold
-from bigtrain.replay import Replay
+from bigtrain.store.rundir import RunDir
+from bigtrain.train.hooks import Callbacks
+from bigtrain.train.replay import Replay
+from bigtrain.train.step import StepResult
+from bigtrain.train.timing import StepTimer
 
 
 @dataclass
@@ -129,12 +130,12 @@ class Trainer:
     def fit(self) -> TrainState:
         self.callbacks.on_start(self)
         while self.state.step < self.end_step:
-            metrics = self.train_step()
-            self.callbacks.on_step_end(self, metrics)
+            result = self.train_step()
+            self.callbacks.on_step_end(self, result)
         self.callbacks.on_finish(self)
         return self.state
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> StepResult:
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
         self._enter_phase()
@@ -145,9 +146,9 @@ class Trainer:
         micro_batches = self.loader.next_step()
         self.timer.mark("data")
         rng = self.replay.before_step()  # the step's RNG state, kept for a replay
-        metrics, health = self._forward_backward_check(micro_batches, step, lr)
+        result, health = self._forward_backward_check(micro_batches, step, lr)
         if self.replay.wanted(health):
-            metrics, health = self.replay.run(
+            result, health = self.replay.run(
                 self, rng, health, lambda: self._forward_backward_check(micro_batches, step, lr)
             )
         if health.skip:
@@ -161,35 +162,34 @@ class Trainer:
         self.timer.mark("optimizer")
         scale = backend.update_loss_scale(overflow=health.overflow)
         if scale is not None:
-            metrics["loss_scale"], metrics["scale_update"] = scale.scale, scale
+            result.loss_scale, result.scale_update = scale.scale, scale
             if scale.at_min:  # overflow at the minimum scale: halving again would loop forever
                 health.anomaly, health.overflow = (
                     self.monitor.overflow_at_minimum(health, scale.scale),
                     False,
                 )
-        metrics["anomaly"], metrics["overflow"] = health.anomaly, health.overflow
-        metrics["skipped"] = health.skip
-        metrics["preempt"] = health.stop_requested
-        metrics["finite"] = health.finite
-        metrics["precision_phase"] = self.phase.name
+        result.anomaly, result.overflow = health.anomaly, health.overflow
+        result.skipped, result.preempt = health.skip, health.stop_requested
+        result.finite = health.finite
+        result.precision_phase = self.phase.name
         self.state.step += 1
         self.step_in_progress = None
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step
-        metrics["step_timing"] = self.timer.finish()  # per part, on timing steps; else None
+        result.step_timing = self.timer.finish()  # per part, on timing steps; else None
         # The step's own time; callbacks (eval, checkpoints) are not included.
-        metrics["step_time"] = time.perf_counter() - started
-        return metrics
+        result.step_time = time.perf_counter() - started
+        return result
 
     def _forward_backward_check(
         self, micro_batches: list, step: int, lr: float
-    ) -> tuple[dict[str, Any], Health]:
+    ) -> tuple[StepResult, Health]:
         """Forward and backward of the step's micro-batches, then the monitor's verdict."""
         backend = self.backend
         n = len(micro_batches)
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
-        metrics: dict[str, Any] = {"step": step, "local_loss": torch.stack(losses).mean(), "lr": lr}
-        self.callbacks.on_after_backward(self, metrics)
+        result = StepResult(step, lr, local_loss=torch.stack(losses).mean())
+        self.callbacks.on_after_backward(self, result)
         self.timer.mark("forward_backward")
         grad_factor = backend.unscale_grads()
         log_step = step % self.cfg.train.log_every == 0 or step >= self.end_step
@@ -197,15 +197,20 @@ class Trainer:
         # same numbers and takes the same decision (step, skip, anomaly).
         health = self.monitor.check(
             backend.named_grads(),
-            metrics.pop("local_loss"),
+            result.local_loss,
             grad_factor,
             full=self.monitor.full_step(step, log_step),
             loss_scaled=backend.loss_scale() is not None,
             stop_requested=self.stop_signal is not None,
         )
         self.timer.mark("sync")
-        metrics.update(loss=health.loss, grad_norm=health.grad_norm, **health.telemetry)
-        return metrics, health
+        result.local_loss = None
+        result.loss, result.grad_norm, result.telemetry = (
+            health.loss,
+            health.grad_norm,
+            health.telemetry,
+        )
+        return result, health
 
     def _end_backoff(self) -> None:
         """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""

@@ -7,13 +7,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bigtrain.config.schema import FaultConfig
 from bigtrain.errors import ConfigError
-from bigtrain.hooks import Callback
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 
 class FaultInjector(Callback):
@@ -50,12 +50,12 @@ class FaultInjector(Callback):
         )
 
     @torch.no_grad()
-    def on_after_backward(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_after_backward(self, trainer, result: StepResult) -> None:
         if self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
             time.sleep(self.cfg.slow_s)  # a straggler: this rank's forward+backward is slower
         if not self.active:
             return
-        step, cfg = metrics["step"], self.cfg
+        step, cfg = result.step, self.cfg
         if trainer.replaying:
             # A replay of the step meets the same data faults again; a transient one is gone.
             kinds = [k for k in self.this_step if k != "transient_nan"]
@@ -64,7 +64,7 @@ class FaultInjector(Callback):
             self.this_step = kinds
         named = trainer.backend.named_grads() if kinds else []
         for kind in kinds:
-            self._apply(kind, trainer, metrics, named)
+            self._apply(kind, trainer, result, named)
         if self._once_per_run_dir(trainer, "hang", cfg.hang_step, step):
             trainer.event("fault", type="hang")
             threading.Event().wait()  # forever; the hang watchdog ends the process
@@ -81,7 +81,7 @@ class FaultInjector(Callback):
             ("nan_loss", cfg.nan_loss_step),
         ]
 
-    def _apply(self, kind: str, trainer, metrics: dict[str, Any], named) -> None:
+    def _apply(self, kind: str, trainer, result: StepResult, named) -> None:
         factor = self.cfg.spike_factor
         if kind in ("nan_grad", "inf_grad", "grad_spike", "transient_nan"):
             name, grad = self._target(named)
@@ -91,24 +91,24 @@ class FaultInjector(Callback):
                 grad.view(-1)[0] = float("inf") if kind == "inf_grad" else float("nan")
             trainer.event("fault", type=kind, tensor=name)
         elif kind == "spike":  # a loss spike with the gradients that come with it
-            metrics["local_loss"] = metrics["local_loss"] * factor
+            result.local_loss = result.local_loss * factor
             for _, grad in named:
                 grad.mul_(factor)
             trainer.event("fault", type="spike", factor=factor)
         elif kind == "loss_spike":
-            metrics["local_loss"] = metrics["local_loss"] * factor
+            result.local_loss = result.local_loss * factor
             trainer.event("fault", type="loss_spike", factor=factor)
         elif kind == "nan_loss":
             # A NaN loss poisons every gradient through backward; inject both.
-            metrics["local_loss"] = metrics["local_loss"] * float("nan")
+            result.local_loss = result.local_loss * float("nan")
             for _, grad in named:
                 grad.fill_(float("nan"))
             trainer.event("fault", type="nan_loss")
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, result: StepResult) -> None:
         if not self.active:
             return
-        step = metrics["step"]
+        step = result.step
         if self._due("sigterm", self.cfg.sigterm_step, step):
             trainer.event("fault", type="sigterm")
             os.kill(os.getpid(), signal.SIGTERM)

@@ -17,16 +17,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from bigtrain.callbacks.guard import abort
 from bigtrain.config.schema import ResilienceConfig
-from bigtrain.hooks import Callback
-from bigtrain.monitor.guard import abort
-from bigtrain.resilience.checkpoint import (
+from bigtrain.store.checkpoint import (
     CheckpointError,
     CheckpointManager,
     rng_state,
     set_rng_state,
 )
 from bigtrain.train import HostCopy
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 
 @dataclass
@@ -54,20 +55,20 @@ class Rollback(Callback):
             self.origin = self._snapshot(trainer)
             self.origin.healthy_after = self.cfg.confirm_steps
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        anomaly = metrics.get("anomaly")
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        anomaly = result.anomaly
         if anomaly is None:
             for snap in self.ring:
                 snap.healthy_after += 1
             every = self.cfg.snapshot_every
-            if every > 0 and trainer.step % every == 0 and not metrics.get("skipped"):
+            if every > 0 and trainer.step % every == 0 and not result.skipped:
                 self.take(trainer)
             return
         for snap in self.ring:
             if snap.healthy_after < self.cfg.confirm_steps:
                 snap.healthy_after = -(10**9)  # an anomaly before it was confirmed: never good
-        if metrics.get("action") == "rollback":
-            self.rollback(trainer, metrics)
+        if result.action == "rollback":
+            self.rollback(trainer, result)
 
     def take(self, trainer) -> None:
         snapshot = self._snapshot(trainer)
@@ -81,7 +82,7 @@ class Rollback(Callback):
         state = trainer.backend.local_state()
         return Snapshot(trainer.step, state, copy.deepcopy(trainer.trainer_state()), rng_state())
 
-    def rollback(self, trainer, metrics: dict[str, Any]) -> None:
+    def rollback(self, trainer, result: StepResult) -> None:
         state = trainer.state
         anomaly_step, anomaly_cursor = state.step, trainer.loader.stream.cursor
         self.manager.finish_pending()  # an async checkpoint in flight commits first
@@ -122,7 +123,7 @@ class Rollback(Callback):
         # Checkpoints of the abandoned steps would replay the bad data after a restart: retire
         # them, and checkpoint the restored state with its new skip window right away.
         retired = self.manager.retire_after(restored)
-        metrics["rolled_back"] = metrics["checkpoint_now"] = True
+        result.rolled_back = result.checkpoint_now = True
         # The three events belong to the anomaly's step (the state now reads the restored one).
         trainer.event(
             "rollback",

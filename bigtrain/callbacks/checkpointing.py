@@ -4,15 +4,15 @@ the atomic commit; only states checked finite on every rank are written."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bigtrain.config.schema import CheckpointConfig
-from bigtrain.hooks import Callback
 from bigtrain.monitor.stats import local_grad_stats
-from bigtrain.resilience.checkpoint import CheckpointManager
+from bigtrain.store.checkpoint import CheckpointManager
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 
 def nonfinite_state_values(backend, device: torch.device) -> int:
@@ -33,16 +33,14 @@ class CheckpointCallback(Callback):
         self.manager, self.cfg = manager, cfg
         self.started = 0.0
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, result: StepResult) -> None:
         committed = self.manager.poll_pending()
         if committed is not None:
             self._committed(trainer, committed)
         step, every = trainer.step, self.cfg.every
         due = (trainer.is_last_step() and every >= 0) or (every > 0 and step % every == 0)
-        if metrics.get("rolled_back") and not metrics.get("checkpoint_now"):
-            return
-        if due or metrics.get("checkpoint_now") or metrics.get("preempt"):
-            self.save(trainer, wait=trainer.is_last_step() or bool(metrics.get("preempt")))
+        if due or result.checkpoint_now or result.preempt:
+            self.save(trainer, wait=trainer.is_last_step() or result.preempt)
 
     def save(self, trainer, wait: bool) -> None:
         if self.cfg.verify_finite:

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bigtrain.hooks import Callback
 from bigtrain.observe.mfu import mfu
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 CONSOLE_EVENTS = {
     "resume",
@@ -33,21 +34,6 @@ CONSOLE_EVENTS = {
 # trainer.context key of the record MetricsLogger writes in on_start (the step-0 evaluation).
 START_RECORD = "start_record"
 
-# Step metrics that steer callbacks and are not numbers to log.
-NOT_LOGGED = {
-    "finite",
-    "step_time",
-    "scale_update",
-    "anomaly",
-    "overflow",
-    "skipped",
-    "action",
-    "preempt",
-    "rolled_back",
-    "checkpoint_now",
-    "step_timing",
-}
-
 
 def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
@@ -55,7 +41,7 @@ def _scalar(value: Any) -> Any:
 
 class MetricsLogger(Callback):
     """Turns the step's device tensors into one JSON record every `train.log_every` steps, at the
-    last step and at any anomalous or non-finite step. Records go to `metrics["record"]` for the
+    last step and at any anomalous or non-finite step. Records go to `result.record` for the
     console and wandb, which run after this; the record of the evaluation before a fresh run's first
     step (written in `on_start`) goes to `trainer.context[START_RECORD]`."""
 
@@ -71,21 +57,21 @@ class MetricsLogger(Callback):
             trainer.run_dir.metrics(record)
             trainer.context[START_RECORD] = record
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        self.interval_time += metrics["step_time"]
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        self.interval_time += result.step_time
         self.interval_tokens += trainer.tokens_per_step
-        step = metrics["step"]
+        step = result.step
         if not (
             step % trainer.cfg.train.log_every == 0
             or trainer.is_last_step()
-            or not metrics["finite"]
-            or metrics["anomaly"] is not None
-            or "val_loss" in metrics
-            or "step_time_by_rank" in metrics
+            or not result.finite
+            or result.anomaly is not None
+            or result.val_loss is not None
+            or result.step_time_by_rank is not None
         ):
             return
         # Expensive device-to-host synchronization, at log steps only.
-        record = {k: _scalar(v) for k, v in metrics.items() if k not in NOT_LOGGED}
+        record = {k: _scalar(v) for k, v in result.logged().items()}
         record["tokens_per_s"] = self.interval_tokens / max(self.interval_time, 1e-9)
         record["samples_seen"] = trainer.state.samples_seen
         record["tokens"] = trainer.state.tokens_seen
@@ -100,7 +86,7 @@ class MetricsLogger(Callback):
         trainer.state.last_loss = record["loss"]
         self.interval_time, self.interval_tokens = 0.0, 0
         trainer.run_dir.metrics(record)
-        metrics["record"] = record
+        result.record = record
 
 
 class ConsoleProgress(Callback):
@@ -126,8 +112,8 @@ class ConsoleProgress(Callback):
             )
             self.bar = None if bar.disable else bar
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        record = metrics.get("record")
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        record = result.record
         if self.bar is None:
             if self.enabled and record:
                 val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""

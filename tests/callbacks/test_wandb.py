@@ -7,10 +7,11 @@ from types import SimpleNamespace
 from wandb.proto import wandb_internal_pb2
 
 from bigtrain.build import run
+from bigtrain.callbacks.wandb_logger import WandbLogger, wandb_record
 from bigtrain.config.schema import WandbConfig
-from bigtrain.observe.rundir import read_jsonl
-from bigtrain.observe.wandb_logger import WandbLogger, wandb_record
 from bigtrain.parallel.env import DistEnv
+from bigtrain.store.rundir import read_jsonl
+from bigtrain.train.step import StepResult
 
 LOG_BLOCK = 32768  # the .wandb file is a LevelDB log: 32 KiB blocks of chunks
 
@@ -122,9 +123,8 @@ def test_online_runs_raise_an_alert_on_rollback_abort_and_preempt():
 def step_records(logger: WandbLogger, steps, loss_offset: float = 0.0) -> None:
     """Steps with a record each, as MetricsLogger hands them over (record step = trainer step)."""
     for step in steps:
-        logger.on_step_end(
-            SimpleNamespace(step=step), {"record": {"step": step, "loss": step + loss_offset}}
-        )
+        result = StepResult(step, lr=0.1, record={"step": step, "loss": step + loss_offset})
+        logger.on_step_end(SimpleNamespace(step=step), result)
 
 
 def test_held_records_of_abandoned_steps_never_reach_wandb():
@@ -136,7 +136,8 @@ def test_held_records_of_abandoned_steps_never_reach_wandb():
     # trainer is at 6 by then), then MetricsLogger's record of step 10.
     rollback = {"time": 0, "step": 10, "kind": "rollback", "from_step": 10, "to_step": 6}
     logger.on_event(None, rollback)
-    logger.on_step_end(SimpleNamespace(step=6), {"record": {"step": 10, "loss": 10.0}})
+    late = StepResult(10, lr=0.1, record={"step": 10, "loss": 10.0})
+    logger.on_step_end(SimpleNamespace(step=6), late)
     mark = logger.run.logged[-1]
     assert mark["train/step"] == 10 and mark["events/rollback"] == 1
     assert mark["events/rollback/to_step"] == 6 and mark["events/rollback/abandoned_sent"] == 0

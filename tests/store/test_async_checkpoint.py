@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from bigtrain.build import build_trainer
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.local import LocalBackend
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides, run_cli, slow_writer_env
 from tests.distributed import run_distributed, train_run
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from bigtrain.hooks import Callback
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 
 class EvalCallback(Callback):
@@ -23,6 +22,6 @@ class EvalCallback(Callback):
                 "val_loss": trainer.backend.eval_loss(self.batches).item()
             }
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, result: StepResult) -> None:
         if self.due(trainer):
-            metrics["val_loss"] = trainer.backend.eval_loss(self.batches)
+            result.val_loss = trainer.backend.eval_loss(self.batches)

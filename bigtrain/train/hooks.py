@@ -1,13 +1,15 @@
 """The fixed set of hooks through which everything plugs into the loop.
 
-Order of one run (train.py):
+Order of one run (loop.py):
 
     on_start(trainer)                      after setup and resume, before the first step
     per optimizer step:
-        on_after_backward(trainer, m)      gradients of all micro-batches are in place, not yet
-                                           clipped; `m` is the step's metrics dict (device tensors)
-        on_step_end(trainer, m)            after the optimizer step (or its skip); `m` holds step,
-                                           loss, lr, grad_norm, ... ; callbacks may add keys
+        on_after_backward(trainer, r)      gradients of all micro-batches are in place, not yet
+                                           clipped; `r` is the step's StepResult (train/step.py)
+                                           with step, lr and this rank's local_loss
+        on_step_end(trainer, r)            after the optimizer step (or its skip); `r` holds the
+                                           step's loss, grad norm, anomaly, ...; the callbacks
+                                           that answer the step write their typed fields
     on_event(trainer, record)              whenever an event is written (any time)
     on_finish(trainer)                     after the last step, before final.json
     on_stop(trainer, reason)               instead of on_finish when every rank gives up at the
@@ -18,8 +20,10 @@ A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its s
 trainer state (checkpoints and rollback snapshots) under that key.
 
 Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
-another reads has a lower priority: evaluation (10) and telemetry (20) run before checkpointing
-(50), which runs before metrics logging (80), console (90) and wandb (90).
+another reads has a lower priority: the anomaly guard (1, `action`) runs before rollback (2,
+`rolled_back`, `checkpoint_now`), evaluation (10, `val_loss`), checkpointing (50), the straggler
+report (70, `step_time_by_rank`) and metrics logging (80, `record`), which run before the console
+and wandb (90) and the preemption handler (95).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bigtrain.train import Trainer
+    from bigtrain.train.step import StepResult
 
 
 class Callback:
@@ -35,9 +40,9 @@ class Callback:
 
     def on_start(self, trainer: Trainer) -> None: ...
 
-    def on_after_backward(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+    def on_after_backward(self, trainer: Trainer, result: StepResult) -> None: ...
 
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
 
     def on_event(self, trainer: Trainer, record: dict[str, Any]) -> None: ...
 

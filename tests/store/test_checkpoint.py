@@ -5,10 +5,10 @@ import pytest
 
 from bigtrain.build import run
 from bigtrain.errors import ConfigError
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.resilience.checkpoint import CheckpointError, CheckpointManager, verify
+from bigtrain.store.checkpoint import CheckpointError, CheckpointManager, verify
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
 ENV = DistEnv()

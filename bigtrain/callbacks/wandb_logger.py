@@ -16,9 +16,10 @@ from bisect import bisect_right
 from collections import deque
 from typing import Any
 
+from bigtrain.callbacks.metrics import START_RECORD
 from bigtrain.config.schema import ResilienceConfig, WandbConfig
-from bigtrain.hooks import Callback
-from bigtrain.observe.logger import START_RECORD
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 RUN_ID_FILE = "wandb_run_id"
 ALERTS = ("rollback", "abort", "preempt")  # online runs also raise a wandb alert for these
@@ -80,10 +81,10 @@ class WandbLogger(Callback):
         trainer.run_dir.write_text(RUN_ID_FILE, run_id + "\n")
         return run
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
+    def on_step_end(self, trainer, result: StepResult) -> None:
         if self.run is None:
             return
-        record = metrics.get("record")
+        record = result.record
         # A record of a step later than the trainer's is of the step a rollback has just undone.
         if record and record["step"] <= trainer.step:
             self.held.append(wandb_record(record))

@@ -6,11 +6,12 @@ many rollbacks (resilience.py) -> exit 3."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.errors import AbortRun
-from bigtrain.hooks import Callback
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
 
 
 def abort(trainer, reason: str) -> NoReturn:
@@ -29,13 +30,13 @@ class AnomalyGuard(Callback):
         self.cfg = cfg
         self.consecutive = 0
 
-    def on_step_end(self, trainer, metrics: dict[str, Any]) -> None:
-        update = metrics.get("scale_update")
-        if metrics.get("overflow"):
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        update = result.scale_update
+        if result.overflow:
             trainer.event(
                 "overflow", loss_scale=update.scale, scale_change=update.changed or "none"
             )
-        anomaly = metrics.get("anomaly")
+        anomaly = result.anomaly
         if anomaly is None:
             self.consecutive = 0
             return
@@ -50,7 +51,7 @@ class AnomalyGuard(Callback):
                 f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "
                 f"(monitor.max_consecutive={self.cfg.max_consecutive})"
             )
-        metrics["action"] = "abort" if stop else action
-        trainer.event("anomaly", **anomaly.details(), action=metrics["action"])
+        result.action = "abort" if stop else action
+        trainer.event("anomaly", **anomaly.details(), action=result.action)
         if stop:
             abort(trainer, stop)

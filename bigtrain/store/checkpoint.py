@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from bigtrain.errors import ConfigError
-from bigtrain.parallel.env import all_gather_objects, all_true, barrier
+from bigtrain.utils.dist import all_gather_objects, all_true, barrier
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -15,8 +15,8 @@ import pytest
 
 from bigtrain.build import run
 from bigtrain.errors import SuspectHost
-from bigtrain.observe.rundir import read_jsonl
 from bigtrain.parallel.env import DistEnv, free_port
+from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed, train_run
 
@@ -194,7 +194,7 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
 def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     import torch
 
-    from bigtrain.replay import local_distance
+    from bigtrain.train.replay import local_distance
 
     a = torch.tensor([1.0, 4.0, float("nan")])
     assert local_distance(a, torch.tensor([1.0, 4.0, 2.0])) == float("inf")  # turned finite

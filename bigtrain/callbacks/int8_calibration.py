@@ -1,0 +1,105 @@
+"""INT8 calibration as a training callback: per-channel activation maxima folded each step (one
+MAX all-reduce), smoothing switched on after `precision.int8.calibration_steps`, scales carried in
+the trainer state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigtrain.config.schema import Int8Config
+from bigtrain.errors import ConfigError
+from bigtrain.precision.int8 import Int8Linear
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
+from bigtrain.utils.names import compress_names
+
+
+class Int8Calibration(Callback):
+    """Folds each step's max |x| per input channel into the calibration (one MAX all-reduce over
+    all layers at once, so every rank holds the same scales), switches smoothing on when
+    `calibration_steps` are done, and carries the scales in the trainer state."""
+
+    priority = 5  # before snapshots and checkpoints read the trainer state
+    state_key = "int8"
+
+    def __init__(self, layers: dict[str, Int8Linear], cfg: Int8Config) -> None:
+        self.layers, self.cfg = layers, cfg
+        self.steps = 0  # optimizer steps folded into the calibration
+        self.smoothing_on = False  # whether the layers use the calibrated scales
+
+    @property
+    def calibrated(self) -> bool:
+        return self.steps >= self.cfg.calibration_steps
+
+    def on_start(self, trainer) -> None:
+        # DeepSpeed casts buffers to the compute dtype: amax values stay FP32.
+        for layer in self.layers.values():
+            layer.act_amax = layer.act_amax.float()
+            layer.step_amax = layer.step_amax.float()
+        self._apply()
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        if not self.cfg.calibration_steps:
+            return
+        if self.calibrated and self.cfg.calibration == "fixed":
+            return
+        layers = list(self.layers.values())
+        if not result.skipped:  # a skipped step's activations may be the anomaly's
+            step_amax = torch.cat([layer.step_amax for layer in layers])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(step_amax, op=dist.ReduceOp.MAX)
+            current = torch.cat([layer.act_amax for layer in layers])
+            if self.calibrated:  # EMA after calibration
+                d = self.cfg.ema_decay
+                folded = d * current + (1 - d) * step_amax
+            else:
+                folded = torch.maximum(current, step_amax)
+            for layer, part in zip(
+                layers, folded.split([x.in_features for x in layers]), strict=True
+            ):
+                layer.act_amax.copy_(part)
+            self.steps += 1
+            if self.calibrated and not self.smoothing_on:
+                trainer.event(
+                    "int8_calibrated",
+                    steps=self.steps,
+                    mode=self.cfg.calibration,
+                    layers=len(layers),
+                )
+        for layer in layers:
+            layer.step_amax.zero_()
+        self._apply()
+
+    def _apply(self) -> None:
+        observe = not self.calibrated or self.cfg.calibration == "ema"
+        on = self.calibrated and self.cfg.calibration_steps > 0
+        for layer in self.layers.values():
+            layer.smoothing = on
+            layer.observe = observe and self.cfg.calibration_steps > 0
+        self.smoothing_on = on
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "act_amax": {n: layer.act_amax.float().tolist() for n, layer in self.layers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["act_amax"]) != set(self.layers):
+            raise ConfigError(
+                "the checkpoint's INT8 calibration covers other layers "
+                f"({compress_names(sorted(state['act_amax']))}) than precision.int8 selects "
+                f"({compress_names(sorted(self.layers))})"
+            )
+        self.steps = int(state["steps"])
+        for name, layer in self.layers.items():
+            # New FP32 tensors: DeepSpeed casts buffers to BF16, and a resume loads before on_start.
+            device = layer.act_amax.device
+            layer.act_amax = torch.tensor(
+                state["act_amax"][name], dtype=torch.float32, device=device
+            )
+            layer.step_amax = torch.zeros_like(layer.act_amax)
+        self._apply()

@@ -1,0 +1,73 @@
+"""StepResult: one optimizer step as the loop hands it to the callbacks.
+
+The loop fills what it measured; callbacks read typed fields, and the few that answer the step
+write their own field (the guard its `action`, rollback `rolled_back` and `checkpoint_now`,
+evaluation `val_loss`, the straggler report `step_time_by_rank`, the metrics logger `record`).
+Who writes a field runs before who reads it (callback priorities, train/hooks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from bigtrain.monitor.monitor import Anomaly
+    from bigtrain.precision.scaler import ScaleUpdate
+
+
+@dataclass
+class StepResult:
+    step: int
+    """The optimizer step this is (1 for the first)."""
+    lr: float
+    """The learning rate the step used (schedule x back-off)."""
+    local_loss: torch.Tensor | None = None
+    """This rank's mean loss over its micro-batches (device), until the monitor reduces it; the
+    after-backward hooks may change it (fault drills)."""
+    loss: torch.Tensor | None = None
+    """Mean loss over all ranks (device tensor)."""
+    grad_norm: torch.Tensor | None = None
+    """Global gradient norm before clipping, unscaled (device tensor)."""
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    """The monitor's logged numbers (per-layer norms and maxima, non-finite counts)."""
+    anomaly: Anomaly | None = None
+    overflow: bool = False
+    """FP16 overflow under dynamic loss scaling: skipped and backed off, not an anomaly."""
+    skipped: bool = False
+    """The optimizer step was not applied."""
+    finite: bool = True
+    preempt: bool = False
+    """Some rank got a preemption signal: every rank checkpoints and stops after this step."""
+    precision_phase: str = ""
+    loss_scale: float | None = None
+    scale_update: ScaleUpdate | None = None
+    step_timing: dict[str, float] | None = None
+    """This rank's seconds per part of the step, on timing steps (train/timing.py)."""
+    step_time: float = 0.0
+    """Seconds of the step itself (callbacks not included)."""
+    # Written by callbacks:
+    action: str | None = None
+    """The anomaly guard's decision on an anomaly: rollback, skip, warn or abort."""
+    rolled_back: bool = False
+    checkpoint_now: bool = False
+    """Checkpoint at this step whatever checkpoint.every says (after a rollback)."""
+    val_loss: float | None = None
+    step_time_by_rank: dict[str, list[float]] | None = None
+    record: dict[str, Any] | None = None
+    """The metrics line written at this step, if one was (console and wandb read it)."""
+
+    def logged(self) -> dict[str, Any]:
+        """The step's numbers for a metrics line (device tensors not yet read)."""
+        out: dict[str, Any] = {"step": self.step, "lr": self.lr}
+        out.update(loss=self.loss, grad_norm=self.grad_norm, **self.telemetry)
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale
+        out["precision_phase"] = self.precision_phase
+        if self.val_loss is not None:
+            out["val_loss"] = self.val_loss
+        if self.step_time_by_rank is not None:
+            out["step_time_by_rank"] = self.step_time_by_rank
+        return out

@@ -1,0 +1,24 @@
+"""Canonical parameter names: the same for a parameter whatever wraps the model."""
+
+from __future__ import annotations
+
+import re
+
+
+def canonical_name(name: str) -> str:
+    """Parameter names without wrapper components (compile, DDP, DeepSpeed, activation
+    checkpointing), so fingerprints and telemetry agree across backends."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
+
+
+def compress_names(names: list[str]) -> str:
+    """`blocks.0.mlp.up, blocks.1.mlp.up` -> `blocks.*.mlp.up` (for the precision table)."""
+    seen: list[str] = []
+    for name in names:
+        pattern = re.sub(r"\.\d+\.", ".*.", name)
+        if pattern not in seen:
+            seen.append(pattern)
+    return ", ".join(seen)

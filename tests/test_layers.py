@@ -1,0 +1,129 @@
+"""The package's layer order (README, Development): each layer imports only the layers before it,
+and no module imports another that imports it back, at module or function level. Imports under
+`if TYPE_CHECKING:` are annotations only and are not counted."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bigtrain"
+
+LAYERS = [
+    ("bigtrain.errors", "bigtrain.utils"),
+    ("bigtrain.config",),
+    ("bigtrain.model", "bigtrain.data"),
+    ("bigtrain.precision",),
+    ("bigtrain.parallel",),
+    ("bigtrain.monitor",),
+    ("bigtrain.store",),
+    ("bigtrain.observe",),
+    ("bigtrain.train",),
+    ("bigtrain.callbacks",),
+    ("bigtrain.build", "bigtrain.resume"),
+    ("bigtrain.plan", "bigtrain.cli", "bigtrain.__main__", "bigtrain"),
+]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[1]):
+                best = (level, len(prefix))
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def bigtrain_imports(path: Path, modules: set[str]) -> dict[str, int]:
+    """{imported bigtrain module: line} of one file, at any depth, TYPE_CHECKING blocks excluded.
+    `from pkg import name` counts as pkg.name where that is a module, else as pkg."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    out: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            if name == "bigtrain" or name.startswith("bigtrain."):
+                out.setdefault(name, node.lineno)
+    return out
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    return {name: bigtrain_imports(path, modules) for name, path in files.items()}
+
+
+def test_every_import_follows_the_layer_order():
+    wrong = [
+        f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)}) at line {line}"
+        for src, imports in import_graph().items()
+        for dst, line in imports.items()
+        if layer_of(dst) > layer_of(src)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circles():
+    graph = {src: set(imports) - {src} for src, imports in import_graph().items()}
+    circle = find_circle(graph)
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_checker_finds_circles_and_layer_breaks():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b"}, "b": set()}) is None
+    assert layer_of("bigtrain.precision.policy") < layer_of("bigtrain.parallel.backend")
+    assert layer_of("bigtrain.callbacks.rollback") > layer_of("bigtrain.train.loop")
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("bigtrain_other.x")

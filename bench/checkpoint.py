@@ -85,7 +85,7 @@ def bench_backend(backend: str, config: list[str], rounds: int, modes: list[str]
                 "wandb.mode=disabled",
             ],
         )
-        trainer = build_trainer(cfg, read_env(), log=lambda *_: None)
+        trainer = build_trainer(cfg, read_env())
         for _ in range(2):
             trainer.train_step()
         manager = CheckpointManager(Path(out) / "bench-checkpoints", keep=2)

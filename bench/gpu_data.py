@@ -55,7 +55,7 @@ def check(cache: str) -> int:
 
 def build(cache: str) -> int:
     for name, data in data_configs(cache):
-        corpus = prepare_corpus(data, log=print)
+        corpus = prepare_corpus(data)
         print(f"{name}: {cache_entry(data)} ({len(corpus.tokens)} tokens)")
     return 0
 

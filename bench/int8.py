@@ -108,7 +108,7 @@ def child(files: list[str], overrides: list[str]) -> None:
     from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config(files, overrides)
-    final = run(cfg, DistEnv(), log=lambda *_: None)
+    final = run(cfg, DistEnv())
     metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
     speeds = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][1:]
     if torch.cuda.is_available():

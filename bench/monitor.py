@@ -153,7 +153,7 @@ def step_share(steps: int, every: int, device: str, config: list[str]) -> dict:
                 "wandb.mode=disabled",
             ],
         )
-        trainer = build_trainer(cfg, DistEnv(), log=lambda *_: None)
+        trainer = build_trainer(cfg, DistEnv())
         monitor, spent = trainer.monitor, []
         check = monitor.check
 

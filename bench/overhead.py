@@ -90,11 +90,11 @@ def main() -> None:
             *overrides,
         ],
     )
-    trainer = build_trainer(cfg, DistEnv(), log=lambda *_: None)
+    trainer = build_trainer(cfg, DistEnv())
     policy = trainer.context["policy"]
     from bigtrain.data import prepare_corpus
 
-    corpus = prepare_corpus(cfg.data, log=lambda *_: None)
+    corpus = prepare_corpus(cfg.data)
     raw = raw_loop(cfg, corpus.vocab_size, np.asarray(corpus.tokens), policy.compute_dtype)
 
     def bigtrain_steps(n: int) -> float:

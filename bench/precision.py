@@ -66,7 +66,7 @@ def main() -> None:
             *user,
         ]
         cfg = load_config(files, overrides)
-        final = run(cfg, DistEnv(), log=lambda *_: None)
+        final = run(cfg, DistEnv())
         metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
         n, _ = count_params(cfg)
         policy = resolve_policy(

@@ -37,7 +37,7 @@ def trainer_for(out: str, *overrides: str):
     cfg = load_config(
         [str(ROOT / "configs/tiny.yaml")], [f"train.out_dir={out}", *FAST, *overrides]
     )
-    return build_trainer(cfg, DistEnv(), log=lambda *_: None)
+    return build_trainer(cfg, DistEnv())
 
 
 def recovery_time(source: str) -> dict:

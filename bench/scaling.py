@@ -37,16 +37,14 @@ WARMUP = 3
 
 def timed(files: list[str], overrides: list[str], steps: int) -> dict:
     cfg = load_config(files, overrides)
-    trainer = build_trainer(cfg, read_env(), log=lambda *_: None)
+    trainer = build_trainer(cfg, read_env())
     try:
         losses = []
         for _ in range(WARMUP):
             losses.append(float(trainer.train_step().loss))
         start = time.perf_counter()
         for _ in range(steps):
-            losses.append(
-                float(trainer.train_step().loss)
-            )  # host sync per step, both sides alike
+            losses.append(float(trainer.train_step().loss))  # host sync per step, both sides alike
         seconds = time.perf_counter() - start
         return {"tokens_per_s": steps * trainer.tokens_per_step / seconds, "losses": losses}
     finally:

@@ -61,7 +61,7 @@ def measure(files: list[str], overrides: list[str]) -> dict:
     cfg = load_config(files, overrides)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    final = run(cfg, DistEnv(), log=lambda *_: None)
+    final = run(cfg, DistEnv())
     metrics = [m for m in read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl") if "mfu" in m]
     later = metrics[1:] or metrics
     out = {

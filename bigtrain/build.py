@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -51,9 +53,12 @@ from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.store.rundir import RunDir
 from bigtrain.store.runlock import RunLock
 from bigtrain.train import Trainer
-from bigtrain.train.hooks import Callbacks
+from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.utils.dist import all_gather_objects, barrier
+from bigtrain.utils.logs import add_rank_file, remove_handler
 from bigtrain.utils.names import canonical_name
+
+logger = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -73,13 +78,13 @@ def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[s
 
 
 def apply_int8(
-    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device, log=print
+    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
 ) -> dict[str, Int8Linear]:
     """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
     record their names in the policy's table."""
     if not policy.int8:
         return {}
-    int_mm_available(device, log)
+    int_mm_available(device)
     fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
     layers = convert_to_int8(model, cfg.precision.int8, fp32)
     policy.int8_modules = tuple(layers)
@@ -117,7 +122,7 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
     return GradMonitor(cfg.monitor, names, device, use_kernel)
 
 
-def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
+def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
@@ -134,12 +139,15 @@ def build_trainer(cfg: Config, env: DistEnv, log=print) -> Trainer:
     created = not out.exists()
     run_dir = RunDir(out, env.is_main)
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
+    log_file = add_rank_file(out, env.rank)
     try:
-        return _build_trainer(cfg, env, run_dir, device, log, lock)
+        return _build_trainer(cfg, env, run_dir, device, lock, log_file)
     except BaseException:
+        remove_handler(log_file)
         if lock is not None:
             lock.release()
-            if created:  # a setup error leaves no empty run directory behind (never a full one)
+            if created:  # a setup error leaves no run directory of its own behind
+                shutil.rmtree(out / "logs", ignore_errors=True)
                 with contextlib.suppress(OSError):
                     out.rmdir()
         raise
@@ -173,48 +181,42 @@ def lock_run_dir(run_dir: RunDir, timeout_s: float, is_main: bool) -> RunLock | 
     return lock
 
 
-def _build_trainer(
-    cfg: Config, env: DistEnv, run_dir: RunDir, device: torch.device, log, lock: RunLock | None
-) -> Trainer:
-    out = run_dir.path
+def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> None:
     if run_dir.aborted_marker.exists():
         raise AbortRun(
             f"{run_dir.aborted_marker} exists: this run gave up earlier "
             f"({run_dir.aborted_marker.read_text().strip()}); remove the marker to try again"
         )
-    manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     if cfg.checkpoint.resume == "never" and manager.committed():
         raise ConfigError(
             f"checkpoint.resume=never but {run_dir.checkpoints} already holds checkpoints; "
             "use checkpoint.resume=auto or another train.out_dir"
         )
 
+
+def make_data(cfg: Config, env: DistEnv, device: torch.device):
+    """(corpus, training batch loader, validation batches)."""
     if cfg.data.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
             "(leave it null: on for CUDA)"
         )
-    if cfg.train.num_threads > 0:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
-
     # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
     if env.is_main:
-        corpus = prepare_corpus(cfg.data, log=log)
+        corpus = prepare_corpus(cfg.data)
     barrier()
     if not env.is_main:
-        corpus = prepare_corpus(cfg.data, log=lambda *_: None)
+        corpus = prepare_corpus(cfg.data)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({corpus.vocab_size})"
         )
     train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
-    stream = SampleStream(len(train_samples), cfg.train.seed)
     t = cfg.train
     loader = BatchLoader(
         train_samples,
-        stream,
+        SampleStream(len(train_samples), t.seed),
         t.micro_batch_size,
         t.grad_accum_steps,
         env.rank,
@@ -226,40 +228,35 @@ def _build_trainer(
     val = eval_batches(
         val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
     )
+    return corpus, loader, val
 
+
+def make_model(cfg: Config, vocab_size: int, device: torch.device) -> tuple[nn.Module, dict]:
+    """The model with its precision policy applied (not yet wrapped), and what setup learned:
+    policy, parameter count and shapes, FLOPs per token, INT8 layers."""
     with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
-        shaped = build_model(cfg.model, corpus.vocab_size)
+        shaped = build_model(cfg.model, vocab_size)
     n_params = num_params(shaped)
-    shapes = {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()}
     if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
         with torch.device("meta"):  # FSDPBackend materialises this rank's shards only
-            model = build_model(cfg.model, corpus.vocab_size)
+            model = build_model(cfg.model, vocab_size)
     else:
         # same seed on every rank: same initial weights
-        model = build_model(cfg.model, corpus.vocab_size)
+        model = build_model(cfg.model, vocab_size)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
-    flops_per_token = model_flops_per_token(model, cfg.model)
-    int8_layers = apply_int8(cfg, model, policy, device, log)
-    backend = make_backend(cfg, model, policy, device)
-
-    peak_flops, peak_source = resolve_peak_flops(
-        device, dtype_name(policy.compute_dtype), policy.allow_tf32, cfg.train.peak_flops
-    )
-    context = {
-        "lock": lock,
-        "peak_flops": peak_flops,
-        "peak_flops_source": peak_source,
+    learned = {
         "policy": policy,
         "num_params": n_params,
-        "flops_per_token": flops_per_token,
-        "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
-        "shapes": shapes,
-        "config_yaml": to_yaml(cfg),
-        "tokenizer_dir": corpus.tokenizer_dir,
-        "train_samples": len(train_samples),
-        "skipped_rows": corpus.skipped_rows,
+        "shapes": {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
+        "flops_per_token": model_flops_per_token(model, cfg.model),
+        "int8_layers": apply_int8(cfg, model, policy, device),
     }
+    return model, learned
+
+
+def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callback]:
+    """Every callback of a run (their priorities order them: train/hooks.py)."""
     callbacks = [
         HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
         StragglerReport(cfg.monitor.straggler_factor),
@@ -276,28 +273,69 @@ def _build_trainer(
         callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
     if cfg.wandb.mode != "disabled":
         callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
+    return callbacks
+
+
+def _build_trainer(
+    cfg: Config,
+    env: DistEnv,
+    run_dir: RunDir,
+    device: torch.device,
+    lock: RunLock | None,
+    log_file: logging.Handler,
+) -> Trainer:
+    manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
+    _check_run_dir(cfg, run_dir, manager)
+    if cfg.train.num_threads > 0:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    corpus, loader, val = make_data(cfg, env, device)
+    model, learned = make_model(cfg, corpus.vocab_size, device)
+    backend = make_backend(cfg, model, learned["policy"], device)
+    peak_flops, peak_source = resolve_peak_flops(
+        device,
+        dtype_name(learned["policy"].compute_dtype),
+        learned["policy"].allow_tf32,
+        cfg.train.peak_flops,
+    )
     monitor = make_monitor(cfg, backend, device)
-    context["monitor_kernel"] = "triton" if monitor.use_kernel else "torch"
+    context = {
+        **learned,
+        "lock": lock,
+        "log_file": log_file,
+        "peak_flops": peak_flops,
+        "peak_flops_source": peak_source,
+        "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
+        "config_yaml": to_yaml(cfg),
+        "skipped_rows": corpus.skipped_rows,
+        "monitor_kernel": "triton" if monitor.use_kernel else "torch",
+    }
+    callbacks = make_callbacks(cfg, env, run_dir, manager, val, learned["int8_layers"])
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor
     )
     if cfg.fault.corrupt_checkpoint:
         if env.is_main:
-            context["fault_corrupted"] = corrupt_newest_checkpoint(run_dir.checkpoints, out)
+            context["fault_corrupted"] = corrupt_newest_checkpoint(
+                run_dir.checkpoints, run_dir.path
+            )
         barrier()
     context["resume_from"] = start_state(cfg, trainer, manager)
     return trainer
 
 
-def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv, log) -> None:
+def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
     """What setup found, printed (rank 0) and as events: start, lock takeover, skipped rows,
     init_from, corrupted or invalid checkpoints, resume."""
     ctx = trainer.context
-    if env.is_main:
-        log(
-            f"bigtrain: {ctx['num_params'] / 1e6:.2f}M parameters, backend {trainer.backend.name}, "
-            f"world size {env.world_size}, device {trainer.device}\nprecision policy:\n{ctx['policy'].table()}"
-        )
+    logger.info(
+        "bigtrain: %.2fM parameters, backend %s, world size %d, device %s\nprecision policy:\n%s",
+        ctx["num_params"] / 1e6,
+        trainer.backend.name,
+        env.world_size,
+        trainer.device,
+        ctx["policy"].table(),
+    )
     trainer.event(
         "start",
         backend=trainer.backend.name,
@@ -328,23 +366,23 @@ def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv, log) -> None:
         trainer.event("checkpoint_invalid", **bad)
     if ctx["resume_from"]:
         trainer.event("resume", **ctx["resume_from"])
-        if env.is_main and ctx["resume_from"]["changes"]:
+        if ctx["resume_from"]["changes"]:
             changed = ctx["resume_from"]["changes"].items()
-            log(
-                "resume: config changed since the checkpoint: "
-                + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed)
+            logger.info(
+                "resume: config changed since the checkpoint: %s",
+                ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed),
             )
 
 
-def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
+def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
     """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data."""
     started = time.time()
-    trainer = build_trainer(cfg, env, log=log)
+    trainer = build_trainer(cfg, env)
     ctx = trainer.context
     clean = False  # every rank reached the end without an error (shutdown may then barrier)
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
-        _setup_events(trainer, cfg, env, log)
+        _setup_events(trainer, cfg, env)
         try:
             state = trainer.fit()
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
@@ -384,4 +422,5 @@ def run(cfg: Config, env: DistEnv, log=print) -> dict[str, Any]:
         trainer.callbacks.close()
         if ctx["lock"] is not None:
             ctx["lock"].release()
+        remove_handler(ctx["log_file"])
         shutdown(clean)

@@ -1,7 +1,8 @@
 """bigtrain's command line: train | plan | report | ckpt.
 
-Exit codes (DESIGN.md): 0 finished; 2 bad config or input (one line, no traceback); 3 gave up
-after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 ranks ended with different weights; anything else is a crash.
+Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
+gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
+suspect host; 7 ranks ended with different weights; anything else is a crash.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def _train(items: list[str], local_rank: int | None) -> int:
     from bigtrain.build import run
     from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
+    from bigtrain.utils.logs import setup_console
 
     files = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]
     cfg = load_config(files, overrides)
     env = read_env(local_rank)
+    setup_console(env.rank)
     final = run(cfg, env)
     if env.is_main:
         print(json.dumps(final))

@@ -1,4 +1,4 @@
-"""Errors that end a run with a documented exit code (DESIGN.md, CLI contract)."""
+"""Errors that end a run with a documented exit code (README, Exit codes)."""
 
 
 class ConfigError(ValueError):

@@ -82,7 +82,7 @@ def train_run(args: list[str]) -> dict:
     from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config([], args)
-    final = run(cfg, read_env(), log=lambda *_: None)
+    final = run(cfg, read_env())
     out = Path(cfg.train.out_dir)
     return {
         "final": final,

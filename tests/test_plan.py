@@ -47,7 +47,7 @@ def measure(args: list[str]) -> dict:
     """Bytes held by parameters, gradients, FP32 master copies and optimizer states on this rank,
     after one step (so that optimizer states exist) and one more backward (so that grads do)."""
     cfg = load_config([], args)
-    trainer = build_trainer(cfg, read_env(), log=lambda *_: None)
+    trainer = build_trainer(cfg, read_env())
     try:
         backend = trainer.backend
         trainer.train_step()

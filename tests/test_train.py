@@ -27,7 +27,7 @@ def test_lr_schedule_by_hand():
 
 def test_short_run_loss_falls_and_writes_the_run_directory(micro):
     cfg = micro("train.max_steps=30", "optim.lr=1e-2")
-    final = run(cfg, ENV, log=lambda *_: None)
+    final = run(cfg, ENV)
     out = cfg.train.out_dir
     metrics = read_jsonl(Path(out) / "metrics.jsonl")
     train = [m for m in metrics if "loss" in m]
@@ -58,7 +58,7 @@ def test_short_run_loss_falls_and_writes_the_run_directory(micro):
 
 def test_precision_policy_is_in_the_start_event(micro):
     cfg = micro("train.max_steps=1", "precision.compute_dtype=fp32")
-    run(cfg, ENV, log=lambda *_: None)
+    run(cfg, ENV)
     start = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")[0]
     assert start["precision"]["compute"] == {
         "choice": "fp32",
@@ -77,7 +77,6 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(micro):
             out="a",
         ),
         ENV,
-        log=lambda *_: None,
     )
     b = run(
         micro(
@@ -87,20 +86,18 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(micro):
             out="b",
         ),
         ENV,
-        log=lambda *_: None,
     )
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
 def test_resume_is_bit_exact(micro):
-    straight = run(micro("train.max_steps=40", out="straight"), ENV, log=lambda *_: None)
+    straight = run(micro("train.max_steps=40", out="straight"), ENV)
     first = run(
         micro("train.max_steps=40", "train.stop_at_step=20", out="resumed"),
         ENV,
-        log=lambda *_: None,
     )
     assert first == {"step": 20, "stopped": True}
-    resumed = run(micro("train.max_steps=40", out="resumed"), ENV, log=lambda *_: None)
+    resumed = run(micro("train.max_steps=40", out="resumed"), ENV)
     assert resumed["fingerprint"] == straight["fingerprint"]
     assert resumed["loss"] == straight["loss"]
     assert resumed["samples"] == straight["samples"]
@@ -113,7 +110,7 @@ def test_resume_is_bit_exact(micro):
 
 def test_nonfinite_skip_counts_and_goes_on(micro):
     cfg = micro("train.max_steps=6", "monitor.nonfinite=skip", "fault.nan_grad_step=[3]")
-    final = run(cfg, ENV, log=lambda *_: None)
+    final = run(cfg, ENV)
     assert final["skipped_steps"] == 1 and final["anomalies"] == 1
     assert math.isfinite(final["loss"])
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
@@ -151,7 +148,7 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
 
 def test_per_layer_telemetry_at_log_steps(micro):
     cfg = micro("train.max_steps=6", "train.log_every=3", "monitor.every=0")
-    run(cfg, ENV, log=lambda *_: None)
+    run(cfg, ENV)
     records = [r for r in read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [3, 6]
     for record in records:
@@ -175,7 +172,7 @@ def test_a_gradient_spike_is_skipped_and_names_the_tensor(micro):
         "fault.spike_factor=1000",
         "fault.grad_tensor=blocks.1.mlp.up.weight",
     )
-    final = run(cfg, ENV, log=lambda *_: None)
+    final = run(cfg, ENV)
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     anomaly = [e for e in events if e["kind"] == "anomaly"]
     assert [e["step"] for e in anomaly] == [25] and final["skipped_steps"] == 1
@@ -193,15 +190,15 @@ def test_anomalies_in_a_row_stop_the_run(micro):
         "fault.nan_grad_step=[4,5,6,7]",
     )
     with pytest.raises(AbortRun, match="3 anomalous steps in a row up to step 6"):
-        run(cfg, ENV, log=lambda *_: None)
+        run(cfg, ENV)
 
 
 def test_resume_never_refuses_a_directory_with_checkpoints(micro):
-    run(micro("train.max_steps=10"), ENV, log=lambda *_: None)
+    run(micro("train.max_steps=10"), ENV)
     from bigtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="checkpoint.resume=never but"):
-        run(micro("train.max_steps=10", "checkpoint.resume=never"), ENV, log=lambda *_: None)
+        run(micro("train.max_steps=10", "checkpoint.resume=never"), ENV)
 
 
 def test_aborted_marker_blocks_a_restart(micro):
@@ -210,7 +207,7 @@ def test_aborted_marker_blocks_a_restart(micro):
     out.mkdir(parents=True)
     (out / "ABORTED").write_text("earlier anomaly\n")
     with pytest.raises(AbortRun, match="earlier anomaly"):
-        run(cfg, ENV, log=lambda *_: None)
+        run(cfg, ENV)
 
 
 def test_skipped_bad_rows_reach_the_run_as_an_event(micro, corpus_files, tmp_path):
@@ -225,7 +222,7 @@ def test_skipped_bad_rows_reach_the_run_as_an_event(micro, corpus_files, tmp_pat
         "train.max_steps=2",
         "checkpoint.every=-1",
     )
-    run(cfg, ENV, log=lambda *_: None)
+    run(cfg, ENV)
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     (skipped,) = [e for e in events if e["kind"] == "data_skipped_rows"]
     assert skipped["files"] == {str(data.resolve()): 2} and skipped["rows"] == 2

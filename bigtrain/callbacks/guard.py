@@ -2,7 +2,7 @@
 applied where it had to; this writes the event, picks the action and decides whether the run goes
 on. The action ladder: FP16 overflow -> back off the scale (not an anomaly); anomaly ->
 `monitor.nonfinite` / `monitor.on_spike` (rollback, skip, warn or abort); too many in a row, or too
-many rollbacks (resilience.py) -> exit 3."""
+many rollbacks (callbacks/rollback.py) -> exit 3."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Load, merge and validate configs: YAML files left to right, then `key.sub=value` overrides.
 
-The one override path (STYLE 3). A misspelled key, a wrong type or a missing file raises
+The one override path. A misspelled key, a wrong type or a missing file raises
 `ConfigError` naming the key, what was expected and the closest valid key; the CLI turns it into
 one line on stderr and exit code 2.
 """
@@ -159,13 +159,22 @@ def _get(config: Config, key: str) -> Any:
 
 
 def validate(config: Config) -> None:
-    """Checks that span more than one field's type; raises ConfigError naming the key."""
+    """Checks beyond each field's type, by section; raises ConfigError naming the key."""
     for key, allowed in CHOICES.items():
         value = _get(config, key)
         if value not in allowed:
             hint = f" ({HINTS[key]})" if key in HINTS else ""
             raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
-    m, t = config.model, config.train
+    _check_model(config)
+    _check_signs(config)
+    _check_checkpoints_and_hangs(config)
+    _check_optim_and_data(config)
+    _check_monitor_and_int8(config)
+    _check_parallel_and_train(config)
+
+
+def _check_model(config: Config) -> None:
+    m = config.model
     if m.kind == "gpt" and m.d_model % m.n_heads:
         raise ConfigError(
             f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})"
@@ -185,6 +194,11 @@ def validate(config: Config) -> None:
         raise ConfigError("model.kind=hf needs 'model.hf_config' (a dict) or 'model.hf_path'")
     if m.kind == "hf" and m.hf_config is not None and "model_type" not in m.hf_config:
         raise ConfigError(_hf_config_without_model_type(dict(m.hf_config)))
+
+
+def _check_signs(config: Config) -> None:
+    """Counts and factors that must be positive, or at least zero."""
+    m, t = config.model, config.train
     positive = {
         "model.seq_len": m.seq_len,
         "train.max_steps": t.max_steps,
@@ -233,7 +247,9 @@ def validate(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
-    _check_checkpoints_and_hangs(config)
+
+
+def _check_optim_and_data(config: Config) -> None:
     if not config.optim.lr > 0.0:
         raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
@@ -248,6 +264,9 @@ def validate(config: Config) -> None:
         raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
     if config.data.source == "hub" and not config.data.hub_name:
         raise ConfigError("data.source=hub needs 'data.hub_name'")
+
+
+def _check_monitor_and_int8(config: Config) -> None:
     spikes = set(config.monitor.spikes) - {"loss", "grad_norm", "tensor_max"}
     if spikes:
         raise ConfigError(
@@ -280,6 +299,10 @@ def validate(config: Config) -> None:
             f"key 'monitor.warmup' ({config.monitor.warmup}) cannot exceed monitor.window "
             f"({config.monitor.window})"
         )
+
+
+def _check_parallel_and_train(config: Config) -> None:
+    m, t = config.model, config.train
     if config.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(
             f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,8 @@ import numpy as np
 from bigtrain.config.schema import DataConfig
 from bigtrain.data.corpus import corpus_fingerprint, load_documents
 from bigtrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 
@@ -104,12 +107,12 @@ def cache_entry(cfg: DataConfig) -> Path:
     return cache_root(cfg) / f"corpus-{key[:16]}"
 
 
-def prepare_corpus(cfg: DataConfig, log=print) -> TokenCorpus:
+def prepare_corpus(cfg: DataConfig) -> TokenCorpus:
     """Tokenize the corpus (or reuse the cache) and return the packed token memmap."""
     entry = cache_entry(cfg)
     key = entry.name.removeprefix("corpus-")
     if not (entry / "meta.json").is_file():
-        log(f"data: tokenizing the corpus into {entry}")
+        logger.info("data: tokenizing the corpus into %s", entry)
         _build_entry(cfg, entry)
     meta = json.loads((entry / "meta.json").read_text())
     tokens = np.memmap(
@@ -118,9 +121,11 @@ def prepare_corpus(cfg: DataConfig, log=print) -> TokenCorpus:
     tokenizer_dir = str(entry / "tokenizer") if cfg.tokenizer == "bpe" else cfg.tokenizer
     skipped = meta.get("skipped_rows", {})  # absent from entries built before the field existed
     if skipped:
-        log(
-            f"data: {sum(skipped.values())} rows without a string '{cfg.text_key}' were skipped "
-            f"(data.skip_bad_rows): {skipped}"
+        logger.warning(
+            "data: %d rows without a string '%s' were skipped (data.skip_bad_rows): %s",
+            sum(skipped.values()),
+            cfg.text_key,
+            skipped,
         )
     return TokenCorpus(tokens, meta["vocab_size"], meta["eos_id"], tokenizer_dir, key, skipped)
 

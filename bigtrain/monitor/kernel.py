@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from bigtrain.utils.tables import DeviceTable, chunk_layout
-from bigtrain.utils.triton import tl, triton, triton_available
+from bigtrain.utils.triton import program_chunk, tl, triton, triton_available
 
 DEFAULT_CHUNK = 16384  # elements per program (64 KB of FP32): 61K programs for 1B values
 DEFAULT_BLOCK = 2048  # elements per inner iteration of a program
@@ -43,8 +43,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         c = tl.program_id(0)
-        t = tl.load(chunk_tensor + c)
-        start = tl.load(chunk_start + c)  # int64: tensors beyond 2^31 elements index correctly
+        t, start = program_chunk(chunk_tensor, chunk_start)
         end = tl.minimum(start + CHUNK, tl.load(numels + t))
         base = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
         acc_max = tl.zeros([BLOCK], dtype=tl.float32)

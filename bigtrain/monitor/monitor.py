@@ -134,34 +134,10 @@ class GradMonitor:
         loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
         grads_ok = num_nonfinite == 0 and host_norm < float("inf")
 
-        overflow, anomaly = False, None
-        if loss_ok and not grads_ok and loss_scaled:
-            overflow = True
-        elif not (loss_ok and grads_ok):
-            metric = "loss" if not loss_ok else "grads" if num_nonfinite else "grad_norm"
-            value = (
-                host_loss if not loss_ok else float(num_nonfinite) if num_nonfinite else host_norm
-            )
-            anomaly = Anomaly("nonfinite", metric, value)
-        else:
-            spikes = self._spikes(host_loss, host_norm, max_abs)
-            if spikes:
-                first = spikes[0]
-                anomaly = Anomaly(
-                    "spike",
-                    first.metric,
-                    first.value,
-                    first.threshold,
-                    first.baseline,
-                    first.tensor,
-                    spikes=[asdict(s) for s in spikes[: self.cfg.top_k]],
-                )
-            else:
-                for metric, value in (("loss", host_loss), ("grad_norm", host_norm)):
-                    if metric in self.detectors:
-                        self.detectors[metric].add(value)
-                if max_abs is not None and "tensor_max" in self.detectors:
-                    self.detectors["tensor_max"].add(max_abs)
+        overflow = loss_ok and not grads_ok and loss_scaled
+        anomaly = None
+        if not overflow:
+            anomaly = self._verdict(loss_ok, grads_ok, host_loss, host_norm, num_nonfinite, max_abs)
         if anomaly is not None:
             if max_abs is None:  # the report names tensors by max |g|: compute it now (rare)
                 return self.check(
@@ -189,6 +165,41 @@ class GradMonitor:
             max_abs,
             stop,
         )
+
+    def _verdict(
+        self,
+        loss_ok: bool,
+        grads_ok: bool,
+        host_loss: float,
+        host_norm: float,
+        num_nonfinite: int,
+        max_abs: list[float] | None,
+    ) -> Anomaly | None:
+        """A non-finite loss or gradient, else a spike; a healthy step feeds the detectors."""
+        if not (loss_ok and grads_ok):
+            metric = "loss" if not loss_ok else "grads" if num_nonfinite else "grad_norm"
+            value = (
+                host_loss if not loss_ok else float(num_nonfinite) if num_nonfinite else host_norm
+            )
+            return Anomaly("nonfinite", metric, value)
+        spikes = self._spikes(host_loss, host_norm, max_abs)
+        if spikes:
+            first = spikes[0]
+            return Anomaly(
+                "spike",
+                first.metric,
+                first.value,
+                first.threshold,
+                first.baseline,
+                first.tensor,
+                spikes=[asdict(s) for s in spikes[: self.cfg.top_k]],
+            )
+        for metric, value in (("loss", host_loss), ("grad_norm", host_norm)):
+            if metric in self.detectors:
+                self.detectors[metric].add(value)
+        if max_abs is not None and "tensor_max" in self.detectors:
+            self.detectors["tensor_max"].add(max_abs)
+        return None
 
     def _spikes(self, loss: float, norm: float, max_abs: list[float] | None) -> list[Spike]:
         """Every spike this step, in the order loss, global norm, tensors (largest ratio first)."""

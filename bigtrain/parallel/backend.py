@@ -1,4 +1,4 @@
-"""The backend protocol: what the loop asks of local, FSDP2 and ZeRO alike.
+"""The backend base class: what the loop asks of local, FSDP2 and ZeRO alike.
 
 The loop never branches on the backend. A backend owns the wrapped model and the optimizer, runs
 forward/backward under the precision policy, exposes its local gradient shards, clips, steps or
@@ -8,11 +8,12 @@ atomic commit and the manifest around `save`/`load`.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,79 +36,156 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-class Backend(Protocol):
-    name: str
-    model: nn.Module
-    device: torch.device
+class Backend(abc.ABC):
+    """A backend owns the wrapped model and its optimizer. Subclasses implement the abstract
+    methods; what all backends do alike (reductions, evaluation, host copies of the state) is
+    here once. Optional abilities are declared as attributes with their default."""
 
+    name: str
+    model: nn.Module  # the module (unwrapped by the backend's engine, if any)
+    device: torch.device
+    scaler: LossScaler | None = None
+    """bigtrain's own loss scaler, whose state travels in the trainer state; None without loss
+    scaling, and on ZeRO (DeepSpeed's scaler is saved with the backend's files)."""
+    state_key = "params"  # local_state's key of the master tensors
+    state_label = "param"  # state_tensors' name prefix
+
+    @abc.abstractmethod
     def set_phase(self, phase: Phase) -> None:
         """Switch compute dtype and FP32 modules to a precision phase's (from the next forward)."""
 
+    @abc.abstractmethod
     def loss_scale(self) -> float | None:
         """The current loss scale, None without loss scaling."""
 
+    @abc.abstractmethod
     def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
         """After the step decision: back off or grow the scale; None without loss scaling."""
 
+    @abc.abstractmethod
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch (gradients summed to the mean over the step's
         micro-batches and, on the last one, over ranks); returns this rank's detached loss."""
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean of a scalar over ranks (identity in one process)."""
+    @abc.abstractmethod
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's logits in its compute precision, in eval mode and without gradients."""
 
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Mean loss over this rank's batches and over ranks, without gradients."""
-
+    @abc.abstractmethod
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's gradient of every trainable parameter (its local shard on sharded backends;
         an empty tensor where it holds none), by canonical name, in the same order on every rank:
         the monitor's per-tensor statistics line up across ranks."""
 
+    @abc.abstractmethod
     def unscale_grads(self) -> float:
         """Remove the loss scale from the gradients where the backend can (returns 1.0), or return
         the factor they still carry (ZeRO: DeepSpeed unscales inside its step)."""
 
+    @abc.abstractmethod
     def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         """Scale the gradients so that their global norm `total_norm` (from the monitor's
         statistics, unscaled) is at most max_norm; nothing when max_norm is 0."""
 
+    @abc.abstractmethod
     def step(self, lr: float) -> None:
         """Optimizer step at learning rate `lr`, then zero the gradients."""
 
+    @abc.abstractmethod
     def skip_step(self) -> None:
         """Discard this step's gradients without touching weights or optimizer state."""
 
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
-        """Write this rank's part of the model and optimizer into `directory` (shared by ranks);
-        returns the names of the files this rank wrote, relative to `directory`. `host_state`:
-        what local_state returned at this step, if at hand (saves copying the state again)."""
-
+    @abc.abstractmethod
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None
     ) -> Future[list[str]]:
-        """The same files, written in the background: the state is copied to host memory now
-        (or taken from `host_state`, what local_state returned at this step), so training may
-        go on; the future holds the file names once they are written."""
+        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
+        in the background: the state is copied to host memory now (or taken from `host_state`,
+        what local_state returned at this step), so training may go on; the future holds the
+        names of the files this rank wrote, relative to `directory`."""
 
+    @abc.abstractmethod
     def load(self, directory: Path) -> None:
         """Load what `save` wrote (at another world size where the backend reshards)."""
 
+    @abc.abstractmethod
     def fingerprint(self) -> str:
         """sha256 of the full FP32 master weights in canonical order (a collective)."""
+
+    @abc.abstractmethod
+    def master_state(self) -> tuple[list[torch.Tensor], dict]:
+        """This rank's FP32 master tensors (parameters or flat partitions), and the optimizer
+        state dict keyed by them."""
+
+    def after_load_local_state(self) -> None:  # noqa: B027 (optional: nothing by default)
+        """What must follow new master values (ZeRO: refresh the compute-dtype copies)."""
+
+    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
+        """save_async's files, written before returning."""
+        return self.save_async(directory, host_state).result()
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a scalar over ranks (identity in one process)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            value = value.clone()
+            if dist.get_backend() == "nccl":
+                dist.all_reduce(value, op=dist.ReduceOp.AVG)
+            else:  # gloo has no AVG
+                dist.all_reduce(value, op=dist.ReduceOp.SUM)
+                value /= dist.get_world_size()
+        return value
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Mean loss over this rank's batches and over ranks, without gradients."""
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            total += lm_loss(self.eval_logits(inputs), targets)
+        return self.reduce_mean(total / len(batches))
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's shard of master weights and floating optimizer states, on the device (the
         finite check before a checkpoint)."""
+        masters, optim_state = self.master_state()
+        out = []
+        for i, master in enumerate(masters):
+            out.append((f"{self.state_label}{i}", local_tensor(master).detach()))
+            for key, value in optim_state.get(master, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+                    out.append((f"{self.state_label}{i}.{key}", local_tensor(value)))
+        return out
 
     def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
         """Host copy of this rank's shard of master weights and optimizer state (snapshots,
         checkpoints), into the tensors of an earlier copy `into` where they fit."""
+        masters, optim_state = self.master_state()
+        state = {self.state_key: masters, "optim": [dict(optim_state.get(m, {})) for m in masters]}
+        return to_cpu(state, into)
 
+    @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:
-        """Restore what local_state returned, on the same world size."""
+        """Restore what local_state returned, on the same world size: in place, so the shards
+        keep their storage (and DTensor layout); only values change."""
+        masters, optim_state = self.master_state()
+        for master, saved, saved_optim in zip(
+            masters, state[self.state_key], state["optim"], strict=True
+        ):
+            local_tensor(master).copy_(saved)
+            if not saved_optim:
+                optim_state.pop(master, None)
+                continue
+            current = optim_state[master]
+            assert set(current) == set(saved_optim), (
+                "a snapshot restores onto an optimizer in the same phase"
+            )
+            for key, value in saved_optim.items():
+                if isinstance(value, torch.Tensor):
+                    local_tensor(current[key]).copy_(value)
+                else:
+                    current[key] = value
+        self.after_load_local_state()
 
 
 def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]]) -> str:
@@ -167,7 +245,7 @@ def make_adamw(
     )
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """What local and FSDP2 share: a torch optimizer over the model's (possibly sharded) FP32
     parameters, autocast in the current phase's dtype, FP32 islands, loss scaling for FP16, and
     torch.distributed reductions."""
@@ -219,25 +297,13 @@ class TorchBackend:
     def before_backward(self, last_micro_step: bool) -> None:
         """FSDP2 syncs gradients on the last micro-batch only."""
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            value = value.clone()
-            dist.all_reduce(
-                value, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
-            )
-            if dist.get_backend() != "nccl":  # gloo has no AVG
-                value /= dist.get_world_size()
-        return value
-
-    @torch.no_grad()
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
+        try:
             with self.autocast():
-                total += lm_loss(self.model(inputs), targets)
-        self.model.train()
-        return self.reduce_mean(total / len(batches))
+                return self.model(inputs)
+        finally:
+            self.model.train()
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         empty = torch.empty(0, device=self.device)
@@ -270,39 +336,8 @@ class TorchBackend:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for i, p in enumerate(self._params()):
-            out.append((f"param{i}", local_tensor(p).detach()))
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
-                    out.append((f"param{i}.{key}", local_tensor(value)))
-        return out
-
-    def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
-        params = self._params()
-        state = {"params": params, "optim": [dict(self.optimizer.state[p]) for p in params]}
-        return to_cpu(state, into)
-
-    @torch.no_grad()
-    def load_local_state(self, state: dict[str, Any]) -> None:
-        # In place: the shards keep their storage (and DTensor layout); only values change.
-        for p, saved, saved_optim in zip(
-            self._params(), state["params"], state["optim"], strict=True
-        ):
-            local_tensor(p).copy_(saved)
-            if not saved_optim:
-                self.optimizer.state.pop(p, None)
-                continue
-            current = self.optimizer.state[p]
-            assert set(current) == set(saved_optim), (
-                "a snapshot restores onto an optimizer in the same phase"
-            )
-            for key, value in saved_optim.items():
-                if isinstance(value, torch.Tensor):
-                    local_tensor(current[key]).copy_(value)
-                else:
-                    current[key] = value
+    def master_state(self) -> tuple[list[torch.Tensor], dict]:
+        return self._params(), self.optimizer.state
 
 
 def checkpoint_writer() -> ThreadPoolExecutor:

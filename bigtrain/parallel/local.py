@@ -46,9 +46,6 @@ class LocalBackend(TorchBackend):
                 out[canonical_name(key)] = value.detach().contiguous()
         return out
 
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
-        return self.save_async(directory, host_state).result()
-
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None
     ) -> Future[list[str]]:

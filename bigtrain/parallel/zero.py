@@ -28,6 +28,7 @@ from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import (
+    Backend,
     adamw_param_groups,
     checkpoint_writer,
     fp32_optimizer_state,
@@ -120,8 +121,9 @@ def check_accelerator_dtype(compute_dtype: torch.dtype) -> None:
         )
 
 
-class ZeroBackend:
+class ZeroBackend(Backend):
     name = "zero"
+    state_key, state_label = "fp32", "fp32_partition"
 
     def __init__(
         self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
@@ -191,19 +193,12 @@ class ZeroBackend:
             self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         return loss.detach()
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value / dist.get_world_size()
-
-    @torch.no_grad()
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         self.engine.eval()
-        total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
-            total += lm_loss(self.engine(inputs), targets)
-        self.engine.train()
-        return self.reduce_mean(total / len(batches))
+        try:
+            return self.engine(inputs)
+        finally:
+            self.engine.train()
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's partition of each gradient after the boundary backward (no communication);
@@ -280,9 +275,6 @@ class ZeroBackend:
 
     # Checkpoints: this rank's fragments by parameter name (zero_ckpt.py), written from a host
     # copy by the writer thread; they load under any ZeRO stage at any world size.
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
-        return self.save_async(directory, host_state).result()
-
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None
     ) -> Future[list[str]]:
@@ -359,36 +351,10 @@ class ZeroBackend:
             return list(self.optimizer.fp32_partitioned_groups_flat)
         return list(self.optimizer.single_partition_of_fp32_groups)
 
-    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        base, out = self.optimizer.optimizer, []
-        for i, flat in enumerate(self._fp32_flats()):
-            out.append((f"fp32_partition{i}", flat.detach()))
-            for key, value in base.state.get(flat, {}).items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
-                    out.append((f"fp32_partition{i}.{key}", value))
-        return out
+    def master_state(self) -> tuple[list[torch.Tensor], dict]:
+        return self._fp32_flats(), self.optimizer.optimizer.state  # the client AdamW's
 
-    def local_state(self, into: dict[str, Any] | None = None) -> dict[str, Any]:
-        flats = self._fp32_flats()
-        base = self.optimizer.optimizer  # the client AdamW, holding the flat partitions
-        state = {"fp32": flats, "optim": [dict(base.state.get(f, {})) for f in flats]}
-        return to_cpu(state, into)
-
-    @torch.no_grad()
-    def load_local_state(self, state: dict[str, Any]) -> None:
-        base = self.optimizer.optimizer
-        for flat, saved, saved_optim in zip(
-            self._fp32_flats(), state["fp32"], state["optim"], strict=True
-        ):
-            flat.copy_(saved)
-            if not saved_optim:
-                base.state.pop(flat, None)
-                continue
-            for key, value in saved_optim.items():
-                if isinstance(value, torch.Tensor):
-                    base.state[flat][key].copy_(value)
-                else:
-                    base.state[flat][key] = value
+    def after_load_local_state(self) -> None:
         self._refresh_compute_copies()
 
     def _refresh_compute_copies(self) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from bigtrain.precision.adamw_torch import AdamWHyper, AdamWTensors
 from bigtrain.utils.tables import DeviceTable, chunk_layout
-from bigtrain.utils.triton import tl, triton, triton_available
+from bigtrain.utils.triton import program_chunk, tl, triton, triton_available
 
 CHUNK = 16384  # elements per program
 BLOCK = 1024  # elements per inner iteration
@@ -109,9 +109,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         """FP16 states: per tensor max |new m| and max sqrt(new v) into amax[2t], amax[2t+1]."""
-        c = tl.program_id(0)
-        t = tl.load(chunk_tensor + c)
-        start = tl.load(chunk_start + c)
+        t, start = program_chunk(chunk_tensor, chunk_start)
         _, g_ptr, m_ptr, v_ptr, numel = _tensor(table, t, STATE_DTYPE)
         end = tl.minimum(start + CHUNK, numel)
         m_scale, v_scale = _scales(table, t)
@@ -147,9 +145,7 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        c = tl.program_id(0)
-        t = tl.load(chunk_tensor + c)
-        start = tl.load(chunk_start + c)
+        t, start = program_chunk(chunk_tensor, chunk_start)
         p_ptr, g_ptr, m_ptr, v_ptr, numel = _tensor(table, t, STATE_DTYPE)
         end = tl.minimum(start + CHUNK, numel)
         base = _row(table, t, 7)  # position of the tensor's first value among all (RNG offsets)

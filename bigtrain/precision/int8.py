@@ -26,7 +26,7 @@ snapshots (`Int8Calibration.state_dict`).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import logging
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import autocast_dtype, autocast_off
+
+logger = logging.getLogger(__name__)
 
 EPS = 1e-12
 
@@ -70,13 +72,13 @@ _FALLBACK_LOGGED: set[str] = set()
 _int_mm_ok: dict[str, bool] = {}
 
 
-def log_fallback_once(reason: str, log: Callable[[str], None] = print) -> None:
+def log_fallback_once(reason: str) -> None:
     if reason not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(reason)
-        log(f"bigtrain int8: {reason}; the INT8 products are summed in FP32 instead")
+        logger.warning("int8: %s; the INT8 products are summed in FP32 instead", reason)
 
 
-def int_mm_available(device: torch.device, log: Callable[[str], None] = print) -> bool:
+def int_mm_available(device: torch.device) -> bool:
     """Whether torch._int_mm runs on this device type: probed once, at setup (a probe inside a
     compiled forward would break the graph), with a valid shape; a failure is logged."""
     if device.type not in _int_mm_ok:
@@ -86,7 +88,7 @@ def int_mm_available(device: torch.device, log: Callable[[str], None] = print) -
         except (RuntimeError, NotImplementedError):
             _int_mm_ok[device.type] = False
         if not _int_mm_ok[device.type]:
-            log_fallback_once(f"torch._int_mm does not run on {device.type}", log)
+            log_fallback_once(f"torch._int_mm does not run on {device.type}")
     return _int_mm_ok[device.type]
 
 

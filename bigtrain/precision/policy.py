@@ -83,11 +83,6 @@ class PrecisionPolicy:
     """Canonical names of the layers converted to INT8 (filled in when the model is converted)."""
     reasons: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def autocast(self) -> bool:
-        """Whether forward passes run under torch.autocast (compute dtype below FP32)."""
-        return self.compute_dtype != torch.float32
-
     def phase_at(self, step: int, max_steps: int) -> Phase:
         """The phase that optimizer step `step` (0-based) falls in."""
         fraction = step / max(1, max_steps)
@@ -190,31 +185,7 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
             f"precision.compute_dtype=fp16 with {num_params / 1e9:.0f}B parameters: FP16 is refused from 20B "
             "(activations overflow its range); use bf16"
         )
-    scaling = cfg.loss_scaling
-    if scaling == "auto":
-        scaling = "dynamic" if compute == "fp16" else "none"
-        reasons["loss_scaling"] = (
-            "auto: FP16 gradients underflow without it"
-            if compute == "fp16"
-            else "auto: not needed, "
-            + ("FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range")
-        )
-    else:
-        reasons["loss_scaling"] = f"precision.loss_scaling={scaling}"
-    if compute == "fp16" and scaling == "none":
-        raise ConfigError(
-            "precision.compute_dtype=fp16 with precision.loss_scaling=none: FP16 gradients underflow; "
-            "use loss_scaling=dynamic (or auto)"
-        )
-    if compute == "bf16" and scaling != "none" and not cfg.allow_bf16_loss_scaling:
-        raise ConfigError(
-            f"precision.loss_scaling={scaling} with precision.compute_dtype=bf16: BF16 needs no loss scaling; "
-            "set precision.allow_bf16_loss_scaling=true if you mean it"
-        )
-    if compute == "fp32" and scaling != "none":
-        raise ConfigError(
-            f"precision.loss_scaling={scaling} with FP32 compute does nothing useful; use none"
-        )
+    scaling, reasons["loss_scaling"] = _loss_scaling(cfg, compute)
 
     state = cfg.optimizer_state_dtype
     if state == "fp16" and cfg.optimizer_state_scaling == "none":
@@ -260,6 +231,36 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         int8_patterns=tuple(cfg.int8.modules),
         reasons=reasons,
     )
+
+
+def _loss_scaling(cfg: PrecisionConfig, compute: str) -> tuple[str, str]:
+    """The loss scaling for `compute`, and why; contradictions raise ConfigError."""
+    scaling = cfg.loss_scaling
+    if scaling == "auto":
+        scaling = "dynamic" if compute == "fp16" else "none"
+        reason = (
+            "auto: FP16 gradients underflow without it"
+            if compute == "fp16"
+            else "auto: not needed, "
+            + ("FP32 compute" if compute == "fp32" else "BF16 has FP32's exponent range")
+        )
+    else:
+        reason = f"precision.loss_scaling={scaling}"
+    if compute == "fp16" and scaling == "none":
+        raise ConfigError(
+            "precision.compute_dtype=fp16 with precision.loss_scaling=none: FP16 gradients underflow; "
+            "use loss_scaling=dynamic (or auto)"
+        )
+    if compute == "bf16" and scaling != "none" and not cfg.allow_bf16_loss_scaling:
+        raise ConfigError(
+            f"precision.loss_scaling={scaling} with precision.compute_dtype=bf16: BF16 needs no loss scaling; "
+            "set precision.allow_bf16_loss_scaling=true if you mean it"
+        )
+    if compute == "fp32" and scaling != "none":
+        raise ConfigError(
+            f"precision.loss_scaling={scaling} with FP32 compute does nothing useful; use none"
+        )
+    return scaling, reason
 
 
 def _int8_reason(cfg: PrecisionConfig, compute: str) -> str:

@@ -9,7 +9,7 @@ settings.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from bigtrain.config.schema import PrecisionConfig
@@ -66,7 +66,3 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.overflows_left = int(state["overflows_left"])
-
-
-def scale_update_dict(update: ScaleUpdate) -> dict[str, Any]:
-    return asdict(update)

@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 
 class Callback:
     priority: int = 50
+    state_key: str | None = None
+    """Set by a callback whose state travels in checkpoints and snapshots (state_dict below)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def on_start(self, trainer: Trainer) -> None: ...
 
@@ -59,17 +66,14 @@ class Callbacks:
         self.items = sorted(callbacks, key=lambda c: c.priority)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            cb.state_key: cb.state_dict() for cb in self.items if getattr(cb, "state_key", None)
-        }
+        return {cb.state_key: cb.state_dict() for cb in self.items if cb.state_key is not None}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore the callbacks that saved state; a callback the saved run did not have (say,
         INT8 switched on at resume) starts fresh."""
         for cb in self.items:
-            key = getattr(cb, "state_key", None)
-            if key and key in saved:
-                cb.load_state_dict(saved[key])
+            if cb.state_key is not None and cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
 
     def __getattr__(self, hook: str):
         if not hook.startswith("on_") and hook != "close":

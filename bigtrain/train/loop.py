@@ -231,7 +231,7 @@ class Trainer:
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides the backend's tensors and the RNG."""
-        scaler = getattr(self.backend, "scaler", None)
+        scaler = self.backend.scaler
         return {
             "state": asdict(self.state),
             "data": self.loader.stream.state_dict(),
@@ -247,6 +247,6 @@ class Trainer:
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.monitor.load_state_dict(saved.get("monitor", {}))
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
-        scaler = getattr(self.backend, "scaler", None)
+        scaler = self.backend.scaler
         if scaler is not None and saved.get("loss_scaler"):
             scaler.load_state_dict(saved["loss_scaler"])

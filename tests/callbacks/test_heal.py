@@ -20,8 +20,6 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed, train_run
 
-QUIET = {"log": lambda *_: None}
-
 
 def kinds(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["kind"] == kind]
@@ -90,7 +88,7 @@ def test_three_transients_on_one_host_exit_6_naming_it(micro):
         "fault.transient_nan_step=[4,6,8]",
     )
     with pytest.raises(SuspectHost, match="3 transient faults on host") as err:
-        run(cfg, DistEnv(), **QUIET)
+        run(cfg, DistEnv())
     assert err.value.exit_code == 6
     out = Path(cfg.train.out_dir)
     assert (out / "suspect_hosts.txt").read_text().split() == [socket.gethostname()]
@@ -211,7 +209,7 @@ def test_a_repeat_after_a_rollback_to_the_start_goes_back_to_the_start_again(mic
         "checkpoint.every=-1",
         "fault.nan_grad_step=[6,9]",
     )
-    final = run(cfg, DistEnv(), **QUIET)
+    final = run(cfg, DistEnv())
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     rollbacks = [(e["from_step"], e["to_step"], e["repeat"]) for e in kinds(events, "rollback")]
     assert rollbacks == [(6, 0, False), (9, 0, True)] and final["step"] == 14

@@ -17,7 +17,6 @@ from tests.conftest import micro_overrides, run_cli
 from tests.distributed import run_distributed
 
 ENV = DistEnv()
-QUIET = {"log": lambda *_: None}
 ROLLBACK = (
     "resilience.snapshot_every=5",
     "resilience.confirm_steps=3",
@@ -31,7 +30,7 @@ def events_of(cfg, kind: str) -> list[dict]:
 
 def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
     cfg = micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
-    final = run(cfg, ENV, **QUIET)
+    final = run(cfg, ENV)
     assert final["step"] == 20 and final["rollbacks"] == 1 and final["anomalies"] == 1
     (anomaly,) = events_of(cfg, "anomaly")
     assert anomaly["step"] == 12 and anomaly["action"] == "rollback"
@@ -57,17 +56,17 @@ def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
 
 
 def test_the_skip_window_survives_a_restart_bit_exactly(micro):
-    straight = run(micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12"), ENV, **QUIET)
+    straight = run(micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12"), ENV)
     args = ("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
-    run(micro(*args, "train.stop_at_step=16", out="restarted"), ENV, **QUIET)
-    resumed = run(micro(*args, out="restarted"), ENV, **QUIET)
+    run(micro(*args, "train.stop_at_step=16", out="restarted"), ENV)
+    resumed = run(micro(*args, out="restarted"), ENV)
     assert resumed["fingerprint"] == straight["fingerprint"]
     assert resumed["rollbacks"] == 1
 
 
 def test_a_repeat_within_the_window_goes_one_snapshot_further_back(micro):
     cfg = micro("train.max_steps=30", *ROLLBACK, "fault.nan_grad_step=[22,25]")
-    final = run(cfg, ENV, **QUIET)
+    final = run(cfg, ENV)
     assert final["step"] == 30 and final["rollbacks"] == 2
     rollbacks = events_of(cfg, "rollback")
     assert [(e["from_step"], e["to_step"], e["repeat"]) for e in rollbacks] == [
@@ -105,16 +104,14 @@ def test_preemption_checkpoints_exits_4_and_resumes_bit_exactly(micro_args, micr
     again = run_cli("train", *args)  # the signal fired once: the restart finishes
     assert again.returncode == 0, again.stderr[-2000:]
     final = json.loads((out / "final.json").read_text())
-    straight = run(
-        micro("train.max_steps=12", "checkpoint.every=100", out="straight"), ENV, **QUIET
-    )
+    straight = run(micro("train.max_steps=12", "checkpoint.every=100", out="straight"), ENV)
     assert final["fingerprint"] == straight["fingerprint"]
 
 
 def test_corrupt_checkpoint_drill_resumes_from_the_one_before(micro):
-    run(micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20"), ENV, **QUIET)
+    run(micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20"), ENV)
     cfg = micro("train.max_steps=25", "checkpoint.every=10", "fault.corrupt_checkpoint=true")
-    final = run(cfg, ENV, **QUIET)
+    final = run(cfg, ENV)
     assert final["step"] == 25
     (fault,) = [e for e in events_of(cfg, "fault") if e["type"] == "corrupt_checkpoint"]
     assert "step_00000020" in fault["file"]
@@ -127,14 +124,14 @@ def test_a_nonfinite_state_is_never_checkpointed(micro, monkeypatch):
 
     monkeypatch.setattr(callback, "nonfinite_state_values", lambda backend, device: 3)
     cfg = micro("train.max_steps=10", "checkpoint.every=5")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     assert [e["step"] for e in events_of(cfg, "checkpoint_refused")] == [5, 10]
     assert not list((Path(cfg.train.out_dir) / "checkpoints").glob("step_*"))
 
 
 def rollback_on_two_ranks(args: list[str]) -> dict:
     cfg = load_config([], args)
-    final = run(cfg, read_env(), **QUIET)
+    final = run(cfg, read_env())
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     return {
         "final": final,

@@ -62,7 +62,7 @@ def offline_run(out: Path) -> tuple[list[dict], list, Path]:
 def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = micro("train.max_steps=5", "wandb.mode=offline", "train.stop_at_step=3")
-    run(cfg, DistEnv(), log=lambda *_: None)
+    run(cfg, DistEnv())
     out = Path(cfg.train.out_dir)
     run_id = (out / "wandb_run_id").read_text().strip()
     runs = list((out / "wandb").glob("offline-run-*"))
@@ -78,7 +78,7 @@ def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch)
     assert b"train/loss" in data and b"micro_batch_size" in data and b"events/checkpoint" in data
     assert b"layers/grad_norm/00.tok_emb" in data and b"layers/grad_max/02.blocks.0" in data
 
-    run(micro("train.max_steps=5", "wandb.mode=offline"), DistEnv(), log=lambda *_: None)  # resumed
+    run(micro("train.max_steps=5", "wandb.mode=offline"), DistEnv())  # resumed
     assert (out / "wandb_run_id").read_text().strip() == run_id
     assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))
     assert json.loads((out / "final.json").read_text())["step"] == 5
@@ -184,7 +184,7 @@ def test_wandb_history_is_the_kept_trajectory_after_a_rollback(micro, monkeypatc
         "fault.nan_grad_step=12",
         "wandb.mode=offline",
     )
-    assert run(cfg, DistEnv(), log=lambda *_: None)["rollbacks"] == 1
+    assert run(cfg, DistEnv())["rollbacks"] == 1
     out = Path(cfg.train.out_dir)
     rows, definitions, folder = offline_run(out)
     metrics = read_jsonl(out / "metrics.jsonl")

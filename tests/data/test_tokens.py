@@ -1,4 +1,5 @@
 import json
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -12,15 +13,15 @@ from bigtrain.errors import ConfigError
 from tests.conftest import run_cli
 
 
-def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files):
+def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files, caplog):
     cfg = DataConfig(
         source="files",
         paths=[str(p) for p in corpus_files],
         vocab_size=384,
         cache_dir=str(tmp_path),
     )
-    logs = []
-    corpus = prepare_corpus(cfg, log=logs.append)
+    caplog.set_level(logging.INFO, logger="bigtrain")
+    corpus = prepare_corpus(cfg)
     assert corpus.vocab_size == 384
     assert corpus.tokens.dtype == np.uint16
     assert int(corpus.tokens.max()) < 384
@@ -32,8 +33,8 @@ def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files):
         tok.decode(list(corpus.tokens[:200])) == text[: len(tok.decode(list(corpus.tokens[:200])))]
     )
     # a second call reuses the cache: no tokenizing, same array
-    again = prepare_corpus(cfg, log=logs.append)
-    assert len(logs) == 1
+    again = prepare_corpus(cfg)
+    assert sum("tokenizing the corpus" in m for m in caplog.messages) == 1
     assert np.array_equal(np.asarray(again.tokens), np.asarray(corpus.tokens))
 
 
@@ -101,12 +102,14 @@ def test_bad_data_is_a_config_error_and_leaves_no_cache_entry(tmp_path, name, te
     cache = tmp_path / "cache"
     cfg = DataConfig(source="files", paths=[str(path)], vocab_size=260, cache_dir=str(cache))
     with pytest.raises(ConfigError) as e:
-        prepare_corpus(cfg, log=lambda *_: None)
+        prepare_corpus(cfg)
     assert f"'{path}'" in str(e.value) and expected in str(e.value)
     assert no_entries_left(cache)
 
 
-def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(tmp_path, corpus_files):
+def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(
+    tmp_path, corpus_files, caplog
+):
     lines = corpus_files[0].read_text().split("\n\n")[:40]  # 40 paragraphs of a play
     good = [json.dumps({"text": t}) for t in lines]
     bad = ['{"id": 1}', '{"text": null}', '{"text": 12}']
@@ -116,9 +119,9 @@ def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(tmp_path, c
     cfg = DataConfig(source="files", paths=[str(rows)], vocab_size=300, cache_dir=str(cache))
     with pytest.raises(ConfigError, match=re.escape(f"'{rows}' line 11: no key 'text'")):
         prepare_corpus(cfg)
-    logs = []
-    corpus = prepare_corpus(replace(cfg, skip_bad_rows=True), log=logs.append)
-    reference = prepare_corpus(replace(cfg, paths=[str(clean)]), log=lambda *_: None)
+    caplog.set_level(logging.INFO, logger="bigtrain")
+    corpus = prepare_corpus(replace(cfg, skip_bad_rows=True))
+    reference = prepare_corpus(replace(cfg, paths=[str(clean)]))
     assert np.array_equal(np.asarray(corpus.tokens), np.asarray(reference.tokens))
     assert int((np.asarray(corpus.tokens) == corpus.eos_id).sum()) == 40
     assert corpus.skipped_rows == {str(rows.resolve()): 3}
@@ -126,10 +129,9 @@ def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(tmp_path, c
     assert meta["skipped_rows"] == {str(rows.resolve()): 3}
     assert reference.skipped_rows == {}
     # from the cache: the count again, and said again
-    assert prepare_corpus(replace(cfg, skip_bad_rows=True), log=logs.append).skipped_rows == {
-        str(rows.resolve()): 3
-    }
-    assert sum("3 rows without a string 'text' were skipped" in line for line in logs) == 2
+    assert prepare_corpus(replace(cfg, skip_bad_rows=True)).skipped_rows == {str(rows.resolve()): 3}
+    skipped = "3 rows without a string 'text' were skipped"
+    assert sum(skipped in m for m in caplog.messages) == 2
     # the strict run still refuses the file: skip_bad_rows is part of the cache key
     with pytest.raises(ConfigError, match="line 11"):
         prepare_corpus(cfg)

@@ -15,7 +15,7 @@ from tests.distributed import run_distributed
 
 def first_step_stats(args: list[str]) -> dict:
     """Backward of the first step, then the monitor's reduced per-tensor statistics."""
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         backend = trainer.backend
         batches = trainer.loader.next_step()

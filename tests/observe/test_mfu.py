@@ -54,7 +54,7 @@ def test_mfu_formula_and_sources():
 
 def test_mfu_in_metrics(micro):
     cfg = micro("train.peak_flops=1e12", "train.max_steps=10")
-    run(cfg, DistEnv(), log=lambda *_: None)
+    run(cfg, DistEnv())
     records = [
         json.loads(line)
         for line in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()

@@ -20,7 +20,7 @@ def test_report_plots_what_metrics_jsonl_holds_with_anomaly_markers(micro):
         "resilience.confirm_steps=3",
         "fault.nan_grad_step=12",
     )
-    run(cfg, DistEnv(), log=lambda *_: None)
+    run(cfg, DistEnv())
     out = Path(cfg.train.out_dir)
     result = run_cli("report", str(out))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -26,7 +26,7 @@ def test_transforms_keep_canonical_parameter_names():
 
 
 def losses_and_fingerprint(cfg) -> tuple[list[float], str, int]:
-    trainer = build_trainer(cfg, DistEnv(), log=lambda *_: None)
+    trainer = build_trainer(cfg, DistEnv())
     try:
         trainer.fit()
         fingerprint = trainer.backend.fingerprint()
@@ -81,12 +81,10 @@ def test_checkpoint_loads_with_activation_checkpointing_toggled(micro):
     straight = run(
         micro("train.max_steps=6", "precision.compute_dtype=fp32", out="s"),
         DistEnv(),
-        log=lambda *_: None,
     )
     run(
         micro("train.max_steps=6", "precision.compute_dtype=fp32", "train.stop_at_step=3", out="r"),
         DistEnv(),
-        log=lambda *_: None,
     )
     resumed = run(
         micro(
@@ -96,7 +94,6 @@ def test_checkpoint_loads_with_activation_checkpointing_toggled(micro):
             out="r",
         ),
         DistEnv(),
-        log=lambda *_: None,
     )
     assert resumed["fingerprint"] == straight["fingerprint"]
 

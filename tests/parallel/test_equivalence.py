@@ -18,7 +18,7 @@ STEPS = 20
 
 def train_and_read_losses(overrides: list[str]) -> tuple[list[float], dict]:
     cfg = load_config([], overrides)
-    final = run(cfg, read_env(), log=lambda *_: None)
+    final = run(cfg, read_env())
     losses = [
         m["loss"] for m in read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl") if "loss" in m
     ]

@@ -19,7 +19,7 @@ from tests.distributed import run_distributed
 
 
 def initial_state(args: list[str]) -> dict:
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         model = trainer.backend.model
         full = {canonical_name(n): p.full_tensor().clone() for n, p in model.named_parameters()}
@@ -74,4 +74,4 @@ def test_meta_init_is_the_same_at_any_world_size_and_follows_the_init_rules(
 
 def test_meta_init_needs_fsdp(micro):
     with pytest.raises(ConfigError, match="parallel.meta_init=true needs parallel.backend=fsdp"):
-        build_trainer(micro("parallel.meta_init=true"), read_env(), log=lambda *_: None)
+        build_trainer(micro("parallel.meta_init=true"), read_env())

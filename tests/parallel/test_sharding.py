@@ -24,7 +24,7 @@ def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[st
 
 def inspect_shards(args: list[str]) -> dict:
     """Build a trainer, run one step with hooks on every Linear, report dtypes and shard sizes."""
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         seen = set()
         for m in trainer.backend.model.modules():
@@ -74,7 +74,7 @@ def test_master_weights_fp32_and_sharded_compute_bf16(tmp_path, corpus_files, ca
 
 
 def skip_on_nan(args: list[str]) -> dict:
-    final = run(load_config([], args), read_env(), log=lambda *_: None)
+    final = run(load_config([], args), read_env())
     events = read_jsonl(Path(load_config([], args).train.out_dir) / "events.jsonl")
     anomalies = [e for e in events if e["kind"] == "anomaly"]
     return {
@@ -110,7 +110,7 @@ def test_nan_on_one_rank_is_skipped_by_both(tmp_path, corpus_files, cache_dir, b
 
 
 def train(args: list[str]) -> dict:
-    return run(load_config([], args), read_env(), log=lambda *_: None)
+    return run(load_config([], args), read_env())
 
 
 def test_fsdp_checkpoint_reshards_between_world_sizes(tmp_path, corpus_files, cache_dir):
@@ -211,7 +211,7 @@ def test_zero_checkpoint_resumes_under_another_stage_and_world_size(
 
 
 def snapshot_round_trip(args: list[str]) -> tuple[str, str, str]:
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         for _ in range(2):
             trainer.train_step()
@@ -253,7 +253,7 @@ def test_snapshot_restores_the_local_shards(tmp_path, corpus_files, cache_dir, b
 def zero_clipped_norm(args: list[str]) -> tuple[float, float]:
     """(the monitor's norm, this rank's sum of squares of the gradients DeepSpeed hands to the
     client optimizer at its step calls)."""
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         client = trainer.backend.optimizer.optimizer  # bigtrain's AdamW over the flat partitions
         seen = []
@@ -297,7 +297,7 @@ def test_zero_steps_on_partitions_clipped_with_the_monitors_norm(
 
 
 def initial_fingerprint(args: list[str]) -> str:
-    trainer = build_trainer(load_config([], args), read_env(), log=lambda *_: None)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         return trainer.backend.fingerprint()
     finally:

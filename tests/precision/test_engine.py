@@ -17,8 +17,6 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed, train_run
 
-QUIET = {"log": lambda *_: None}
-
 
 def deepspeed_supports_fp16() -> bool:
     from deepspeed.accelerator import get_accelerator
@@ -59,7 +57,7 @@ def test_fp16_overflow_is_skipped_by_every_rank_and_backs_off(
 
 
 def islands_dtypes(args: list[str]) -> dict:
-    trainer = build_trainer(load_config([], args), read_env(), **QUIET)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         seen: dict[str, set] = {}
         for name, m in trainer.backend.model.named_modules():
@@ -102,7 +100,7 @@ def test_schedule_switches_dtype_logs_phases_and_resumes_in_the_right_phase(micr
         "train.eval_every=0",
     )
     seen = []
-    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    trainer = build_trainer(cfg, DistEnv())
     trainer.backend.model.blocks[0].mlp.up.register_forward_hook(
         lambda m, i, o: seen.append(o.dtype)
     )
@@ -120,7 +118,6 @@ def test_schedule_switches_dtype_logs_phases_and_resumes_in_the_right_phase(micr
     final = run(
         micro("train.max_steps=8", "train.log_every=1", SCHEDULE, "checkpoint.every=0"),
         DistEnv(),
-        **QUIET,
     )
     assert final["step"] == 8
     phases = [
@@ -193,11 +190,11 @@ def test_low_precision_states_reach_the_fp32_loss(micro):
         "checkpoint.every=0",
         "optim.lr=1e-3",
     ]
-    ref = run(micro(*opts, out="fp32"), DistEnv(), **QUIET)["loss"]
+    ref = run(micro(*opts, out="fp32"), DistEnv())["loss"]
     for dtype in ("bf16", "fp16"):
-        loss = run(
-            micro(*opts, f"precision.optimizer_state_dtype={dtype}", out=dtype), DistEnv(), **QUIET
-        )["loss"]
+        loss = run(micro(*opts, f"precision.optimizer_state_dtype={dtype}", out=dtype), DistEnv())[
+            "loss"
+        ]
         assert loss == pytest.approx(ref, rel=0.01), (dtype, loss, ref)
 
 
@@ -216,7 +213,7 @@ def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
         "train.eval_every=0",
     )
     with pytest.raises(AbortRun, match="loss_scale_at_minimum"):
-        run(cfg, DistEnv(), **QUIET)
+        run(cfg, DistEnv())
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     anomaly = [e for e in events if e["kind"] == "anomaly"]
     assert anomaly[0]["step"] == 2 and anomaly[0]["metric"] == "loss_scale_at_minimum"
@@ -247,7 +244,7 @@ def test_adaptive_clipping_in_a_run(micro):
         "train.eval_every=0",
         "checkpoint.every=0",
     )
-    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    trainer = build_trainer(cfg, DistEnv())
     trainer.fit()
     trainer.callbacks.close()
     assert (

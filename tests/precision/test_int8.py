@@ -27,8 +27,6 @@ from bigtrain.precision.int8 import (
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed
 
-QUIET = {"log": lambda *_: None}
-
 
 def outlier_inputs(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     """Activations with a few large channels, as in real transformers."""
@@ -121,7 +119,7 @@ def test_gradient_is_the_ste_reference_in_bf16_and_int8_is_saved():
 
 def test_default_exclusions_keep_attention_output_and_lm_head_in_bf16(micro, monkeypatch):
     cfg = micro("precision.int8.enabled=true", "precision.compute_dtype=bf16", "train.eval_every=0")
-    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    trainer = build_trainer(cfg, DistEnv())
     model = trainer.backend.model
     calls: list[tuple[int, int]] = []
     real = torch._int_mm
@@ -176,7 +174,6 @@ def test_bad_int8_config_is_a_clear_error(micro):
         build_trainer(
             micro("precision.int8.enabled=true", "precision.int8.modules=[nothing]"),
             DistEnv(),
-            **QUIET,
         )
     with pytest.raises(ConfigError, match="fp32_modules"):
         build_trainer(
@@ -186,7 +183,6 @@ def test_bad_int8_config_is_a_clear_error(micro):
                 out="b",
             ),
             DistEnv(),
-            **QUIET,
         )
     with pytest.raises(ConfigError, match="precision.int8.activation_scheme"):
         micro("precision.int8.activation_scheme=asym")
@@ -195,7 +191,7 @@ def test_bad_int8_config_is_a_clear_error(micro):
 
 
 def calibration_on_ranks(args: list[str]) -> dict:
-    trainer = build_trainer(load_config([], args), read_env(), **QUIET)
+    trainer = build_trainer(load_config([], args), read_env())
     try:
         trainer.fit()
         cb = next(c for c in trainer.callbacks.items if getattr(c, "state_key", "") == "int8")
@@ -235,19 +231,19 @@ def test_calibration_state_survives_checkpoint_and_resume(micro):
         "train.eval_every=0",
         "checkpoint.every=4",
     )
-    straight = run(micro(*common, out="straight"), DistEnv(), **QUIET)
+    straight = run(micro(*common, out="straight"), DistEnv())
     stopped = micro(*common, "train.stop_at_step=5", out="resumed")
-    run(stopped, DistEnv(), **QUIET)
+    run(stopped, DistEnv())
     saved = json.loads(
         (Path(stopped.train.out_dir) / "checkpoints/step_00000005/trainer.json").read_text()
     )["callbacks"]["int8"]
     assert saved["steps"] == 5 and len(saved["act_amax"]) == 6
-    trainer = build_trainer(micro(*common, out="resumed"), DistEnv(), **QUIET)
+    trainer = build_trainer(micro(*common, out="resumed"), DistEnv())
     cb = next(c for c in trainer.callbacks.items if getattr(c, "state_key", "") == "int8")
     trainer.callbacks.close()
     assert cb.state_dict() == saved  # the scales are restored exactly, and smoothing is on
     assert all(layer.smoothing for layer in cb.layers.values())
-    resumed = run(micro(*common, out="resumed"), DistEnv(), **QUIET)
+    resumed = run(micro(*common, out="resumed"), DistEnv())
     # EMA scales change every step: a resume without them would not match bit for bit.
     assert resumed["fingerprint"] == straight["fingerprint"]
 
@@ -272,7 +268,7 @@ def tiny_val_loss(out: str, cache_dir: str, *extra: str) -> float:
             *extra,
         ],
     )
-    run(cfg, DistEnv(), **QUIET)
+    run(cfg, DistEnv())
     metrics = (Path(out) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(m) for m in metrics if "val_loss" in m][-1]["val_loss"]
 
@@ -287,7 +283,6 @@ def test_tiny_model_int8_reaches_the_validation_loss_of_the_plain_run(tmp_path, 
 
     prepare_corpus(
         load_config([str(ROOT / "configs/tiny.yaml")], [f"data.cache_dir={cache_dir}"]).data,
-        log=lambda *_: None,
     )
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(2, mp_context=spawn) as pool:

@@ -14,7 +14,6 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides, run_cli, slow_writer_env
 from tests.distributed import run_distributed, train_run
 
-QUIET = {"log": lambda *_: None}
 WORLD = {"local": 1, "zero": 2, "fsdp": 2}
 
 
@@ -87,7 +86,7 @@ def test_a_checkpoint_at_a_snapshot_step_writes_from_the_snapshot(micro, monkeyp
         "resilience.snapshot_every=5",
         "train.eval_every=0",
     )
-    trainer = build_trainer(cfg, DistEnv(), **QUIET)
+    trainer = build_trainer(cfg, DistEnv())
     trainer.fit()
     trainer.callbacks.close()
     # the starting state (a rollback target) and the snapshots of steps 5 and 10; the checkpoints

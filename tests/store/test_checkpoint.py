@@ -12,12 +12,11 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
 ENV = DistEnv()
-QUIET = {"log": lambda *_: None}
 
 
 def test_manifest_lists_every_file_with_size_and_sha256(micro):
     cfg = micro("train.max_steps=10")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000010"
     manifest = verify(path)
     assert set(manifest["files"]) == {
@@ -37,7 +36,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
 
 def test_keep_prunes_old_checkpoints(micro):
     cfg = micro("train.max_steps=20", "checkpoint.every=5", "checkpoint.keep=2")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     names = sorted(p.name for p in (Path(cfg.train.out_dir) / "checkpoints").iterdir())
     assert names == ["step_00000015", "step_00000020"]
 
@@ -54,25 +53,23 @@ def test_interrupted_write_leaves_the_previous_checkpoint_loadable(micro, monkey
 
     monkeypatch.setattr(LocalBackend, "save", crash_on_second_save)
     with pytest.raises(KeyboardInterrupt):
-        run(cfg, ENV, **QUIET)
+        run(cfg, ENV)
     root = Path(cfg.train.out_dir) / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [".tmp-step_00000020", "step_00000010"]
     found = CheckpointManager(root, keep=3).newest_valid()
     assert found is not None and found[0].name == "step_00000010"
 
     monkeypatch.setattr(LocalBackend, "save", original)
-    final = run(
-        cfg, ENV, **QUIET
-    )  # resumes from step 10, rewrites step 20, cleans the stale tmp dir
+    final = run(cfg, ENV)  # resumes from step 10, rewrites step 20, cleans the stale tmp dir
     assert final["step"] == 20
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]
-    straight = run(micro("train.max_steps=20", "checkpoint.every=10", out="straight"), ENV, **QUIET)
+    straight = run(micro("train.max_steps=20", "checkpoint.every=10", out="straight"), ENV)
     assert final["fingerprint"] == straight["fingerprint"]
 
 
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous(micro):
     cfg = micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     root = Path(cfg.train.out_dir) / "checkpoints"
     weights = root / "step_00000020" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -81,7 +78,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(micro):
     with pytest.raises(CheckpointError, match="model.safetensors' fails its sha256 check"):
         verify(root / "step_00000020")
 
-    final = run(micro("train.max_steps=20", "checkpoint.every=10"), ENV, **QUIET)
+    final = run(micro("train.max_steps=20", "checkpoint.every=10"), ENV)
     assert final["step"] == 20
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     invalid = [e for e in events if e["kind"] == "checkpoint_invalid"]
@@ -94,44 +91,43 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(micro):
 
 def test_directory_without_manifest_is_never_loaded(micro):
     cfg = micro("train.max_steps=10")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     root = Path(cfg.train.out_dir) / "checkpoints"
     (root / "step_00000010" / "manifest.json").unlink()
     assert CheckpointManager(root, keep=3).newest_valid() is None
 
 
 def test_changed_model_on_resume_is_refused_unless_allowed(micro):
-    run(micro("train.max_steps=10"), ENV, **QUIET)
+    run(micro("train.max_steps=10"), ENV)
     with pytest.raises(ConfigError, match="different model.d_model"):
-        run(micro("train.max_steps=20", "model.d_model=32"), ENV, **QUIET)
+        run(micro("train.max_steps=20", "model.d_model=32"), ENV)
     with pytest.raises(ConfigError, match="different global_batch_size"):
-        run(micro("train.max_steps=20", "train.micro_batch_size=4"), ENV, **QUIET)
+        run(micro("train.max_steps=20", "train.micro_batch_size=4"), ENV)
     # the run's length may change freely; other settings too with the explicit switch
     final = run(
         micro(
             "train.max_steps=12", "train.micro_batch_size=4", "checkpoint.allow_config_change=true"
         ),
         ENV,
-        **QUIET,
     )
     assert final["step"] == 12
 
 
 def test_a_changed_shape_is_refused_even_with_allow_config_change(micro, micro_args):
-    run(micro("train.max_steps=10"), ENV, **QUIET)
+    run(micro("train.max_steps=10"), ENV)
     with pytest.raises(
         ConfigError, match=r"other shapes .*blocks.0.attn.proj.weight \[64, 64\] -> \[32, 32\]"
     ):
-        run(micro("model.d_model=32", "checkpoint.allow_config_change=true"), ENV, **QUIET)
+        run(micro("model.d_model=32", "checkpoint.allow_config_change=true"), ENV)
     cli = run_cli("train", *micro_args("model.d_model=32", "checkpoint.allow_config_change=true"))
     assert cli.returncode == 2 and "cannot be loaded" in cli.stderr
     assert "Traceback" not in cli.stderr
 
 
 def test_resume_event_lists_every_changed_key(micro):
-    run(micro("train.max_steps=10"), ENV, **QUIET)
+    run(micro("train.max_steps=10"), ENV)
     cfg = micro("train.max_steps=12", "optim.lr=1e-3")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     (resume,) = [
         e for e in read_jsonl(Path(cfg.train.out_dir) / "events.jsonl") if e["kind"] == "resume"
     ]
@@ -145,10 +141,10 @@ def test_init_from_starts_a_new_run_from_anothers_weights(micro):
     from bigtrain.build import build_trainer
 
     first = micro("train.max_steps=10", out="first")
-    done = run(first, ENV, **QUIET)
+    done = run(first, ENV)
     source = Path(first.train.out_dir) / "checkpoints" / "step_00000010"
     trainer = build_trainer(
-        micro(f"checkpoint.init_from={source}", "optim.lr=1e-3", out="second"), ENV, **QUIET
+        micro(f"checkpoint.init_from={source}", "optim.lr=1e-3", out="second"), ENV
     )
     try:
         assert trainer.backend.fingerprint() == done["fingerprint"]  # the weights of step 10
@@ -160,12 +156,12 @@ def test_init_from_starts_a_new_run_from_anothers_weights(micro):
         trainer.context["lock"].release()
     bad = micro(f"checkpoint.init_from={source}", "model.n_layers=3", out="third")
     with pytest.raises(ConfigError, match="blocks.2.* missing -> "):
-        run(bad, ENV, **QUIET)
+        run(bad, ENV)
 
 
 def test_ckpt_cli_verify_and_inspect(micro):
     cfg = micro("train.max_steps=5", "checkpoint.every=5")
-    run(cfg, ENV, **QUIET)
+    run(cfg, ENV)
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000005"
     ok = run_cli("ckpt", "verify", str(path))
     assert ok.returncode == 0 and "5 files verified" in ok.stdout
@@ -185,6 +181,6 @@ def test_resume_from_an_explicit_bad_path_exits_2(micro_args, tmp_path):
 
 def test_checkpoint_every_minus_one_writes_none(micro):
     cfg = micro("train.max_steps=4", "checkpoint.every=-1", "train.eval_every=0")
-    final = run(cfg, ENV, **QUIET)
+    final = run(cfg, ENV)
     assert final["step"] == 4
     assert not (Path(cfg.train.out_dir) / "checkpoints").exists()

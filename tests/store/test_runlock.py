@@ -151,7 +151,7 @@ def test_a_killed_runs_lock_is_taken_over_with_an_event(micro, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     _write_lock(out, pid=dead.pid, process_start="1")
-    run(micro("train.max_steps=2", "checkpoint.every=-1"), DistEnv(), log=lambda *a: None)
+    run(micro("train.max_steps=2", "checkpoint.every=-1"), DistEnv())
     takeover = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "lock_takeover"]
     assert len(takeover) == 1 and takeover[0]["previous"]["pid"] == dead.pid
 
@@ -173,7 +173,7 @@ def _refused_run(args: list[str]) -> str:
     from bigtrain.parallel.env import read_env
 
     try:
-        run(load_config([], args), read_env(), log=lambda *_: None)
+        run(load_config([], args), read_env())
     except ConfigError as e:
         return str(e)
     return "ran"

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from bigtrain.errors import AbortRun, ConfigError, Preempted, ReplicaMismatch, SuspectHost
+from bigtrain.errors import (
+    HANG_EXIT_CODE,
+    AbortRun,
+    ConfigError,
+    Preempted,
+    ReplicaMismatch,
+    SuspectHost,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `bigtrain` console script and `python -m bigtrain`."""
-    code = main()
+    try:
+        code = main()
+    except BaseException:
+        # A collective that broke because a hung peer ended after this rank's own watchdog fired.
+        watchdog = sys.modules.get("bigtrain.callbacks.watchdog")
+        if watchdog is not None and watchdog.hang_declared():
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+        raise
     env = sys.modules.get("bigtrain.parallel.env")  # imported only by runs that may go distributed
     if env is not None:
         env.hard_exit_after_distributed(code)

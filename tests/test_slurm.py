@@ -16,6 +16,8 @@ import pytest
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.distributed
+
 SLURM_DIR = Path(os.environ.get("BIGTRAIN_SLURM_DIR", "/tmp/bigtrain-slurm"))
 
 
@@ -93,7 +95,6 @@ def uninterrupted(slurm, tmp_path_factory, cache_dir):
     return info, out
 
 
-@pytest.mark.e2e
 def test_sbatch_trains_to_completion_on_two_tasks(uninterrupted):
     info, out = uninterrupted
     assert info["JobState"] == "COMPLETED", info
@@ -104,7 +105,6 @@ def test_sbatch_trains_to_completion_on_two_tasks(uninterrupted):
     assert "resume" not in [e["kind"] for e in read_jsonl(out / "events.jsonl")]
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["scontrol_requeue", "usr1_to_batch_shell"])
 def test_requeued_job_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_dir, how):
     out = tmp_path / how
@@ -129,7 +129,6 @@ def test_requeued_job_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_
     assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]
 
 
-@pytest.mark.e2e
 def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cache_dir):
     """Rank 1 hangs at step 15 (once per run directory): the watchdogs end both tasks with exit 5
     and their stacks; the job requeues itself, resumes from step 10 and ends like the one that
@@ -147,7 +146,6 @@ def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cac
     assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]
 
 
-@pytest.mark.e2e
 def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_path, cache_dir):
     out = tmp_path / "suspect"
     extra = "fault.transient_nan_step=[3] resilience.max_transient_per_rank=1"

@@ -15,6 +15,7 @@ from tests.conftest import run_cli, slow_writer_env
 ENV = DistEnv()
 
 
+@pytest.mark.unit
 def test_lr_schedule_by_hand():
     cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
     assert lr_at(0, 110, cfg) == pytest.approx(0.1)
@@ -25,6 +26,7 @@ def test_lr_schedule_by_hand():
     assert lr_at(25, 100, linear) == pytest.approx(0.75)
 
 
+@pytest.mark.e2e
 def test_short_run_loss_falls_and_writes_the_run_directory(micro):
     cfg = micro("train.max_steps=30", "optim.lr=1e-2")
     final = run(cfg, ENV)
@@ -56,6 +58,7 @@ def test_short_run_loss_falls_and_writes_the_run_directory(micro):
     assert len(saved["fingerprint"]) == 64
 
 
+@pytest.mark.e2e
 def test_precision_policy_is_in_the_start_event(micro):
     cfg = micro("train.max_steps=1", "precision.compute_dtype=fp32")
     run(cfg, ENV)
@@ -66,6 +69,7 @@ def test_precision_policy_is_in_the_start_event(micro):
     }
 
 
+@pytest.mark.e2e
 def test_gradient_accumulation_matches_a_larger_micro_batch(micro):
     """Same global batch (16) as 2 x 8 or 1 x 16: same samples, same mean loss, same weights (FP32)."""
     a = run(
@@ -90,6 +94,7 @@ def test_gradient_accumulation_matches_a_larger_micro_batch(micro):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_resume_is_bit_exact(micro):
     straight = run(micro("train.max_steps=40", out="straight"), ENV)
     first = run(
@@ -108,6 +113,7 @@ def test_resume_is_bit_exact(micro):
     )
 
 
+@pytest.mark.e2e
 def test_nonfinite_skip_counts_and_goes_on(micro):
     cfg = micro("train.max_steps=6", "monitor.nonfinite=skip", "fault.nan_grad_step=[3]")
     final = run(cfg, ENV)
@@ -121,6 +127,7 @@ def test_nonfinite_skip_counts_and_goes_on(micro):
     assert anomaly[0]["top_nonfinite"] == [[fault["tensor"], 1]]
 
 
+@pytest.mark.e2e
 def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
     args = micro_args(
         "train.max_steps=12",
@@ -146,6 +153,7 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
     assert again.returncode == 3 and "ABORTED exists" in again.stderr
 
 
+@pytest.mark.e2e
 def test_per_layer_telemetry_at_log_steps(micro):
     cfg = micro("train.max_steps=6", "train.log_every=3", "monitor.every=0")
     run(cfg, ENV)
@@ -162,6 +170,7 @@ def test_per_layer_telemetry_at_log_steps(micro):
             assert record["layer_grad_max"][layer] <= record["layer_grad_norm"][layer] * (1 + 1e-6)
 
 
+@pytest.mark.e2e
 def test_a_gradient_spike_is_skipped_and_names_the_tensor(micro):
     cfg = micro(
         "train.max_steps=30",
@@ -182,6 +191,7 @@ def test_a_gradient_spike_is_skipped_and_names_the_tensor(micro):
     assert spiked["tensor_max"]["tensor"] == "blocks.1.mlp.up.weight"
 
 
+@pytest.mark.e2e
 def test_anomalies_in_a_row_stop_the_run(micro):
     cfg = micro(
         "train.max_steps=10",
@@ -193,6 +203,7 @@ def test_anomalies_in_a_row_stop_the_run(micro):
         run(cfg, ENV)
 
 
+@pytest.mark.e2e
 def test_resume_never_refuses_a_directory_with_checkpoints(micro):
     run(micro("train.max_steps=10"), ENV)
     from bigtrain.errors import ConfigError
@@ -201,6 +212,7 @@ def test_resume_never_refuses_a_directory_with_checkpoints(micro):
         run(micro("train.max_steps=10", "checkpoint.resume=never"), ENV)
 
 
+@pytest.mark.e2e
 def test_aborted_marker_blocks_a_restart(micro):
     cfg = micro("train.max_steps=2")
     out = Path(cfg.train.out_dir)
@@ -210,6 +222,7 @@ def test_aborted_marker_blocks_a_restart(micro):
         run(cfg, ENV)
 
 
+@pytest.mark.e2e
 def test_skipped_bad_rows_reach_the_run_as_an_event(micro, corpus_files, tmp_path):
     rows = [{"text": line} for line in corpus_files[0].read_text().splitlines() if line.strip()]
     rows[3], rows[7] = {"title": "no text"}, {"text": None}

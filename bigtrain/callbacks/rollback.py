@@ -106,6 +106,9 @@ class Rollback(Callback):
         kept["transients"] = state.transients
         windows = list(trainer.loader.stream.skip_windows)
         source, restored = self._restore(trainer, bound, anomaly_step, repeat)
+        # The host copy is of an abandoned step: the new timeline reaches that step number again
+        # with other weights, and a checkpoint there would write these.
+        trainer.host_copy = None
         state = trainer.state  # load_trainer_state made a new one
         for key, value in kept.items():
             setattr(state, key, value)

@@ -6,7 +6,11 @@ hold the job until the scheduler's time limit. When no step has ended for `resil
 before that), the watchdog thread writes every thread's Python stack to RUN_DIR/hang/rank_<r>.txt
 (and on NCCL the flight recorder's trace, kept from the start through TORCH_NCCL_TRACE_BUFFER_SIZE),
 appends a `hang` event from this rank, and ends the process with exit 5: requeue me (SLURM) or
-restart (torchrun). The other ranks, waiting for this one, time out the same way.
+restart (torchrun). The other ranks, waiting for this one, time out the same way: the watchdog
+waits a grace period (min(10 s, timeout / 2)) before it ends its process, so that the other ranks'
+watchdogs, whose clocks started at the same step boundary, dump their stacks too before a dead
+peer breaks their collectives; and an error in a process whose watchdog has fired ends it with
+exit 5 as well (`hang_declared`), not as a crash.
 
 A thread needs the GIL to run: where the stuck code holds it (C code that never releases it),
 faulthandler's own C thread dumps the stacks 30 s later and ends the process (exit 1), so a hang
@@ -35,6 +39,16 @@ WARM_STEPS = 20  # steps before the timeout follows the measured step time
 MIN_TIMEOUT_S = 300.0
 BACKSTOP_S = 30.0  # faulthandler's C watchdog fires this long after the Python one should have
 NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+FIRING = threading.Event()  # this process's watchdog found a hang
+DECLARED = threading.Event()  # ... and has written its stacks and its event
+
+
+def hang_declared(wait_s: float = 30.0) -> bool:
+    """Whether this process's watchdog found a hang (then wait until it has written its report)."""
+    if not FIRING.is_set():
+        return False
+    DECLARED.wait(wait_s)
+    return True
 
 
 def enable_nccl_flight_recorder(entries: int = 2000) -> None:
@@ -101,6 +115,7 @@ class HangWatchdog(Callback):
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
+        FIRING.set()
         path = self.hang_dir / f"rank_{self.rank}.txt"
         with open(path, "w") as f:
             f.write(f"rank {self.rank}: no step ended for {waited:.0f} s after step {self.step}\n")
@@ -113,6 +128,8 @@ class HangWatchdog(Callback):
         if self.trainer is not None:  # the step it hung in
             step = self.trainer.step_in_progress or self.step + 1
             self.trainer.run_dir.event(step, "hang", any_rank=True, **details)
+        DECLARED.set()
+        time.sleep(min(10.0, self.timeout_s() / 2))  # the other ranks' watchdogs fire meanwhile
         os._exit(HANG_EXIT_CODE)
 
     def close(self) -> None:

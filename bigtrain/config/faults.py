@@ -11,7 +11,8 @@ class FaultConfig:
     rank: int = 0
     """Rank the faults are injected on."""
     nan_loss_step: list[int] = field(default_factory=list)
-    """Steps at which the loss of `rank` becomes NaN before backward (a drill for the monitor)."""
+    """Steps at which the loss and every gradient of `rank` become NaN, after backward (as a NaN
+    loss would leave them; a drill for the monitor)."""
     nan_grad_step: list[int] = field(default_factory=list)
     """Steps at which one gradient of `rank` gets a NaN after backward."""
     inf_grad_step: list[int] = field(default_factory=list)

@@ -172,7 +172,8 @@ class PrecisionConfig:
     loss_scale_growth_interval: int = 2000
     """Dynamic: double the scale after this many steps without overflow."""
     loss_scale_hysteresis: int = 2
-    """Dynamic: overflows tolerated (steps skipped) before the scale is halved."""
+    """Dynamic: every N-th overflow halves the scale (1: each one); every overflow skips its step.
+    The count restarts after a halving or a growth."""
     loss_scale_min: float = 1.0
     """Dynamic: an overflow at this scale is an anomaly, not another halving."""
     allow_bf16_loss_scaling: bool = False

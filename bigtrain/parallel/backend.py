@@ -266,6 +266,8 @@ class TorchBackend(Backend):
             else None
         )
         self.islands = FP32Islands(model, device.type)
+        for phase in policy.phases:  # a later phase's misspelt pattern fails now, not at its switch
+            self.islands.check(phase.fp32_modules)
         self.set_phase(policy.phases[0])
 
     def set_phase(self, phase: Phase) -> None:

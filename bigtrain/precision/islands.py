@@ -35,15 +35,10 @@ class FP32Islands:
     def set(self, patterns: tuple[str, ...]) -> None:
         if patterns == self.patterns:
             return
+        matched = self.check(patterns)  # before anything changes: a rejected set changes nothing
         for handle in self._handles:
             handle.remove()
         self._handles, self.patterns = [], patterns
-        matched = matching_modules(self.model, patterns)
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in matched):
-                raise ConfigError(
-                    f"precision.fp32_modules: pattern '{pattern}' matches no module of the model"
-                )
         # Only the outermost matches get hooks: their children run inside the FP32 context.
         outer = [
             (n, m)
@@ -54,6 +49,16 @@ class FP32Islands:
         for _, module in outer:
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+
+    def check(self, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+        """The modules `patterns` match; ConfigError for a pattern that matches none."""
+        matched = matching_modules(self.model, patterns)
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in matched):
+                raise ConfigError(
+                    f"precision.fp32_modules: pattern '{pattern}' matches no module of the model"
+                )
+        return matched
 
     def _enter(self, module, args, kwargs):
         ctx = torch.autocast(self.device_type, enabled=False)

@@ -2,9 +2,14 @@
 
 The loss is multiplied by the scale before backward and the gradients divided by it before
 clipping. The decision whether a step overflowed is the loop's, taken on numbers reduced over all
-ranks, so every rank's scaler sees the same sequence of overflows and holds the same scale. On
-ZeRO, DeepSpeed's own scaler does the same from the `fp16` block bigtrain generates with these
-settings.
+ranks, so every rank's scaler sees the same sequence of overflows and holds the same scale.
+
+On ZeRO, DeepSpeed's own scaler runs instead, configured from the same settings (the `fp16`
+block bigtrain generates), but its rules differ in detail: it grows after `growth_interval + 1`
+clean steps, and after its first back-off it halves on every overflow until it has grown again.
+With hysteresis 1 and before any growth both give the same scales; beyond that, FP16 runs on
+ZeRO and on the torch backends follow different scale sequences (the skipped steps agree: an
+overflow is skipped on every backend).
 """
 
 from __future__ import annotations

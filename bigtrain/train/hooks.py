@@ -76,8 +76,8 @@ class Callbacks:
                 cb.load_state_dict(saved[cb.state_key])
 
     def __getattr__(self, hook: str):
-        if not hook.startswith("on_") and hook != "close":
-            raise AttributeError(hook)
+        if not (hook.startswith("on_") or hook == "close") or not hasattr(Callback, hook):
+            raise AttributeError(f"{hook!r} is not a hook of Callback")
 
         def call(*args: Any) -> None:
             for cb in self.items:

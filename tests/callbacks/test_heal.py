@@ -25,6 +25,7 @@ def kinds(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["kind"] == kind]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["fsdp", "zero"])
 def test_early_anomalies_roll_back_to_step_0_and_the_run_finishes(
     tmp_path, corpus_files, cache_dir, backend
@@ -55,6 +56,7 @@ def test_early_anomalies_roll_back_to_step_0_and_the_run_finishes(
     assert len(kinds(events, "skip_data")) == 4 and not kinds(events, "abort")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["fsdp", "zero"])
 def test_a_transient_fault_is_replayed_and_leaves_no_trace(
     tmp_path, corpus_files, cache_dir, backend
@@ -80,6 +82,7 @@ def test_a_transient_fault_is_replayed_and_leaves_no_trace(
     assert faulty["final"]["rollbacks"] == 0
 
 
+@pytest.mark.e2e
 def test_three_transients_on_one_host_exit_6_naming_it(micro):
     cfg = micro(
         "train.max_steps=10",
@@ -97,6 +100,7 @@ def test_three_transients_on_one_host_exit_6_naming_it(micro):
     assert kinds(events, "suspect_host")[0]["transients"] == 3
 
 
+@pytest.mark.distributed
 def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path):
     args = micro_args(
         "parallel.backend=fsdp",
@@ -143,6 +147,7 @@ def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path
     assert {e["rank"] for e in kinds(events, "hang")} <= {0, 1} and kinds(events, "hang")
 
 
+@pytest.mark.e2e
 def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
     """A Python thread cannot run while C code holds the GIL: faulthandler's C watchdog dumps the
     stacks and ends the process BACKSTOP_S after the timeout."""
@@ -151,7 +156,7 @@ def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
         import ctypes
         from pathlib import Path
         from bigtrain.config.schema import ResilienceConfig
-        from bigtrain.resilience import watchdog
+        from bigtrain.callbacks import watchdog
         watchdog.BACKSTOP_S = 2.0
         dog = watchdog.HangWatchdog(ResilienceConfig(hang_timeout_s=1.0), 600, 0, Path("{tmp_path}"))
         dog.beat()
@@ -168,6 +173,7 @@ def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
     assert "most recent call first" in dump and "<string>" in dump
 
 
+@pytest.mark.distributed
 def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_dir):
     args = micro_overrides(tmp_path / "slow", corpus_files, cache_dir) + [
         "parallel.backend=fsdp",
@@ -189,6 +195,7 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
     assert fwd[1] - fwd[0] > 0.15  # rank 1 sleeps 0.2 s in its forward+backward
 
 
+@pytest.mark.unit
 def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     import torch
 
@@ -200,6 +207,7 @@ def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 5.0])) == 0.25
 
 
+@pytest.mark.e2e
 def test_a_repeat_after_a_rollback_to_the_start_goes_back_to_the_start_again(micro):
     """Nothing lies further back than the starting state, but it is good by definition: a second
     anomaly soon after a rollback to it (at another step) goes back to it again."""

@@ -28,6 +28,7 @@ def events_of(cfg, kind: str) -> list[dict]:
     return [e for e in read_jsonl(Path(cfg.train.out_dir) / "events.jsonl") if e["kind"] == kind]
 
 
+@pytest.mark.e2e
 def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
     cfg = micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
     final = run(cfg, ENV)
@@ -55,6 +56,7 @@ def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
     assert manifest["data"]["cursor"] == 96 + 15 * 8  # the bad window was never replayed
 
 
+@pytest.mark.e2e
 def test_the_skip_window_survives_a_restart_bit_exactly(micro):
     straight = run(micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12"), ENV)
     args = ("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
@@ -64,6 +66,7 @@ def test_the_skip_window_survives_a_restart_bit_exactly(micro):
     assert resumed["rollbacks"] == 1
 
 
+@pytest.mark.e2e
 def test_a_repeat_within_the_window_goes_one_snapshot_further_back(micro):
     cfg = micro("train.max_steps=30", *ROLLBACK, "fault.nan_grad_step=[22,25]")
     final = run(cfg, ENV)
@@ -76,6 +79,7 @@ def test_a_repeat_within_the_window_goes_one_snapshot_further_back(micro):
     assert events_of(cfg, "lr_backoff")[-1]["lr_scale"] == 0.25  # compounding
 
 
+@pytest.mark.e2e
 def test_anomalies_at_every_step_exit_3_with_the_last_good_checkpoint_intact(micro_args, tmp_path):
     args = micro_args(
         "train.max_steps=30",
@@ -92,6 +96,7 @@ def test_anomalies_at_every_step_exit_3_with_the_last_good_checkpoint_intact(mic
     assert committed and verify(committed[-1])["step"] <= 10
 
 
+@pytest.mark.e2e
 def test_preemption_checkpoints_exits_4_and_resumes_bit_exactly(micro_args, micro, tmp_path):
     args = micro_args("train.max_steps=12", "checkpoint.every=100", "fault.sigterm_step=7")
     result = run_cli("train", *args)
@@ -108,6 +113,7 @@ def test_preemption_checkpoints_exits_4_and_resumes_bit_exactly(micro_args, micr
     assert final["fingerprint"] == straight["fingerprint"]
 
 
+@pytest.mark.e2e
 def test_corrupt_checkpoint_drill_resumes_from_the_one_before(micro):
     run(micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20"), ENV)
     cfg = micro("train.max_steps=25", "checkpoint.every=10", "fault.corrupt_checkpoint=true")
@@ -119,8 +125,9 @@ def test_corrupt_checkpoint_drill_resumes_from_the_one_before(micro):
     assert "step_00000020" in events_of(cfg, "checkpoint_invalid")[0]["path"]
 
 
+@pytest.mark.e2e
 def test_a_nonfinite_state_is_never_checkpointed(micro, monkeypatch):
-    from bigtrain.resilience import callback
+    from bigtrain.callbacks import checkpointing as callback
 
     monkeypatch.setattr(callback, "nonfinite_state_values", lambda backend, device: 3)
     cfg = micro("train.max_steps=10", "checkpoint.every=5")
@@ -139,6 +146,7 @@ def rollback_on_two_ranks(args: list[str]) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "backend,fault",
     [
@@ -170,6 +178,7 @@ def test_two_ranks_roll_back_together(tmp_path, corpus_files, cache_dir, backend
     assert (skip["start"], skip["end"]) == (5 * 16, 12 * 16)
 
 
+@pytest.mark.e2e
 def test_sigkill_between_write_and_commit_never_loads_the_half_checkpoint(micro_args, tmp_path):
     """FSDP2 with async checkpoints: the step-3 checkpoint's files are being written when the
     process is SIGKILLed at step 4, before the commit. The restart never loads it."""

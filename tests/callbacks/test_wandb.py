@@ -4,6 +4,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from wandb.proto import wandb_internal_pb2
 
 from bigtrain.build import run
@@ -59,6 +60,7 @@ def offline_run(out: Path) -> tuple[list[dict], list, Path]:
     return rows, [r.metric for r in records if r.WhichOneof("record_type") == "metric"], folder
 
 
+@pytest.mark.e2e
 def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = micro("train.max_steps=5", "wandb.mode=offline", "train.stop_at_step=3")
@@ -84,6 +86,7 @@ def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch)
     assert json.loads((out / "final.json").read_text())["step"] == 5
 
 
+@pytest.mark.unit
 def test_per_layer_dicts_become_keys_that_sort_in_model_order():
     layers = {f"blocks.{i}": float(i) for i in range(11)}
     out = wandb_record({"step": 7, "loss": 2.5, "layer_grad_norm": {"tok_emb": 9.0, **layers}})
@@ -110,6 +113,7 @@ class StubRun:
         self.logged.append("finished")
 
 
+@pytest.mark.unit
 def test_online_runs_raise_an_alert_on_rollback_abort_and_preempt():
     logger = WandbLogger(WandbConfig(mode="online"), {})
     logger.run = StubRun()
@@ -127,6 +131,7 @@ def step_records(logger: WandbLogger, steps, loss_offset: float = 0.0) -> None:
         logger.on_step_end(SimpleNamespace(step=step), result)
 
 
+@pytest.mark.unit
 def test_held_records_of_abandoned_steps_never_reach_wandb():
     logger = WandbLogger(WandbConfig(), {})
     logger.run, logger.hold_steps = StubRun(), 4
@@ -151,6 +156,7 @@ def test_held_records_of_abandoned_steps_never_reach_wandb():
     assert stub.logged[-1] == "finished" and logger.run is None
 
 
+@pytest.mark.unit
 def test_a_rollback_deeper_than_the_hold_counts_the_records_wandb_keeps():
     logger = WandbLogger(WandbConfig(), {})
     logger.run, logger.hold_steps = StubRun(), 0
@@ -174,6 +180,7 @@ def kept_trajectory(records: list[dict]) -> list[dict]:
     return kept
 
 
+@pytest.mark.e2e
 def test_wandb_history_is_the_kept_trajectory_after_a_rollback(micro, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = micro(

@@ -14,6 +14,8 @@ from bigtrain.data.corpus import (
 )
 from bigtrain.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_strip_play_markup():
     md = "# Hamlet\n\n## ACT I\n\n_Enter HAMLET_\n\n**HAMLET**  \nTo be, or not to be:  \nthat is the question.\n"

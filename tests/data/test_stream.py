@@ -6,6 +6,8 @@ from bigtrain.data.stream import BatchLoader, PackedSamples, SampleStream, split
 from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def make_samples(n: int = 50, seq_len: int = 4) -> PackedSamples:
     tokens = np.arange(n * seq_len + 1, dtype=np.uint16)

@@ -13,6 +13,7 @@ from bigtrain.errors import ConfigError
 from tests.conftest import run_cli
 
 
+@pytest.mark.unit
 def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files, caplog):
     cfg = DataConfig(
         source="files",
@@ -38,6 +39,7 @@ def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files, caplog):
     assert np.array_equal(np.asarray(again.tokens), np.asarray(corpus.tokens))
 
 
+@pytest.mark.unit
 def test_local_tokenizer_directory(tmp_path, corpus_files):
     bpe = prepare_corpus(
         DataConfig(
@@ -58,6 +60,7 @@ def test_local_tokenizer_directory(tmp_path, corpus_files):
     assert corpus.tokenizer_dir == bpe.tokenizer_dir
 
 
+@pytest.mark.unit
 def test_missing_tokenizer_is_a_config_error(tmp_path, corpus_files):
     cfg = DataConfig(
         source="files",
@@ -69,6 +72,7 @@ def test_missing_tokenizer_is_a_config_error(tmp_path, corpus_files):
         prepare_corpus(cfg)
 
 
+@pytest.mark.unit
 def test_missing_data_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="matches no file"):
         prepare_corpus(
@@ -87,6 +91,7 @@ def no_entries_left(cache: Path) -> bool:
     return not cache.exists() or not any(p.name.startswith("corpus-") for p in cache.iterdir())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, text, expected",
     [
@@ -107,6 +112,7 @@ def test_bad_data_is_a_config_error_and_leaves_no_cache_entry(tmp_path, name, te
     assert no_entries_left(cache)
 
 
+@pytest.mark.unit
 def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(
     tmp_path, corpus_files, caplog
 ):
@@ -137,6 +143,7 @@ def test_skip_bad_rows_tokenizes_the_good_rows_and_records_the_count(
         prepare_corpus(cfg)
 
 
+@pytest.mark.e2e
 def test_cli_names_a_directory_in_data_paths_and_exits_2(tmp_path):
     data = tmp_path / "data"
     write(data / "a.txt", "some text\n")

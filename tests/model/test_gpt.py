@@ -8,6 +8,8 @@ from bigtrain.config.schema import ModelConfig
 from bigtrain.model import build_model, flops_per_token, num_params
 from bigtrain.model.gpt import GPT, CausalSelfAttention
 
+pytestmark = pytest.mark.unit
+
 GPT2 = ModelConfig(n_layers=2, n_heads=4, d_model=64, seq_len=16, vocab_size=100)
 LLAMA = dataclasses.replace(
     GPT2, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False

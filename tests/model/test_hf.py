@@ -6,6 +6,8 @@ from bigtrain.config.schema import ModelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model import build_model, model_flops_per_token
 
+pytestmark = pytest.mark.unit
+
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 16}
 
 

@@ -5,6 +5,8 @@ import pytest
 
 from bigtrain.monitor.detectors import SpikeDetector
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("method", ["mean_std", "median_mad"])
 def test_fires_on_a_10x_spike_after_warmup_not_before(method):

@@ -6,6 +6,8 @@ import torch
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor.monitor import GradMonitor
 
+pytestmark = pytest.mark.unit
+
 NAMES = ["tok_emb.weight", "blocks.0.attn.weight", "blocks.0.mlp.weight", "lm_head.weight"]
 
 

@@ -12,6 +12,8 @@ from bigtrain.parallel.env import read_env, shutdown
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 
 def first_step_stats(args: list[str]) -> dict:
     """Backward of the first step, then the monitor's reduced per-tensor statistics."""

@@ -27,6 +27,7 @@ def check_against_reference(grads, max_abs, sum_sq, nonfinite) -> None:
             assert sum_sq[i] == pytest.approx(ref_sq, rel=1e-5), f"tensor {i}: sum of squares"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_fallback_against_a_float64_reference(dtype):
     grads = poisoned_grads(dtype)
@@ -39,6 +40,7 @@ def test_torch_fallback_against_a_float64_reference(dtype):
     )
 
 
+@pytest.mark.unit
 def test_cheap_steps_skip_max_abs_but_count_nonfinite_values():
     grads = poisoned_grads(torch.float32)
     named = [(f"t{i}", g) for i, g in enumerate(grads)]
@@ -49,6 +51,7 @@ def test_cheap_steps_skip_max_abs_but_count_nonfinite_values():
     assert torch.equal(cheap.sum_sq.isfinite(), full.sum_sq.isfinite())
 
 
+@pytest.mark.e2e
 def test_triton_kernel_in_the_interpreter_against_the_same_reference():
     out = run_in_triton_interpreter("tests.monitor.kernel_check")
     for dtype in DTYPES:
@@ -84,6 +87,7 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     )
 
 
+@pytest.mark.distributed
 def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
     r0, r1 = run_distributed(shard_stats, 2, 0)
     assert r0[0] == r1[0] and r0[2] == r1[2] and r0[3] == r1[3]
@@ -98,6 +102,7 @@ def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
     assert r0[4] == r1[4] == 1.0  # both ranks know that one rank raised the flag
 
 
+@pytest.mark.unit
 def test_scaled_stats_divide_by_the_loss_scale_exactly():
     g = torch.randn(1000)
     named = [("w", g * 1024.0)]
@@ -107,6 +112,7 @@ def test_scaled_stats_divide_by_the_loss_scale_exactly():
     assert stats.sum_sq.item() == pytest.approx(ref.sum_sq.item(), rel=1e-6)
 
 
+@pytest.mark.unit
 def test_layers_group_tensors_in_model_order():
     names = ["tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight", "blocks.1.x"]
     assert [layer_of(n) for n in names] == ["tok_emb", "blocks.0", "blocks.0", "blocks.1"]
@@ -116,12 +122,14 @@ def test_layers_group_tensors_in_model_order():
     assert norms["blocks.0"] == 5.0 and maxes["blocks.0"] == 5.0 and norms["tok_emb"] == 2.0
 
 
+@pytest.mark.unit
 def test_ranked_puts_nan_first_and_leaves_zeros_out():
     top = ranked(["a", "b", "c", "d"], [1.0, float("nan"), 0.0, 3.0], 4)
     assert [name for name, _ in top] == ["b", "d", "a"]
     assert math.isnan(top[0][1]) and top[1][1] == 3.0
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU; the kernel's logic is tested in Triton's CPU interpreter above",

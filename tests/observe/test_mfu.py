@@ -14,6 +14,7 @@ from bigtrain.observe.mfu import gpu_peak_flops, mfu, resolve_peak_flops
 from bigtrain.parallel.env import DistEnv
 
 
+@pytest.mark.unit
 def test_flops_per_token_by_hand(micro):
     cfg = micro()
     # micro GPT: 2 layers, d_model 64, GELU d_ff 256, biases, vocab 384 tied, seq 32.
@@ -25,6 +26,7 @@ def test_flops_per_token_by_hand(micro):
     assert model_flops_per_token(model, cfg.model) == 6 * n + attention == 797184
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("name", "dtype", "peak"),
     [
@@ -42,6 +44,7 @@ def test_data_sheet_peaks(name, dtype, peak):
     assert gpu_peak_flops(name, dtype) == peak
 
 
+@pytest.mark.unit
 def test_mfu_formula_and_sources():
     assert mfu(1000.0, 797184.0, 1e12, 2) == pytest.approx(1000 * 797184 / 2e12)
     assert resolve_peak_flops(torch.device("cpu"), "bf16", False, 3e12) == (
@@ -52,6 +55,7 @@ def test_mfu_formula_and_sources():
     assert measured > 1e9 and source.startswith("measured")
 
 
+@pytest.mark.e2e
 def test_mfu_in_metrics(micro):
     cfg = micro("train.peak_flops=1e12", "train.max_steps=10")
     run(cfg, DistEnv())

@@ -12,6 +12,7 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
 
+@pytest.mark.e2e
 def test_report_plots_what_metrics_jsonl_holds_with_anomaly_markers(micro):
     cfg = micro(
         "train.max_steps=20",
@@ -51,11 +52,13 @@ def test_report_plots_what_metrics_jsonl_holds_with_anomaly_markers(micro):
     assert "master weights" in page and "rollback" in page and 'src="loss.png"' in page
 
 
+@pytest.mark.e2e
 def test_report_on_a_directory_without_metrics_exits_2(tmp_path):
     result = run_cli("report", str(tmp_path))
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr
 
 
+@pytest.mark.unit
 def test_split_trajectory_cuts_each_replayed_stretch_into_its_own_segment():
     first, replay, resume = [10, 20, 30, 40, 50], [30, 40, 50, 60], [20, 30, 70]
     records = [
@@ -118,6 +121,7 @@ def _kept_attempt(step: int) -> int:
     return 0 if step < 30 else 1
 
 
+@pytest.mark.unit
 def test_report_draws_the_kept_trajectory_and_the_abandoned_segment_apart(tmp_path):
     run_dir = _rolled_back_run(tmp_path / "run", spike=(0, 55))
     plotted = json.loads((run_dir / "report" / "plotted.json").read_text())
@@ -146,6 +150,7 @@ def test_report_draws_the_kept_trajectory_and_the_abandoned_segment_apart(tmp_pa
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("spike", [(0, 55), (1, 45), None])  # (attempt, step) with loss 146
 def test_report_clips_the_loss_axis_to_the_bulk_and_marks_a_spike_at_the_edge(tmp_path, spike):
     run_dir = _rolled_back_run(tmp_path / "run", spike=spike)
@@ -163,6 +168,7 @@ def test_report_clips_the_loss_axis_to_the_bulk_and_marks_a_spike_at_the_edge(tm
         assert "off the scale (value above)" in loss["_axes"][0]["legend"]
 
 
+@pytest.mark.unit
 def test_report_throughput_shows_tokens_per_s_and_mfu_on_labelled_axes(tmp_path):
     run_dir = _rolled_back_run(tmp_path / "run", spike=None)
     plotted = json.loads((run_dir / "report" / "plotted.json").read_text())["throughput"]

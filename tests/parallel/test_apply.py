@@ -16,6 +16,7 @@ from bigtrain.parallel.env import DistEnv
 from bigtrain.utils.names import canonical_name
 
 
+@pytest.mark.unit
 def test_transforms_keep_canonical_parameter_names():
     model = GPT(ModelConfig(n_layers=2, n_heads=2, d_model=32, seq_len=8, vocab_size=50))
     names = [n for n, _ in model.named_parameters()]
@@ -50,6 +51,7 @@ PLAIN = [
 # Stated tolerances: options that change no arithmetic must reproduce the plain run bit for bit;
 # the fused AdamW kernel (bit-identical on this CPU) and inductor's fusions may round differently:
 # their losses agree to a relative 1e-4 (fused) and 2e-3 (compile, FP32 compute) at every step.
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("option", "rel"),
     [
@@ -76,6 +78,7 @@ def test_speed_option_keeps_the_loss_of_the_plain_run(micro, option, rel):
     assert torch.compiler.is_compiling() is False
 
 
+@pytest.mark.e2e
 def test_checkpoint_loads_with_activation_checkpointing_toggled(micro):
     """Names in checkpoints are canonical: a run may turn activation checkpointing on at resume."""
     straight = run(
@@ -98,6 +101,7 @@ def test_checkpoint_loads_with_activation_checkpointing_toggled(micro):
     assert resumed["fingerprint"] == straight["fingerprint"]
 
 
+@pytest.mark.unit
 def test_selective_checkpointing_refuses_dropout(micro):
     from bigtrain.errors import ConfigError
 

@@ -6,6 +6,8 @@ import pytest
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import read_env
 
+pytestmark = pytest.mark.unit
+
 LAUNCH_VARS = (
     "RANK",
     "WORLD_SIZE",

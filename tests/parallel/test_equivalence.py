@@ -13,6 +13,8 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 STEPS = 20
 
 

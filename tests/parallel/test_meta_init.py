@@ -37,6 +37,7 @@ def initial_state(args: list[str]) -> dict:
         shutdown(clean=False)
 
 
+@pytest.mark.distributed
 def test_meta_init_is_the_same_at_any_world_size_and_follows_the_init_rules(
     tmp_path, corpus_files, cache_dir
 ):
@@ -72,6 +73,7 @@ def test_meta_init_is_the_same_at_any_world_size_and_follows_the_init_rules(
     assert math.isfinite(one["loss"]) and one["loss"] < 6.5
 
 
+@pytest.mark.unit
 def test_meta_init_needs_fsdp(micro):
     with pytest.raises(ConfigError, match="parallel.meta_init=true needs parallel.backend=fsdp"):
         build_trainer(micro("parallel.meta_init=true"), read_env())

@@ -17,6 +17,8 @@ from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed, train_run
 
+pytestmark = pytest.mark.distributed
+
 
 def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
     return micro_overrides(tmp / name, corpus_files, cache_dir) + list(extra)

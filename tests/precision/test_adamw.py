@@ -27,6 +27,7 @@ def run_steps(p, opt, steps, grad_scale=1.0, seed=1):
         opt.step()
 
 
+@pytest.mark.unit
 def test_fp32_states_match_torch_adamw():
     """The update is torch's fused AdamW itself: bit for bit equal to fused, and within 1e-6
     relative of the foreach implementation (whose arithmetic order differs)."""
@@ -42,6 +43,7 @@ def test_fp32_states_match_torch_adamw():
     assert opt.state[p]["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "grad_scale", [1.0, 1e-6]
@@ -62,6 +64,7 @@ def test_low_precision_states_track_fp32(dtype, grad_scale):
     torch.testing.assert_close(v, v_ref, rtol=0.1, atol=0)
 
 
+@pytest.mark.unit
 def test_fp16_scales_are_powers_of_two_near_2_pow_14():
     p, opt = make(torch.float16)
     run_steps(p, opt, 3, grad_scale=1e-5)
@@ -74,6 +77,7 @@ def test_fp16_scales_are_powers_of_two_near_2_pow_14():
         assert 2**14 <= peak < 2**15, (key, peak)
 
 
+@pytest.mark.unit
 def test_naive_fp16_copy_of_second_moment_underflows():
     """Why the scaling exists: the FP32 second moment of tiny gradients is zero in plain FP16."""
     p32, o32 = make(torch.float32)
@@ -81,6 +85,7 @@ def test_naive_fp16_copy_of_second_moment_underflows():
     assert (o32.state[p32]["exp_avg_sq"].half() == 0).all()
 
 
+@pytest.mark.unit
 def test_bf16_round_to_nearest_stalls_where_stochastic_rounding_does_not():
     """An EMA of a constant gradient 1 with beta=0.999 approaches 1; in BF16 its increments of
     0.001 * (1 - m) fall below half an ulp near 0.5 and round-to-nearest stops there."""
@@ -100,6 +105,7 @@ def test_bf16_round_to_nearest_stalls_where_stochastic_rounding_does_not():
     assert results["stochastic"] == pytest.approx(expected, abs=0.02)
 
 
+@pytest.mark.unit
 def test_stochastic_rounding_is_unbiased():
     torch.manual_seed(0)
     x = torch.full((200_000,), 1.0 + 2**-10)  # between two BF16 values (1 and 1 + 2^-7)
@@ -107,6 +113,7 @@ def test_stochastic_rounding_is_unbiased():
     assert x.to(torch.bfloat16).float().mean().item() == 1.0  # nearest always rounds it away
 
 
+@pytest.mark.unit
 def test_noise_pool_is_uniform_and_unbiased_per_position():
     pool = NoisePool()
     values = pool._pool(torch.device("cpu"))[: NoisePool.SIZE]
@@ -124,6 +131,7 @@ def test_noise_pool_is_uniform_and_unbiased_per_position():
     assert len({tuple(pool._pool(torch.device("cpu"))[:8].tolist()) for _ in range(2)}) == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_state_dict_round_trip_is_exact_and_converts_dtypes(dtype):
     p, opt = make(dtype)
@@ -143,6 +151,7 @@ def test_state_dict_round_trip_is_exact_and_converts_dtypes(dtype):
     assert torch.equal(p, q)  # bit-exact continuation
 
 
+@pytest.mark.unit
 def test_fp32_torch_checkpoint_loads_into_fp16_states():
     torch.manual_seed(0)
     q = torch.nn.Parameter(torch.randn(64, 64))
@@ -157,6 +166,7 @@ def test_fp32_torch_checkpoint_loads_into_fp16_states():
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_step_reads_nothing_back_from_the_device(dtype):
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 1000)]
@@ -168,6 +178,7 @@ def test_step_reads_nothing_back_from_the_device(dtype):
     assert count_host_syncs(lambda: params[0].sum().item()) == 1  # the counter counts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_state_tensor_follows_the_parameters_device(dtype):
     """On the meta device a tensor created elsewhere (a CPU step counter, say) would fail or show:
@@ -182,6 +193,7 @@ def test_every_state_tensor_follows_the_parameters_device(dtype):
             assert value.device.type == "meta", key
 
 
+@pytest.mark.unit
 def test_chunks_give_the_same_update_as_one_pass():
     from bigtrain.precision import adamw_torch
 
@@ -202,6 +214,7 @@ def test_chunks_give_the_same_update_as_one_pass():
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.unit
 def test_chunk_ranges():
     from bigtrain.precision.adamw_torch import _chunks
 
@@ -210,6 +223,7 @@ def test_chunk_ranges():
     assert _chunks([], 10) == [(0, 0)]
 
 
+@pytest.mark.e2e
 def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
     """The CUDA kernel's logic, run by Triton's CPU interpreter in a process of its own, against
     the torch implementation on the same tensors: FP32, FP16 (and its scales) and BF16 with
@@ -225,6 +239,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
     assert result["bf16_stochastic"]["differs_from_nearest"]
 
 
+@pytest.mark.unit
 def test_fused_low_precision_states_need_triton_on_cuda():
     from bigtrain.config import load_config
     from bigtrain.errors import ConfigError

@@ -24,6 +24,7 @@ def deepspeed_supports_fp16() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["fsdp", "zero"])
 def test_fp16_overflow_is_skipped_by_every_rank_and_backs_off(
     tmp_path, corpus_files, cache_dir, backend
@@ -72,6 +73,7 @@ def islands_dtypes(args: list[str]) -> dict:
         shutdown(clean=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("backend", "world"), [("local", 1), ("fsdp", 2)])
 def test_fp32_modules_run_in_fp32(tmp_path, corpus_files, cache_dir, backend, world):
     args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
@@ -91,6 +93,7 @@ SCHEDULE = (
 )
 
 
+@pytest.mark.e2e
 def test_schedule_switches_dtype_logs_phases_and_resumes_in_the_right_phase(micro):
     cfg = micro(
         "train.max_steps=8",
@@ -128,6 +131,7 @@ def test_schedule_switches_dtype_logs_phases_and_resumes_in_the_right_phase(micr
     assert phases == ["bf16"] * 3
 
 
+@pytest.mark.distributed
 def test_fsdp_schedule_runs(tmp_path, corpus_files, cache_dir):
     args = micro_overrides(tmp_path / "f", corpus_files, cache_dir) + [
         "parallel.backend=fsdp",
@@ -145,6 +149,7 @@ def test_fsdp_schedule_runs(tmp_path, corpus_files, cache_dir):
     ]
 
 
+@pytest.mark.unit
 def test_zero_refuses_a_schedule_and_fp32_modules(micro):
     from bigtrain.parallel.zero import check_zero_precision
     from bigtrain.precision import Hardware, resolve_policy
@@ -159,6 +164,7 @@ def test_zero_refuses_a_schedule_and_fp32_modules(micro):
             check_zero_precision(cfg, resolve_policy(cfg.precision, cpu, 10**6))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("backend", "world"), [("fsdp", 2), ("zero", 2), ("local", 1)])
 def test_fp32_state_checkpoint_resumes_with_fp16_states(
     tmp_path, corpus_files, cache_dir, backend, world
@@ -179,6 +185,7 @@ def test_fp32_state_checkpoint_resumes_with_fp16_states(
     )  # finite: the FP32 moments were re-encoded, not garbage
 
 
+@pytest.mark.e2e
 def test_low_precision_states_reach_the_fp32_loss(micro):
     """200 steps of the micro model: BF16 (stochastic) and FP16 (scaled) states end within 1% of
     FP32 states' training loss. At a stable learning rate: at 3e-3 the micro model has loss spikes
@@ -198,6 +205,7 @@ def test_low_precision_states_reach_the_fp32_loss(micro):
         assert loss == pytest.approx(ref, rel=0.01), (dtype, loss, ref)
 
 
+@pytest.mark.e2e
 def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
     from bigtrain.errors import AbortRun
 
@@ -219,6 +227,7 @@ def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
     assert anomaly[0]["step"] == 2 and anomaly[0]["metric"] == "loss_scale_at_minimum"
 
 
+@pytest.mark.unit
 def test_adaptive_clipping_uses_the_percentile_of_healthy_norms():
     from bigtrain.precision.clip import ClipThreshold
 
@@ -234,6 +243,7 @@ def test_adaptive_clipping_uses_the_percentile_of_healthy_norms():
     assert ClipThreshold(fixed=1.0, adaptive=False, percentile=50, window=100).value() == 1.0
 
 
+@pytest.mark.e2e
 def test_adaptive_clipping_in_a_run(micro):
     cfg = micro(
         "precision.adaptive_clip=true",

@@ -49,6 +49,7 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, affine: bool) -> torch.Tensor:
     ) * x_hat.abs().sum(1)[:, None]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_forward_error_is_within_the_derived_bound(affine, smoothing):
@@ -72,6 +73,7 @@ def test_forward_error_is_within_the_derived_bound(affine, smoothing):
     assert y.dtype == torch.float32
 
 
+@pytest.mark.unit
 def test_smoothing_lowers_the_error_on_outlier_channels():
     x = outlier_inputs(128, 96)
     linear = nn.Linear(96, 64)
@@ -86,6 +88,7 @@ def test_smoothing_lowers_the_error_on_outlier_channels():
     assert errors[1] < 0.7 * errors[0]
 
 
+@pytest.mark.unit
 def test_gradient_is_the_ste_reference_in_bf16_and_int8_is_saved():
     x = outlier_inputs(48, 64).requires_grad_(True)
     linear = nn.Linear(64, 32)
@@ -117,6 +120,7 @@ def test_gradient_is_the_ste_reference_in_bf16_and_int8_is_saved():
     assert not any(t.is_floating_point() and t.numel() >= x.numel() for t in saved)
 
 
+@pytest.mark.e2e
 def test_default_exclusions_keep_attention_output_and_lm_head_in_bf16(micro, monkeypatch):
     cfg = micro("precision.int8.enabled=true", "precision.compute_dtype=bf16", "train.eval_every=0")
     trainer = build_trainer(cfg, DistEnv())
@@ -144,6 +148,7 @@ def test_default_exclusions_keep_attention_output_and_lm_head_in_bf16(micro, mon
     assert table["int8 forward"] == "blocks.*.attn.qkv, blocks.*.mlp.up, blocks.*.mlp.down"
 
 
+@pytest.mark.unit
 def test_gpt2_conv1d_is_converted():
     torch.manual_seed(0)
     cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 32}
@@ -169,6 +174,7 @@ def test_gpt2_conv1d_is_converted():
     assert c_fc.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.unit
 def test_bad_int8_config_is_a_clear_error(micro):
     with pytest.raises(ConfigError, match="precision.int8.modules"):
         build_trainer(
@@ -201,6 +207,7 @@ def calibration_on_ranks(args: list[str]) -> dict:
         shutdown(clean=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("backend", "stage"), [("fsdp", 0), ("zero", 2), ("zero", 3)])
 def test_calibration_is_the_max_over_ranks_and_identical_on_every_rank(
     tmp_path, corpus_files, cache_dir, backend, stage
@@ -221,6 +228,7 @@ def test_calibration_is_the_max_over_ranks_and_identical_on_every_rank(
     assert len(amax) == 64 and min(amax) > 0
 
 
+@pytest.mark.e2e
 def test_calibration_state_survives_checkpoint_and_resume(micro):
     common = (
         "precision.int8.enabled=true",
@@ -295,6 +303,7 @@ def test_tiny_model_int8_reaches_the_validation_loss_of_the_plain_run(tmp_path, 
     assert abs(int8_loss - plain_loss) / plain_loss < 0.03
 
 
+@pytest.mark.unit
 def test_calibration_of_other_layers_is_refused_with_the_layers_named():
     from bigtrain.callbacks.int8_calibration import Int8Calibration
 
@@ -306,6 +315,7 @@ def test_calibration_of_other_layers_is_refused_with_the_layers_named():
     assert calibration.steps == 0 and layer.act_amax.abs().sum() == 0  # nothing half-loaded
 
 
+@pytest.mark.unit
 def test_every_int8_tensor_follows_the_layer_to_another_device():
     """The CPU-side guard for CUDA (a GPU run crashed on a CPU-held calibration buffer): after a
     calibrated state is loaded, moving the model moves every parameter and buffer of each INT8

@@ -17,6 +17,7 @@ def policy(hw, n=10**8, *overrides):
     return resolve_policy(load_config([], list(overrides)).precision, hw, n)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("hw", "compute", "scaling", "tf32"),
     [
@@ -34,6 +35,7 @@ def test_auto_by_hardware(hw, compute, scaling, tf32):
     assert p.reasons["compute"].startswith("auto:")
 
 
+@pytest.mark.unit
 def test_size_thresholds():
     assert not policy(A100, 6_900_000_000).fp32_softmax
     assert policy(A100, 7_000_000_000).fp32_softmax
@@ -45,6 +47,7 @@ def test_size_thresholds():
         policy(A100, 30_000_000_000, "precision.compute_dtype=fp16")
 
 
+@pytest.mark.unit
 def test_presets_and_explicit_keys():
     assert policy(A100, 10**8, "precision.preset=fp16-mixed").loss_scaling == "dynamic"
     assert policy(A100, 10**8, "precision.preset=fp32").compute_dtype == torch.float32
@@ -60,6 +63,7 @@ def test_presets_and_explicit_keys():
     assert "fp32 modules" in table and "lm_head" in table
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -93,6 +97,7 @@ def test_contradictions_name_the_keys(overrides, message):
         policy(A100, 10**8, *overrides)
 
 
+@pytest.mark.unit
 def test_bf16_loss_scaling_when_asked_for():
     p = policy(
         A100,
@@ -104,6 +109,7 @@ def test_bf16_loss_scaling_when_asked_for():
     assert p.loss_scaling == "dynamic"
 
 
+@pytest.mark.unit
 def test_schedule_phases():
     p = policy(
         A100,
@@ -119,6 +125,7 @@ def test_schedule_phases():
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

@@ -17,6 +17,7 @@ from tests.distributed import run_distributed, train_run
 WORLD = {"local": 1, "zero": 2, "fsdp": 2}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["local", "zero"])
 def test_async_checkpoint_commits_later_and_resumes_bit_exactly(
     tmp_path, corpus_files, cache_dir, backend
@@ -46,6 +47,7 @@ def test_async_checkpoint_commits_later_and_resumes_bit_exactly(
     assert resumed[0]["final"]["fingerprint"] == straight["final"]["fingerprint"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["local", "zero"])
 def test_sigkill_during_the_background_write_never_loads_it(micro_args, tmp_path, backend):
     """The step-5 checkpoint is still being written (its writer is held after the first file)
@@ -69,6 +71,7 @@ def test_sigkill_during_the_background_write_never_loads_it(micro_args, tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000008"]
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_at_a_snapshot_step_writes_from_the_snapshot(micro, monkeypatch):
     """The rollback snapshot is already a host copy of the state: a checkpoint of the same step
     (asynchronous or not) writes from it instead of copying again."""

@@ -11,6 +11,8 @@ from bigtrain.store.checkpoint import CheckpointError, CheckpointManager, verify
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.e2e
+
 ENV = DistEnv()
 
 

@@ -25,6 +25,7 @@ def _write_lock(run_dir: Path, **owner) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_acquire_writes_the_owner_and_release_removes_it(tmp_path):
     lock = RunLock(tmp_path, timeout_s=60).acquire()
     owner = json.loads((tmp_path / LOCK_NAME).read_text())
@@ -34,6 +35,7 @@ def test_acquire_writes_the_owner_and_release_removes_it(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+@pytest.mark.unit
 def test_a_live_process_on_this_host_keeps_its_lock(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -47,6 +49,7 @@ def test_a_live_process_on_this_host_keeps_its_lock(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.unit
 def test_a_dead_process_lock_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -60,6 +63,7 @@ def test_a_dead_process_lock_is_taken_over(tmp_path):
         lock.release()
 
 
+@pytest.mark.unit
 def test_a_reused_pid_does_not_keep_a_dead_runs_lock(tmp_path):
     # our own parent's pid is alive, but was started at another time than the lock says
     _write_lock(tmp_path, pid=os.getppid(), process_start="12345")
@@ -68,6 +72,7 @@ def test_a_reused_pid_does_not_keep_a_dead_runs_lock(tmp_path):
     lock.release()
 
 
+@pytest.mark.unit
 def test_another_hosts_lock_is_taken_over_after_its_heartbeat_stops(tmp_path):
     path = _write_lock(tmp_path, host="node-7", pid=4242)
     old = time.time() - 30
@@ -83,6 +88,7 @@ def test_another_hosts_lock_is_taken_over_after_its_heartbeat_stops(tmp_path):
     lock.release()
 
 
+@pytest.mark.unit
 def test_another_hosts_lock_with_a_heartbeat_is_live(tmp_path):
     path = _write_lock(tmp_path, host="node-7", pid=4242)
     stop = threading.Event()
@@ -101,6 +107,7 @@ def test_another_hosts_lock_with_a_heartbeat_is_live(tmp_path):
         thread.join()
 
 
+@pytest.mark.unit
 def test_heartbeat_refreshes_the_lock(tmp_path):
     lock = RunLock(tmp_path, timeout_s=0.4).acquire()
     path = tmp_path / LOCK_NAME
@@ -111,6 +118,7 @@ def test_heartbeat_refreshes_the_lock(tmp_path):
     lock.release()
 
 
+@pytest.mark.e2e
 def test_a_second_run_on_a_live_run_dir_exits_2_and_changes_nothing(micro_args, tmp_path):
     args = micro_args("fault.slow_rank=0", "fault.slow_s=0.25", "train.max_steps=20")
     env = {**os.environ, "WANDB_SILENT": "true"}
@@ -142,6 +150,7 @@ def test_a_second_run_on_a_live_run_dir_exits_2_and_changes_nothing(micro_args, 
     assert not (out / LOCK_NAME).exists()  # released at the end
 
 
+@pytest.mark.e2e
 def test_a_killed_runs_lock_is_taken_over_with_an_event(micro, tmp_path):
     from bigtrain.build import run
     from bigtrain.parallel.env import DistEnv
@@ -156,6 +165,7 @@ def test_a_killed_runs_lock_is_taken_over_with_an_event(micro, tmp_path):
     assert len(takeover) == 1 and takeover[0]["previous"]["pid"] == dead.pid
 
 
+@pytest.mark.e2e
 def test_out_dir_that_is_a_file_exits_2(micro_args, tmp_path):
     target = tmp_path / "afile"
     target.write_text("precious\n")
@@ -179,6 +189,7 @@ def _refused_run(args: list[str]) -> str:
     return "ran"
 
 
+@pytest.mark.distributed
 def test_every_rank_of_a_second_fsdp_run_exits_2(micro_args, tmp_path):
     from tests.distributed import run_distributed
 

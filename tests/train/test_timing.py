@@ -1,4 +1,8 @@
+import pytest
+
 from bigtrain.callbacks.straggler import find_stragglers
+
+pytestmark = pytest.mark.unit
 
 
 def base(**parts: float) -> dict[str, float]:

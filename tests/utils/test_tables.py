@@ -1,6 +1,9 @@
+import pytest
 import torch
 
 from bigtrain.utils.tables import DeviceTable, chunk_layout
+
+pytestmark = pytest.mark.unit
 
 
 def test_chunk_layout_spreads_large_tensors_and_skips_empty_ones():

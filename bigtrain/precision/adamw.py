@@ -222,7 +222,7 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "device_mesh") and local.dim():
         from torch.distributed.tensor import DTensor
 
-        return DTensor.fromlocal_tensor(
+        return DTensor.from_local(
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
     return local

@@ -267,9 +267,9 @@ def zero_clipped_norm(args: list[str]) -> tuple[float, float]:
             return step(*a, **kw)
 
         client.step = spy
-        metrics = trainer.train_step()
+        result = trainer.train_step()
         # ZeRO-1/2 step one parameter group per call, with only that group's gradients set.
-        return float(metrics["grad_norm"]), sum(seen)
+        return float(result.grad_norm), sum(seen)
     finally:
         trainer.callbacks.close()
         shutdown(clean=False)

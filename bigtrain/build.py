@@ -27,8 +27,15 @@ from bigtrain.callbacks.rollback import Rollback
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
-from bigtrain.config import Config, to_dict, to_yaml
-from bigtrain.data import BatchLoader, SampleStream, eval_batches, prepare_corpus, split_samples
+from bigtrain.config import Config, for_world_size, to_dict, to_yaml
+from bigtrain.data import (
+    BatchLoader,
+    SampleStream,
+    eval_batches,
+    load_tokenizer,
+    prepare_corpus,
+    split_samples,
+)
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
 from bigtrain.model import build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
@@ -123,6 +130,7 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
+    cfg = for_world_size(cfg, env.world_size)  # train.global_batch_size -> grad_accum_steps
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
@@ -147,7 +155,8 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
         if lock is not None:
             lock.release()
             if created:  # a setup error leaves no run directory of its own behind
-                shutil.rmtree(out / "logs", ignore_errors=True)
+                for made in ("logs", "tokenizer"):
+                    shutil.rmtree(out / made, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     out.rmdir()
         raise
@@ -290,6 +299,9 @@ def _build_trainer(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
     corpus, loader, val = make_data(cfg, env, device)
+    manager.tokenizer_dir = run_dir.path / "tokenizer"
+    if env.is_main:  # the run's tokenizer, beside its config; checkpoints carry a copy
+        load_tokenizer(corpus.tokenizer_dir).save_pretrained(str(manager.tokenizer_dir))
     model, learned = make_model(cfg, corpus.vocab_size, device)
     backend = make_backend(cfg, model, learned["policy"], device)
     peak_flops, peak_source = resolve_peak_flops(

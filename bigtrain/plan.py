@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import build_model, num_params
@@ -310,6 +311,7 @@ def activation_lines(
 def plan_text(
     cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
 ) -> str:
+    cfg = for_world_size(cfg, world_size)
     n, block = count_params(cfg)
     policy = resolve_policy(cfg.precision, hardware, n)
     lines = [

@@ -1,14 +1,16 @@
-"""Where a run starts: a resumed checkpoint (`checkpoint.resume`), the weights of another run's
-checkpoint (`checkpoint.init_from`), or the fresh initialisation.
+"""Where a run starts: a resumed checkpoint (`checkpoint.resume`), existing weights
+(`model.init_from`: a bigtrain checkpoint or a Hugging Face directory), or the fresh
+initialisation.
 
 A resume continues a run: weights, optimizer state, counters, data cursor and RNG. Its checkpoint
-must have been written by the same backend for a model of the same shapes; the run's identity
-(model, corpus and tokenizer, global batch) may change only with `checkpoint.allow_config_change`.
-Every config key that changed since the checkpoint is reported, allowed or not.
+may come from any backend at any world size (parallel/sources.py reads each rank's slices), for a
+model of the same shapes; the run's identity (model, corpus and tokenizer, global batch) may
+change only with `checkpoint.allow_config_change`. Every config key that changed since the
+checkpoint is reported, allowed or not.
 
 `init_from` starts a new run (step 0, fresh optimizer state, the data order from the start) from
-another run's weights, for example a finished pretraining run; it applies only when there is
-nothing to resume, so a restarted job resumes its own checkpoints instead.
+existing weights, for example a finished pretraining run or a released model; it applies only
+when there is nothing to resume, so a restarted job resumes its own checkpoints instead.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bigtrain.config import Config, config_changes
+from bigtrain.config import Config, ModelConfig, config_changes
 from bigtrain.errors import ConfigError
-from bigtrain.store.checkpoint import CheckpointManager, identity_changes, shape_changes
+from bigtrain.model.hf_layout import Part, layout_for
+from bigtrain.parallel.sources import HFSource, checkpoint_source
+from bigtrain.store.checkpoint import (
+    MANIFEST,
+    CheckpointManager,
+    identity_changes,
+    shape_changes,
+)
 from bigtrain.train import Trainer
 
 
@@ -27,11 +36,10 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
     """Resume or initialise `trainer`; the `resume` event's details, or None."""
     found = _resume_target(cfg, trainer, manager)
     if found is None:
-        if cfg.checkpoint.init_from:
+        if cfg.model.init_from:
             trainer.context["init_from"] = init_from(cfg, trainer, manager)
         return None
     path, manifest = found
-    _check_backend(path, manifest, trainer)
     changes = identity_changes(manifest["identity"], trainer.context["identity"])
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
@@ -72,14 +80,6 @@ def _resume_target(
     return path, manager.verify(path)  # CheckpointError (exit 2) names the file that fails
 
 
-def _check_backend(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
-    if manifest["backend"] != trainer.backend.name:
-        raise ConfigError(
-            f"checkpoint '{path}' was written by parallel.backend={manifest['backend']}, "
-            f"this run uses {trainer.backend.name}: checkpoints load on the backend that wrote them"
-        )
-
-
 def _check_shapes(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
     """The same parameter shapes: nothing else can be loaded."""
     reshaped = shape_changes(manifest.get("shapes"), trainer.context["shapes"])
@@ -91,20 +91,39 @@ def _check_shapes(path: Path, manifest: dict[str, Any], trainer: Trainer) -> Non
             f"checkpoint '{path}' holds parameters of other shapes than this model ({shown}): a "
             "changed model shape cannot be loaded, not even with "
             "checkpoint.allow_config_change=true; start another train.out_dir (with "
-            "checkpoint.init_from for weights of the same shapes)"
+            "model.init_from for weights of the same shapes)"
         )
 
 
 def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any]:
-    """Load the model weights of checkpoint `checkpoint.init_from`; the optimizer state stays
-    fresh, and the step, data cursor and RNG stay those of a new run."""
-    path = Path(cfg.checkpoint.init_from)
-    manifest = manager.verify(path)
-    _check_backend(path, manifest, trainer)
-    _check_shapes(path, manifest, trainer)
-    backend = trainer.backend
-    fresh = backend.local_state()  # before the first step: empty optimizer state on every rank
-    backend.load(path)
-    loaded = backend.local_state()
-    backend.load_local_state({**loaded, "optim": fresh["optim"]})
-    return {"path": str(path), "source_step": manifest["step"]}
+    """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
+    Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
+    step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
+    path = Path(cfg.model.init_from)
+    details: dict[str, Any] = {"path": str(path)}
+    if (path / MANIFEST).is_file():
+        manifest = manager.verify(path)
+        _check_shapes(path, manifest, trainer)
+        source = checkpoint_source(path, manifest["backend"])
+        details.update(kind="checkpoint", backend=manifest["backend"], source_step=manifest["step"])
+    else:
+        source = hf_source(path, cfg.model, trainer.context["shapes"])
+        details.update(kind="huggingface")
+    trainer.backend.load_from(source, optimizer=False)
+    details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
+    return details
+
+
+def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) -> HFSource:
+    """A Hugging Face directory as a source for this model: the GPT-2 or Llama layout for the
+    built-in GPT, transformers' own names (under `hf.`) for model.kind=hf."""
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"key 'model.init_from': '{path}' is neither a bigtrain checkpoint (no {MANIFEST}) "
+            "nor a Hugging Face model directory (no config.json)"
+        )
+    if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
+        parts = {n: [Part(n.removeprefix("hf."), s[0] if s else 1)] for n, s in shapes.items()}
+    else:
+        parts = layout_for(model_cfg, {k: tuple(v) for k, v in shapes.items()}).parts
+    return HFSource(path, parts)

@@ -1,4 +1,11 @@
-from bigtrain.config.load import config_changes, load_config, to_dict, to_yaml, validate
+from bigtrain.config.load import (
+    config_changes,
+    for_world_size,
+    load_config,
+    to_dict,
+    to_yaml,
+    validate,
+)
 from bigtrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -19,6 +26,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "FaultConfig",
+    "for_world_size",
     "ModelConfig",
     "MonitorConfig",
     "OptimConfig",

@@ -7,6 +7,7 @@ one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -66,7 +67,12 @@ def all_keys(schema: Any = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+MOVED = {"checkpoint.init_from": "model.init_from"}
+
+
 def _closest(key: str) -> str:
+    if key in MOVED:
+        return f" (it moved: use '{MOVED[key]}')"
     match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -190,8 +196,11 @@ def _check_model(config: Config) -> None:
         )
     if m.kind == "gpt" and m.position == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError("key 'model.n_heads': rope needs an even head dim (d_model / n_heads)")
-    if m.kind == "hf" and not (m.hf_config or m.hf_path):
-        raise ConfigError("model.kind=hf needs 'model.hf_config' (a dict) or 'model.hf_path'")
+    if m.kind == "hf" and not (m.hf_config or m.hf_path or m.init_from):
+        raise ConfigError(
+            "model.kind=hf needs 'model.hf_config' (a dict), 'model.hf_path' or 'model.init_from' "
+            "(a Hugging Face directory)"
+        )
     if m.kind == "hf" and m.hf_config is not None and "model_type" not in m.hf_config:
         raise ConfigError(_hf_config_without_model_type(dict(m.hf_config)))
 
@@ -204,6 +213,7 @@ def _check_signs(config: Config) -> None:
         "train.max_steps": t.max_steps,
         "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum_steps": t.grad_accum_steps,
+        "train.global_batch_size": t.global_batch_size or 1,
         "train.log_every": t.log_every,
         "train.lock_timeout_s": t.lock_timeout_s,
         "train.eval_batches": t.eval_batches,
@@ -247,6 +257,29 @@ def _check_signs(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
+
+
+def for_world_size(config: Config, world_size: int) -> Config:
+    """The config with `train.grad_accum_steps` derived from `train.global_batch_size` (when set)
+    for `world_size` ranks; ConfigError with the numbers when it does not divide."""
+    t = config.train
+    if t.global_batch_size is None:
+        return config
+    per_step = t.micro_batch_size * world_size
+    accum, rest = divmod(t.global_batch_size, per_step)
+    if rest or accum == 0:
+        raise ConfigError(
+            f"key 'train.global_batch_size' ({t.global_batch_size}) must be a positive multiple "
+            f"of train.micro_batch_size ({t.micro_batch_size}) x world size ({world_size}) = "
+            f"{per_step}"
+        )
+    if t.grad_accum_steps not in (1, accum):
+        raise ConfigError(
+            f"key 'train.grad_accum_steps' ({t.grad_accum_steps}) disagrees with "
+            f"train.global_batch_size ({t.global_batch_size}), which gives {accum} at world size "
+            f"{world_size}: set one of them"
+        )
+    return dataclasses.replace(config, train=dataclasses.replace(t, grad_accum_steps=accum))
 
 
 def _check_optim_and_data(config: Config) -> None:

@@ -56,6 +56,13 @@ class ModelConfig:
     hf_path: str | None = None
     """kind=hf: a local directory holding `config.json` (and weights, which are then loaded), or a
     hub name. Takes precedence over `hf_config`."""
+    init_from: str | None = None
+    """Start this run from existing weights: a Hugging Face model directory (`config.json` and
+    safetensors, sharded or not; GPT-2 and Llama layouts map onto kind=gpt by name, any model onto
+    kind=hf), or a bigtrain checkpoint of any backend and world size. Step 0, fresh optimizer
+    state, data from the start, an `init_from` event with the source and a checksum. Each rank
+    reads only the slices it keeps. Only when there is nothing to resume (a restarted job resumes
+    its own checkpoints). At setup."""
 
 
 @dataclass
@@ -245,7 +252,13 @@ class TrainConfig:
     micro_batch_size: int = 16
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = 1
-    """Micro-batches accumulated per optimizer step. Global batch = micro x accum x world size."""
+    """Micro-batches accumulated per optimizer step. Global batch = micro x accum x world size.
+    Derived from `global_batch_size` when that is set."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks. When set, grad_accum_steps = global batch /
+    (micro_batch_size x world size), derived at setup (exit 2 when it does not divide): the same
+    config then runs at any world size, and a run saved on 2 ranks resumes on 1 or 4 unchanged.
+    None: micro_batch_size x grad_accum_steps x world size."""
     log_every: int = 10
     """Write a metrics line (and sync loss to the host) every N steps, and at the last step."""
     eval_every: int = 100
@@ -276,10 +289,6 @@ class CheckpointConfig:
     allow_config_change: bool = False
     """On resume, accept a changed model setting, tokenizer/corpus or global batch (never a
     changed parameter shape). Every changed key is listed in the `resume` event either way."""
-    init_from: str | None = None
-    """A checkpoint directory whose model weights start this run: step 0, fresh optimizer state,
-    data from the start. Only when there is nothing to resume (a restarted job resumes its own
-    checkpoints). Same backend and parameter shapes as the run that wrote it. At setup."""
     async_save: bool = True
     """Write checkpoints in the background: the state is copied to host memory (or taken from
     this step's rollback snapshot), training goes on while the files are written, fsynced and

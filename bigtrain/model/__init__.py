@@ -15,7 +15,7 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     if cfg.kind == "hf":
         from bigtrain.model.hf import build_hf
 
-        return build_hf(cfg.hf_config, cfg.hf_path, cfg.vocab_size or vocab_size)
+        return build_hf(cfg.hf_config, cfg.hf_path, cfg.vocab_size or vocab_size, cfg.init_from)
     return GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab_size))
 
 

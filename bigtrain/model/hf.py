@@ -31,13 +31,27 @@ class HFCausalLM(nn.Module):
 
 
 def build_hf(
-    hf_config: dict[str, Any] | None, hf_path: str | None, vocab_size: int | None
+    hf_config: dict[str, Any] | None,
+    hf_path: str | None,
+    vocab_size: int | None,
+    init_from: str | None = None,
 ) -> HFCausalLM:
     """A causal LM from a local directory (weights loaded when present), a hub name, or a config
-    dict with `model_type`. Weights are FP32: the precision policy decides the compute dtype."""
+    dict with `model_type`. Weights are FP32: the precision policy decides the compute dtype.
+    With `init_from` the weights come later, sliced per rank (resume.init_from): only the
+    architecture is built here, from hf_path, hf_config or init_from's config.json."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if hf_path:
+    if init_from and not hf_config:
+        config_dir = hf_path or init_from
+        if not (Path(config_dir) / "config.json").is_file():
+            raise ConfigError(
+                f"model.kind=hf with model.init_from: '{config_dir}' has no config.json (expected "
+                "a transformers model directory, or set model.hf_config)"
+            )
+        config = AutoConfig.from_pretrained(config_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    elif hf_path:
         local = Path(hf_path)
         if local.exists() and not (local / "config.json").is_file():
             raise ConfigError(

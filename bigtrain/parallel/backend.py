@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
@@ -29,6 +31,8 @@ from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_tensor, to_cpu
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, in checkpoints always FP32
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,15 @@ class Backend(abc.ABC):
     def master_state(self) -> tuple[list[torch.Tensor], dict]:
         """This rank's FP32 master tensors (parameters or flat partitions), and the optimizer
         state dict keyed by them."""
+
+    @abc.abstractmethod
+    def load_from(self, source: Any, optimizer: bool) -> None:
+        """Load the FP32 master weights (and, with `optimizer`, the AdamW moments and step
+        counts) from a source of any format (store/sources.py), reading only the slices this rank
+        keeps; persistent buffers too. The optimizer state stays fresh without `optimizer`."""
+
+    def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)
+        """Continue from the loss scale of a checkpoint written by another backend."""
 
     def after_load_local_state(self) -> None:  # noqa: B027 (optional: nothing by default)
         """What must follow new master values (ZeRO: refresh the compute-dtype copies)."""
@@ -293,6 +306,10 @@ class TorchBackend(Backend):
     def loss_scale(self) -> float | None:
         return self.scaler.scale if self.scaler else None
 
+    def adopt_loss_scale(self, scale: float) -> None:
+        if self.scaler is not None:
+            self.scaler.scale = scale
+
     def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
         return self.scaler.update(overflow) if self.scaler else None
 
@@ -338,6 +355,20 @@ class TorchBackend(Backend):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    @torch.no_grad()
+    def load_from(self, source: Any, optimizer: bool) -> None:
+        named = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        source.check_covers({name: tuple(p.shape) for name, p in named})
+        for name, p in named:
+            offset, shape = local_block(p)
+            local_tensor(p).copy_(source.block(name, "param", offset, shape))
+            if optimizer and p.requires_grad and source.step(name):
+                moments = {k: source.block(name, k, offset, shape) for k in MOMENTS}
+                set_fp32_optimizer_state(self.optimizer, p, source.step(name), moments)
+            elif p in self.optimizer.state:
+                del self.optimizer.state[p]
+        load_buffers(self.model, source)
+
     def master_state(self) -> tuple[list[torch.Tensor], dict]:
         return self._params(), self.optimizer.state
 
@@ -370,7 +401,24 @@ def set_fp32_optimizer_state(
             state[key] = torch.zeros_like(param)
     state["step"].fill_(step)
     for key, value in moments.items():
-        state[key].copy_(value)
+        local_tensor(state[key]).copy_(value)
+
+
+def local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's block of a parameter: its DTensor shard, or all of it."""
+    if isinstance(p, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(shape)
+    return (0,) * p.dim(), tuple(p.shape)
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, source: Any) -> None:
+    """The model's persistent buffers that the source holds."""
+    for name, buffer in persistent_buffers(model).items():
+        value = source.buffer(name)
+        if value is not None:
+            local_tensor(buffer).copy_(value.view(buffer.shape))
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from bigtrain.config.schema import Config
-from bigtrain.errors import ConfigError
 from bigtrain.parallel.backend import (
+    MOMENTS,
     TorchBackend,
     checkpoint_writer,
     fp32_optimizer_state,
     weights_fingerprint,
 )
+from bigtrain.parallel.sources import LocalSource
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
@@ -49,7 +51,8 @@ class LocalBackend(TorchBackend):
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None
     ) -> Future[list[str]]:
-        """model.safetensors and optimizer.pt from a host copy of the state, written by the
+        """model.safetensors (weights and buffers) and optimizer.safetensors (FP32 moments by
+        parameter name, step counts in its metadata) from a host copy of the state, written by the
         writer thread (sync saves wait for it: both paths write the same bytes)."""
         if host_state is None:  # the previous save's buffers are free again (one write at a time)
             host_state = self._spare = self.local_state(into=self._spare)
@@ -61,34 +64,26 @@ class LocalBackend(TorchBackend):
         for name, tensor in self._canonical_state().items():
             i = index.get(tensor.untyped_storage().data_ptr())
             model[name] = i if i is not None else to_cpu(tensor)  # buffers, frozen weights
-        groups = torch.optim.Optimizer.state_dict(self.optimizer)["param_groups"]
-        return self._writer.submit(self._write, directory, host, model, groups, ready)
+        return self._writer.submit(self._write, directory, host, model, ready)
 
-    def _write(self, directory: Path, host, model, groups, ready) -> list[str]:
+    def _write(self, directory: Path, host, model, ready) -> list[str]:
         if ready is not None:
             ready.synchronize()
         tensors = {k: host["params"][v] if isinstance(v, int) else v for k, v in model.items()}
         save_file(tensors, str(directory / "model.safetensors"))
-        state = {
-            i: fp32_optimizer_state(self.optimizer, s) for i, s in enumerate(host["optim"]) if s
-        }
-        torch.save({"state": state, "param_groups": groups}, directory / "optimizer.pt")
-        return ["model.safetensors", "optimizer.pt"]
+        moments, steps = {}, {}
+        for name, i in model.items():
+            state = host["optim"][i] if isinstance(i, int) else None
+            if state:
+                state = fp32_optimizer_state(self.optimizer, state)
+                steps[name] = float(state["step"])
+                moments.update({f"{name}.{k}": state[k] for k in MOMENTS})
+        meta = {"steps": json.dumps(steps)}
+        save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
+        return ["model.safetensors", "optimizer.safetensors"]
 
-    @torch.no_grad()
     def load(self, directory: Path) -> None:
-        saved = load_file(str(directory / "model.safetensors"), device=str(self.device))
-        expected = self._canonical_state()
-        if set(saved) != set(expected):
-            raise ConfigError(
-                f"checkpoint '{directory}': model tensors differ from this model's "
-                f"(missing {sorted(set(expected) - set(saved))[:5]}, unexpected {sorted(set(saved) - set(expected))[:5]})"
-            )
-        for name, tensor in expected.items():
-            tensor.copy_(saved[name])
-        # weights_only: only tensors and plain containers are unpickled, never arbitrary objects.
-        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state)
+        self.load_from(LocalSource(directory), optimizer=True)
 
     def fingerprint(self) -> str:
         return weights_fingerprint(

@@ -21,23 +21,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import (
+    MOMENTS,
     Backend,
     adamw_param_groups,
     checkpoint_writer,
     fp32_optimizer_state,
     lm_loss,
+    load_buffers,
     make_adamw,
     persistent_buffers,
     set_fp32_optimizer_state,
     weights_fingerprint,
 )
+from bigtrain.parallel.sources import ZeroSource
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.utils.names import canonical_name
@@ -174,6 +177,12 @@ class ZeroBackend(Backend):
             float(self.optimizer.loss_scale) if self.policy.compute_dtype == torch.float16 else None
         )
 
+    def adopt_loss_scale(self, scale: float) -> None:
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None and self.policy.compute_dtype == torch.float16:
+            zero_ckpt.load_scaler_state(scaler, {"cur_scale": scale})
+            self._last_scale = scale
+
     def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
         """DeepSpeed's scaler already reacted inside engine.step(); report where it stands."""
         scale = self.loss_scale()
@@ -298,7 +307,7 @@ class ZeroBackend(Backend):
         base = self.optimizer.optimizer
         fp32 = [fp32_optimizer_state(base, s) if s else None for s in host["optim"]]
         header["steps"] = [float(s["step"]) if s else 0.0 for s in fp32]  # host tensors
-        moments = [{k: s[k] for k in zero_ckpt.MOMENTS} if s else None for s in fp32]
+        moments = [{k: s[k] for k in MOMENTS} if s else None for s in fp32]
         name = f"zero/rank_{dist.get_rank():05d}.safetensors"
         zero_ckpt.write_rank_file(directory / name, self.fragments, host["fp32"], moments, header)
         if not buffers:
@@ -306,34 +315,42 @@ class ZeroBackend(Backend):
         save_file(buffers, str(directory / "zero/buffers.safetensors"))
         return [name, "zero/buffers.safetensors"]
 
-    @torch.no_grad()
     def load(self, directory: Path) -> None:
-        index, header = zero_ckpt.read_index(directory)
+        source = ZeroSource(directory)
+        self.load_from(source, optimizer=True)
+        for key, value in source.header["engine"].items():
+            setattr(self.engine, key, value)
+        saved = source.header["loss_scaler"]
+        if saved and getattr(self.optimizer, "loss_scaler", None) is not None:
+            zero_ckpt.load_scaler_state(self.optimizer.loss_scaler, saved)
+
+    @torch.no_grad()
+    def load_from(self, source: Any, optimizer: bool) -> None:
+        """Each fragment this rank holds, read from the source (ZeRO checkpoints of any stage and
+        world size, other backends' checkpoints, Hugging Face weights); moments per flat
+        partition, which holds one parameter group (its step count: any of its parameters')."""
         shapes = {
             name: tuple(p.ds_shape if self.stage == 3 else p.shape) for name, p in self._params
         }
-        zero_ckpt.check_coverage(index, shapes, directory)
+        source.check_covers(shapes)
         flats = self._fp32_flats()
-        keys = ("fp32", *zero_ckpt.MOMENTS) if any(header["steps"]) else ("fp32",)
-        moments = {k: [torch.zeros_like(f) for f in flats] for k in zero_ckpt.MOMENTS}
-        zero_ckpt.fill(index, self.fragments, lambda k: flats if k == "fp32" else moments[k], keys, directory)  # fmt: skip
+        moments = {k: [torch.zeros_like(f) for f in flats] for k in MOMENTS}
+        steps = [0.0] * len(flats)
+        for frag in self.fragments:
+            end = frag.start + frag.numel
+            at = slice(frag.flat_start, frag.flat_start + frag.numel)
+            flats[frag.group][at].copy_(source.read(frag.name, "param", frag.start, end))
+            if optimizer and source.step(frag.name):
+                steps[frag.group] = source.step(frag.name)
+                for key in MOMENTS:
+                    moments[key][frag.group][at].copy_(source.read(frag.name, key, frag.start, end))
         base = self.optimizer.optimizer
         for i, flat in enumerate(flats):
-            if header["steps"][i]:
-                group = {k: moments[k][i] for k in zero_ckpt.MOMENTS}
-                set_fp32_optimizer_state(base, flat, header["steps"][i], group)
+            if steps[i]:
+                set_fp32_optimizer_state(base, flat, steps[i], {k: moments[k][i] for k in MOMENTS})
             else:
                 base.state.pop(flat, None)
-        for key, value in header["engine"].items():
-            setattr(self.engine, key, value)
-        if header["loss_scaler"] and getattr(self.optimizer, "loss_scaler", None) is not None:
-            zero_ckpt.load_scaler_state(self.optimizer.loss_scaler, header["loss_scaler"])
-        buffers_file = directory / "zero/buffers.safetensors"
-        if buffers_file.is_file():
-            current = persistent_buffers(self.model)
-            for name, value in load_file(str(buffers_file)).items():
-                if name in current:
-                    current[name].copy_(value)
+        load_buffers(self.model, source)
         self._refresh_compute_copies()
 
     def fingerprint(self) -> str:

@@ -8,6 +8,9 @@ rank holds now, the overlapping slices of the saved ones (safetensors reads just
 a checkpoint written by ZeRO-1, 2 or 3 at one world size resumes under any ZeRO stage at any world
 size, and nothing is unpickled: DeepSpeed's own engine files are not used.
 
+Loading goes through `parallel.sources.ZeroSource`, which reads any parameter's slice from these
+files, so the same code loads them into FSDP2 or the local backend too.
+
 Rank 0 also writes `zero/buffers.safetensors` (the model's persistent buffers). The header holds
 the step counts, DeepSpeed's loss-scaler state (FP16) and the engine's counters.
 """
@@ -15,7 +18,6 @@ the step counts, DeepSpeed's loss-scaler state (FP16) and the engine's counters.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,6 @@ from safetensors.torch import save_file
 from bigtrain.errors import ConfigError
 
 FORMAT = "bigtrain-zero-1"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def write_rank_file(
     tensors = {}
     for i, flat in enumerate(flats):
         tensors[f"group{i}.fp32"] = flat
-        for key in MOMENTS:
+        for key in ("exp_avg", "exp_avg_sq"):
             if moments[i] is not None:
                 tensors[f"group{i}.{key}"] = moments[i][key]
     meta = {
@@ -127,61 +128,6 @@ def read_index(directory: Path) -> tuple[dict[str, list[SavedFragment]], dict[st
         if file.name == "rank_00000.safetensors":
             header = json.loads(meta["header"])
     return index, header
-
-
-def check_coverage(
-    index: dict[str, list[SavedFragment]], shapes: dict[str, tuple[int, ...]], directory: Path
-) -> None:
-    """The checkpoint holds exactly this model's parameters (`shapes`), with the same shapes."""
-    missing = sorted(set(shapes) - set(index))
-    unexpected = sorted(set(index) - set(shapes))
-    if missing or unexpected:
-        raise ConfigError(
-            f"checkpoint '{directory}': parameters differ from this model's (missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    for name, shape in shapes.items():
-        saved = index[name][0].shape
-        if saved != shape:
-            raise ConfigError(
-                f"checkpoint '{directory}': parameter '{name}' has shape {list(saved)} there and "
-                f"{list(shape)} in this model; a changed model shape cannot be resumed"
-            )
-
-
-def fill(
-    index: dict[str, list[SavedFragment]],
-    fragments: list[Fragment],
-    targets: Callable[[str], list[torch.Tensor]],
-    keys: tuple[str, ...],
-    directory: Path,
-) -> None:
-    """For each of this rank's fragments, copy the overlapping saved slices of `keys` (e.g.
-    "fp32", "exp_avg") into targets(key)[group] at the fragment's place; every value must be
-    found."""
-    handles: dict[Path, Any] = {}  # safetensors files, opened once (closed when dropped)
-    for frag in fragments:
-        covered = 0
-        for saved in index[frag.name]:
-            lo = max(frag.start, saved.start)
-            hi = min(frag.start + frag.numel, saved.start + saved.numel)
-            if lo >= hi:
-                continue
-            covered += hi - lo
-            if saved.file not in handles:
-                handles[saved.file] = safe_open(str(saved.file), "pt")
-            src = saved.flat_start + lo - saved.start
-            dst = frag.flat_start + lo - frag.start
-            for key in keys:
-                piece = handles[saved.file].get_slice(f"group{saved.group}.{key}")[
-                    src : src + hi - lo
-                ]
-                targets(key)[frag.group][dst : dst + hi - lo].copy_(piece)
-        if covered != frag.numel:
-            raise ConfigError(
-                f"checkpoint '{directory}': parameter '{frag.name}' values "
-                f"{frag.start}..{frag.start + frag.numel} are not all in it"
-            )
 
 
 def scaler_state(loss_scaler) -> dict[str, float]:

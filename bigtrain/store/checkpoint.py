@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from bigtrain.errors import ConfigError
+from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
 
 FORMAT_VERSION = 1
@@ -168,6 +169,9 @@ class CheckpointManager:
     def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
         self.pending: tuple[Future, tuple] | None = None  # (hashes of an async save, commit args)
+        self.tokenizer_dir: Path | None = None
+        """The run's tokenizer (a transformers directory); each checkpoint carries a copy, so an
+        export or a conversion needs nothing but the checkpoint."""
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
 
     def committed(self) -> list[Path]:
@@ -210,7 +214,7 @@ class CheckpointManager:
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
-            own += ["trainer.json", "config.yaml"]
+            own += ["trainer.json", "config.yaml", *copy_tokenizer(self.tokenizer_dir, tmp)]
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
             written = backend.save_async(tmp, host_state)
@@ -253,22 +257,14 @@ class CheckpointManager:
             unlisted = sorted(set(_list_files(tmp)) - set(files))
             assert not unlisted, f"files no rank reported writing: {unlisted}"
             manifest = {
-                "format_version": FORMAT_VERSION,
                 "step": step,
                 "backend": backend_name,
                 "world_size": self.world_size,
-                "files": dict(sorted(files.items())),
                 "data": data,
                 "identity": identity,
-                "config_hash": identity_hash(identity),
                 "shapes": shapes,
-                "versions": library_versions(),
-                "git_commit": git_commit(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            _fsync_file(tmp / MANIFEST)
-            _fsync_dir(tmp)
+            write_manifest(tmp, manifest, files)
             if final.exists():
                 # An older checkpoint of this step (skipped by resume, or the one a rollback
                 # returned to): kept aside, never deleted.
@@ -322,13 +318,56 @@ class CheckpointManager:
 
     def load(self, path: Path, backend) -> dict[str, Any]:
         """Load a verified checkpoint into `backend`; returns the trainer state. Each rank gets its
-        own RNG state back, or rank 0's when the world grew."""
-        backend.load(path)
+        own RNG state back, or rank 0's when the world grew. A checkpoint of another backend loads
+        through its source (parallel/sources.py): weights, FP32 moments, step counts, and the loss
+        scale, which the backends keep in different places."""
+        trainer_state = json.loads((path / "trainer.json").read_text())
+        written_by = read_manifest(path)["backend"]
+        if written_by == backend.name:
+            backend.load(path)
+        else:
+            source = checkpoint_source(path, written_by)
+            backend.load_from(source, optimizer=True)
+            scale = source.loss_scale() or (trainer_state.get("loss_scaler") or {}).get("scale")
+            if scale is not None:
+                backend.adopt_loss_scale(float(scale))
         rng_file = path / f"rng_rank{self.rank}.pt"
         set_rng_state(
             torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=True)
         )
-        return json.loads((path / "trainer.json").read_text())
+        return trainer_state
+
+
+def copy_tokenizer(tokenizer_dir: Path | None, directory: Path) -> list[str]:
+    """Copy a tokenizer directory's files into `directory`/tokenizer; their relative names."""
+    if tokenizer_dir is None or not tokenizer_dir.is_dir():
+        return []
+    (directory / "tokenizer").mkdir(exist_ok=True)
+    names = []
+    for file in sorted(tokenizer_dir.iterdir()):
+        if file.is_file():
+            shutil.copyfile(file, directory / "tokenizer" / file.name)
+            names.append(f"tokenizer/{file.name}")
+    return names
+
+
+def write_manifest(
+    directory: Path, manifest: dict[str, Any], files: dict[str, dict[str, Any]]
+) -> None:
+    """manifest.json of a checkpoint whose files are written and hashed (`files`), fsynced:
+    `manifest` gives step, backend, world_size, data, identity, shapes; versions are added."""
+    full = {
+        "format_version": FORMAT_VERSION,
+        **manifest,
+        "files": dict(sorted(files.items())),
+        "config_hash": identity_hash(manifest["identity"]),
+        "versions": library_versions(),
+        "git_commit": git_commit(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (directory / MANIFEST).write_text(json.dumps(full, indent=1))
+    _fsync_file(directory / MANIFEST)
+    _fsync_dir(directory)
 
 
 def identity_hash(identity: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
     manifest = verify(path)
     assert set(manifest["files"]) == {
         "model.safetensors",
-        "optimizer.pt",
+        "optimizer.safetensors",
         "trainer.json",
         "rng_rank0.pt",
         "config.yaml",
@@ -146,17 +146,23 @@ def test_init_from_starts_a_new_run_from_anothers_weights(micro):
     done = run(first, ENV)
     source = Path(first.train.out_dir) / "checkpoints" / "step_00000010"
     trainer = build_trainer(
-        micro(f"checkpoint.init_from={source}", "optim.lr=1e-3", out="second"), ENV
+        micro(f"model.init_from={source}", "optim.lr=1e-3", out="second"), ENV
     )
     try:
         assert trainer.backend.fingerprint() == done["fingerprint"]  # the weights of step 10
         assert trainer.state.step == 0 and trainer.loader.stream.cursor == 0
         assert not trainer.backend.optimizer.state  # fresh optimizer state
-        assert trainer.context["init_from"] == {"path": str(source), "source_step": 10}
+        assert trainer.context["init_from"] == {
+            "path": str(source),
+            "kind": "checkpoint",
+            "backend": "local",
+            "source_step": 10,
+            "fingerprint": done["fingerprint"],
+        }
     finally:
         trainer.callbacks.close()
         trainer.context["lock"].release()
-    bad = micro(f"checkpoint.init_from={source}", "model.n_layers=3", out="third")
+    bad = micro(f"model.init_from={source}", "model.n_layers=3", out="third")
     with pytest.raises(ConfigError, match="blocks.2.* missing -> "):
         run(bad, ENV)
 

@@ -1,0 +1,294 @@
+"""Read model and optimizer tensors by canonical parameter name, from any format bigtrain reads.
+
+A source answers `read(name, key, start, stop)`: elements [start, stop) of the flattened FP32
+tensor `key` ("param", "exp_avg", "exp_avg_sq") of parameter `name`. Every backend loads from a
+source by asking for exactly the slices it keeps (an FSDP2 shard's rows, a ZeRO fragment), so a
+checkpoint of any backend at any world size, or a Hugging Face directory, loads into any backend
+at any world size without a process ever holding the whole model:
+
+- `LocalSource`: a `local` checkpoint (`model.safetensors`, `optimizer.safetensors`), sliced.
+- `ZeroSource`: a `zero` checkpoint (fragments by name, zero_ckpt.py), sliced.
+- `DCPSource`: an `fsdp` checkpoint (torch.distributed.checkpoint); DCP reads whole tensors
+  without a process group, so this holds one parameter at a time.
+- `HFSource`: a transformers directory (safetensors, sharded or not) through the name and layout
+  mapping of model/hf_layout.py (split q/k/v, transposed Conv1D weights), sliced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from bigtrain.errors import ConfigError
+from bigtrain.parallel import zero_ckpt
+from bigtrain.utils.names import canonical_name
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class Source:
+    """Base: `shapes` of the parameters it holds, by canonical name; subclasses implement read."""
+
+    origin: str  # what it is, for messages and events
+    shapes: dict[str, tuple[int, ...]]
+    has_optimizer = False
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def full(self, name: str, key: str = "param") -> torch.Tensor:
+        shape = self.shapes[name]
+        return self.read(name, key, 0, math.prod(shape)).view(shape)
+
+    def block(
+        self, name: str, key: str, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The block of `shape` at `offset` (a tensor-parallel or FSDP2 shard): whole rows of
+        dim 0 are read, other dims are then narrowed."""
+        full_shape = self.shapes[name]
+        if not full_shape:
+            return self.read(name, key, 0, 1).view(())
+        row = math.prod(full_shape[1:])
+        rows = self.read(name, key, offset[0] * row, (offset[0] + shape[0]) * row)
+        out = rows.view(shape[0], *full_shape[1:])
+        for dim in range(1, len(shape)):
+            out = out.narrow(dim, offset[dim], shape[dim])
+        return out
+
+    def step(self, name: str) -> float:
+        """The optimizer's step count of parameter `name` (0 without optimizer state)."""
+        return 0.0
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """A persistent buffer (INT8 calibration state) by canonical name; None if not here."""
+        return self.full(name) if name in self.shapes else None
+
+    def extra_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent buffers kept apart from `shapes` (ZeRO's buffers file)."""
+        return {}
+
+    def loss_scale(self) -> float | None:
+        """A loss scale kept with the tensors (DeepSpeed's FP16 scaler); None otherwise."""
+        return None
+
+    def check_covers(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every parameter of a model with `shapes` is here, with its shape."""
+        missing = sorted(set(shapes) - set(self.shapes))
+        wrong = [
+            f"{n} {list(self.shapes[n])} there, {list(s)} in this model"
+            for n, s in sorted(shapes.items())
+            if n in self.shapes and tuple(self.shapes[n]) != tuple(s)
+        ]
+        if missing or wrong:
+            raise ConfigError(
+                f"{self.origin}: does not fit this model (missing {missing[:5]}"
+                + (f"; other shapes: {'; '.join(wrong[:4])}" if wrong else "")
+                + ")"
+            )
+
+
+def _slice_rows(handle, key: str, shape, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of a safetensors tensor, reading only the rows that hold them."""
+    if not shape:
+        return handle.get_tensor(key).float().reshape(-1)
+    if len(shape) == 1:
+        return handle.get_slice(key)[start:stop].float().reshape(-1)
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-stop // row)
+    rows = handle.get_slice(key)[first:last].float().reshape(-1)
+    return rows[start - first * row : stop - first * row]
+
+
+class LocalSource(Source):
+    """`model.safetensors` (canonical names, tied weights once) and `optimizer.safetensors`
+    (`<name>.exp_avg`, `<name>.exp_avg_sq`; steps in its metadata)."""
+
+    has_optimizer = True
+
+    def __init__(self, directory: Path) -> None:
+        self.origin = f"checkpoint '{directory}'"
+        self.model = safe_open(str(directory / "model.safetensors"), "pt")
+        optim = directory / "optimizer.safetensors"
+        self.optim = safe_open(str(optim), "pt") if optim.is_file() else None
+        meta = (self.optim.metadata() or {}) if self.optim else {}
+        self.steps: dict[str, float] = json.loads(meta.get("steps", "{}"))
+        self.shapes = {}
+        for key in self.model.keys():  # noqa: SIM118 (safe_open is not iterable)
+            self.shapes[key] = tuple(self.model.get_slice(key).get_shape())
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        if key == "param":
+            return _slice_rows(self.model, name, self.shapes[name], start, stop)
+        if self.optim is None or not self.steps.get(name):
+            return torch.zeros(stop - start)
+        return _slice_rows(self.optim, f"{name}.{key}", self.shapes[name], start, stop)
+
+    def step(self, name: str) -> float:
+        return float(self.steps.get(name, 0.0))
+
+
+class ZeroSource(Source):
+    """A `zero` checkpoint: each parameter's fragments in the rank files (zero_ckpt.py)."""
+
+    has_optimizer = True
+
+    def __init__(self, directory: Path) -> None:
+        self.origin = f"checkpoint '{directory}'"
+        self.directory = directory
+        self.index, self.header = zero_ckpt.read_index(directory)
+        self.shapes = {name: frags[0].shape for name, frags in self.index.items()}
+        self._handles: dict[Path, Any] = {}
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), "pt")
+        return self._handles[file]
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        out = torch.empty(stop - start)
+        if key != "param" and not self.step(name):
+            return out.zero_()
+        tensor = "fp32" if key == "param" else key
+        covered = 0
+        for saved in self.index[name]:
+            lo, hi = max(start, saved.start), min(stop, saved.start + saved.numel)
+            if lo >= hi:
+                continue
+            src = saved.flat_start + lo - saved.start
+            piece = self._handle(saved.file).get_slice(f"group{saved.group}.{tensor}")
+            out[lo - start : hi - start].copy_(piece[src : src + hi - lo])
+            covered += hi - lo
+        if covered != stop - start:
+            raise ConfigError(
+                f"{self.origin}: parameter '{name}' values {start}..{stop} are not all in it"
+            )
+        return out
+
+    def step(self, name: str) -> float:
+        return float(self.header["steps"][self.index[name][0].group])
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        return self.extra_buffers().get(name)
+
+    def extra_buffers(self) -> dict[str, torch.Tensor]:
+        file = self.directory / "zero/buffers.safetensors"
+        if not file.is_file():
+            return {}
+        with safe_open(str(file), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+
+    def loss_scale(self) -> float | None:
+        scale = (self.header.get("loss_scaler") or {}).get("cur_scale")
+        return float(scale) if scale is not None else None
+
+
+class DCPSource(Source):
+    """An `fsdp` checkpoint: DCP's `model.<fqn>` and `optim.state.<fqn>.<key>` entries."""
+
+    has_optimizer = True
+
+    def __init__(self, directory: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.origin = f"checkpoint '{directory}'"
+        self.path = directory / "dcp"
+        meta = FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        self.keys: dict[tuple[str, str], str] = {}  # (canonical name, key) -> DCP key
+        self.shapes, self._buffers = {}, []
+        params = {k[len("model.") :] for k in meta if k.startswith("model.")}
+        for fqn in params:
+            entry = meta[f"model.{fqn}"]
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            name = canonical_name(fqn)
+            self.keys[(name, "param")] = f"model.{fqn}"
+            self.shapes[name] = tuple(entry.size)
+            for key in (*MOMENTS, "step"):
+                if f"optim.state.{fqn}.{key}" in meta:
+                    self.keys[(name, key)] = f"optim.state.{fqn}.{key}"
+        self._cached: tuple[str, str, torch.Tensor] | None = None
+
+    def _load(self, name: str, key: str) -> torch.Tensor:
+        if self._cached is not None and self._cached[:2] == (name, key):
+            return self._cached[2]
+        import torch.distributed.checkpoint as dcp
+
+        full = torch.empty(self.shapes[name] if key != "step" else ())
+        dcp.load({self.keys[(name, key)]: full}, checkpoint_id=str(self.path), no_dist=True)
+        self._cached = (name, key, full)
+        return full
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        if key != "param" and (name, key) not in self.keys:
+            return torch.zeros(stop - start)
+        return self._load(name, key).reshape(-1)[start:stop].float()
+
+    def step(self, name: str) -> float:
+        return float(self._load(name, "step")) if (name, "step") in self.keys else 0.0
+
+
+class HFSource(Source):
+    """A transformers model directory, read through a layout's parts (model/hf_layout.py)."""
+
+    def __init__(self, directory: Path, parts: dict[str, list]) -> None:
+        self.origin = f"Hugging Face directory '{directory}'"
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / "model.safetensors").is_file():
+            with safe_open(str(directory / "model.safetensors"), "pt") as f:
+                files = {name: directory / "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        else:
+            raise ConfigError(
+                f"{self.origin} has no model.safetensors or model.safetensors.index.json "
+                "(bigtrain reads safetensors weights only)"
+            )
+        self.files, self._handles = files, {}
+        self.parts, self.shapes = {}, {}
+        for name, plist in parts.items():
+            missing = [p.hf_name for p in plist if p.hf_name not in files]
+            if missing:
+                continue  # reported by check_covers when this model needs the tensor
+            self.parts[name] = plist
+            self.shapes[name] = self._shape(plist)
+
+    def _handle(self, hf_name: str):
+        file = self.files[hf_name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), "pt")
+        return self._handles[file]
+
+    def _shape(self, parts) -> tuple[int, ...]:
+        shapes = [tuple(self._handle(p.hf_name).get_slice(p.hf_name).get_shape()) for p in parts]
+        shapes = [s[::-1] if p.transpose else s for p, s in zip(parts, shapes, strict=True)]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        assert key == "param", "a Hugging Face directory holds no optimizer state"
+        shape = self.shapes[name]
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-stop // row)
+        pieces, at = [], 0
+        for part in self.parts[name]:
+            lo, hi = max(first, at), min(last, at + part.rows)
+            if lo < hi:
+                piece = self._handle(part.hf_name).get_slice(part.hf_name)
+                if part.transpose:  # a Conv1D weight (in, out): our rows are its columns
+                    pieces.append(piece[:, lo - at : hi - at].t())
+                else:
+                    pieces.append(piece[lo - at : hi - at])
+            at += part.rows
+        rows = torch.cat([p.float().reshape(-1) for p in pieces])
+        return rows[start - first * row : stop - first * row]
+
+
+def checkpoint_source(directory: Path, backend: str) -> Source:
+    """The source of a bigtrain checkpoint written by `backend` (its manifest's)."""
+    return {"local": LocalSource, "zero": ZeroSource, "fsdp": DCPSource}[backend](directory)

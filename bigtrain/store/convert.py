@@ -1,0 +1,79 @@
+"""`bigtrain ckpt convert CHECKPOINT --to local OUT`: any checkpoint in the consolidated form.
+
+The result is a committed `local` checkpoint (world size 1): `model.safetensors` with every FP32
+weight and persistent buffer by canonical name, `optimizer.safetensors` with the FP32 moments and
+step counts, and the source's trainer state, config, RNG state and tokenizer. It resumes on any
+backend at any world size like any checkpoint, and it is the way to read a checkpoint without the
+GPUs (or the DeepSpeed install) that wrote it. Reading goes one parameter at a time; the output
+holds the whole model, so this needs the model's FP32 size in host memory (three times, with the
+moments).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bigtrain.errors import ConfigError
+from bigtrain.parallel.backend import MOMENTS
+from bigtrain.parallel.sources import Source, checkpoint_source
+from bigtrain.store.checkpoint import hash_files, verify, write_manifest
+
+
+def convert_to_local(path: Path, out: Path) -> dict:
+    """Write checkpoint `path` (verified first) as a local checkpoint at `out`, which must not
+    exist yet; returns the new manifest."""
+    if out.exists():
+        raise ConfigError(f"output '{out}' exists already; name a new directory")
+    manifest = verify(path)
+    source = checkpoint_source(path, manifest["backend"])
+    tmp = out.parent / f".tmp-{out.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a conversion that was interrupted
+    tmp.mkdir(parents=True)
+    names = _write_tensors(source, tmp)
+    names += ["trainer.json", "config.yaml"]
+    for name in ("trainer.json", "config.yaml"):
+        shutil.copyfile(path / name, tmp / name)
+    rng = path / "rng_rank0.pt"
+    if rng.is_file():
+        shutil.copyfile(rng, tmp / rng.name)
+        names.append(rng.name)
+    if (path / "tokenizer").is_dir():
+        shutil.copytree(path / "tokenizer", tmp / "tokenizer")
+        names += [f"tokenizer/{f.name}" for f in sorted((tmp / "tokenizer").iterdir())]
+    converted = {
+        "step": manifest["step"],
+        "backend": "local",
+        "world_size": 1,
+        "data": manifest["data"],
+        "identity": manifest["identity"],
+        "shapes": manifest.get("shapes"),
+        "converted_from": {"backend": manifest["backend"], "world_size": manifest["world_size"]},
+    }
+    write_manifest(tmp, converted, hash_files(tmp, names))
+    tmp.rename(out)
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _write_tensors(source: Source, directory: Path) -> list[str]:
+    model: dict[str, torch.Tensor] = {}
+    moments: dict[str, torch.Tensor] = {}
+    steps: dict[str, float] = {}
+    for name in sorted(source.shapes):
+        model[name] = source.full(name).contiguous()
+        step = source.step(name)
+        if step:
+            steps[name] = step
+            for key in MOMENTS:
+                moments[f"{name}.{key}"] = source.full(name, key).contiguous()
+    for name, value in source.extra_buffers().items():
+        model.setdefault(name, value.contiguous())
+    save_file(model, str(directory / "model.safetensors"))
+    meta = {"steps": json.dumps(steps)}
+    save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
+    return ["model.safetensors", "optimizer.safetensors"]

@@ -312,6 +312,7 @@ def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
             if source is None or source in names:
                 names.pop(target, None)
     config = hf_config.to_dict()
+    config.pop("_name_or_path", None)  # where the model was loaded from: a local path, maybe
     config.update(architectures=[architecture], dtype="float32")
     return Layout(
         architecture,

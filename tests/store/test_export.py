@@ -221,3 +221,4 @@ def test_hf_model_exports_in_its_own_class(tmp_path, tied):
     assert check_export(model, tmp_path / "out", VOCAB, 16)["ok"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tied
+    assert "_name_or_path" not in config

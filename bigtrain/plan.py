@@ -18,9 +18,9 @@ import torch
 
 from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
-from bigtrain.errors import ConfigError
 from bigtrain.model import build_model, num_params
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
+from bigtrain.utils.sizes import parse_size
 
 COMPONENTS = ("compute copies", "gradients", "master weights", "optimizer states")
 
@@ -191,18 +191,11 @@ def fmt_bytes(n: float) -> str:
 
 
 CHECKPOINTING = ("none", "selective", "block")
-UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def parse_bytes(text: str) -> int:
     """'80GiB', '80 GB', '81920MiB' or a plain number of bytes."""
-    t = text.strip().upper().replace(" ", "")
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(t[: -len(unit)]) * UNITS[unit])
-    if t.isdigit():
-        return int(t)
-    raise ConfigError(f"--gpu-memory got '{text}', expected a size such as 80GiB or 40GB")
+    return parse_size(text, "--gpu-memory")
 
 
 def reserve_bytes(gpu_memory: int) -> int:

@@ -1,0 +1,322 @@
+"""The one mapping between bigtrain's tensors and a transformers model's: names, splits, layout.
+
+A `Layout` says which transformers (HF) tensors each bigtrain parameter is made of, so that the
+same table serves both directions: exporting bigtrain weights to a transformers directory
+(`bigtrain.store.export`) and reading a transformers checkpoint into bigtrain's GPT. Two layouts
+exist for the built-in GPT (`layout_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
+(`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class by identity
+(`layout_for_hf`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigtrain.config.schema import ModelConfig
+from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import default_d_ff
+
+Shape = tuple[int, ...]
+
+GPT2_NEEDS = {"position": "learned", "norm": "layernorm", "mlp": "gelu"}
+LLAMA_NEEDS = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF tensor that forms `rows` consecutive rows (dim 0) of a bigtrain tensor."""
+
+    hf_name: str
+    """The tensor's name in the transformers state dict (and in the safetensors files)."""
+    rows: int
+    """Rows of the bigtrain tensor this part covers (the element count for 1-D tensors)."""
+    transpose: bool = False
+    """The HF tensor is the transpose of the bigtrain piece (GPT-2's Conv1D stores (in, out))."""
+
+
+@dataclass
+class Layout:
+    """How a bigtrain model's tensors map onto a transformers model's.
+
+    For every bigtrain name: `tensor == torch.cat([hf[p.hf_name].T if p.transpose else
+    hf[p.hf_name] for p in parts[name]], dim=0)` (see `join`; `split` is the inverse)."""
+
+    architecture: str
+    """transformers class the weights are for, e.g. `GPT2LMHeadModel`, `LlamaForCausalLM`."""
+    config: dict[str, Any]
+    """The contents of config.json: made by transformers' own config class, so AutoConfig reads
+    it back. Token ids (bos/eos/pad) are None here; the export fills them from the tokenizer."""
+    shapes: dict[str, Shape]
+    """Shape of each bigtrain tensor, by canonical name, in the order tensors are written."""
+    parts: dict[str, list[Part]]
+    """Bigtrain canonical name -> the HF tensors it is made of, in row order."""
+    extra: dict[str, Shape] = field(default_factory=dict)
+    """HF tensors with no bigtrain counterpart, written as zeros (GPT-2's biases when
+    model.bias=false); a reader ignores them."""
+
+    def hf_shapes(self) -> dict[str, Shape]:
+        """Every HF tensor written, with its shape, in the order `split` produces them."""
+        out: dict[str, Shape] = {}
+        for name, shape in self.shapes.items():
+            for part in self.parts[name]:
+                piece = (part.rows, *shape[1:]) if shape else ()
+                out[part.hf_name] = piece[::-1] if part.transpose else piece
+        out.update(self.extra)
+        return out
+
+    def split(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The HF tensors of bigtrain tensor `name`, each contiguous with its own storage
+        (safetensors refuses tensors that share memory)."""
+        if tuple(tensor.shape) != self.shapes[name]:
+            raise ConfigError(
+                f"tensor '{name}' was read with shape {tuple(tensor.shape)}, the layout was made "
+                f"for {self.shapes[name]}"
+            )
+        parts = self.parts[name]
+        if len(parts) == 1 and not parts[0].transpose:  # also 0-d tensors, which cannot split
+            yield parts[0].hf_name, tensor.clone(memory_format=torch.contiguous_format)
+            return
+        pieces = tensor.split([p.rows for p in parts], dim=0)
+        for part, piece in zip(parts, pieces, strict=True):
+            piece = piece.T if part.transpose else piece
+            yield part.hf_name, piece.clone(memory_format=torch.contiguous_format)
+
+    def join(self, name: str, read_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Bigtrain tensor `name` rebuilt from HF tensors (`read_hf(hf_name)`)."""
+        pieces = []
+        for part in self.parts[name]:
+            t = read_hf(part.hf_name)
+            pieces.append(t.T if part.transpose else t)
+        return torch.cat(pieces, dim=0)
+
+
+def layout_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> Layout:
+    """The transformers layout of bigtrain's GPT built from `cfg`, whose tensors have `shapes`
+    (canonical parameter names, as `named_parameters` gives them: a tied `lm_head.weight` is
+    absent, or ignored when present). GPT-2 for learned positions, LayerNorm and GELU; Llama for
+    rotary positions, RMSNorm and SwiGLU; any other combination is a ConfigError."""
+    if cfg.kind != "gpt":
+        raise ConfigError(f"model.kind={cfg.kind}: layout_for maps the built-in GPT only")
+    shapes = {n: tuple(s) for n, s in shapes.items()}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight", None)  # the same tensor as tok_emb.weight: written once
+    if "tok_emb.weight" not in shapes:
+        raise ConfigError("the tensors given have no 'tok_emb.weight' (not a bigtrain GPT)")
+    vocab_size = shapes["tok_emb.weight"][0]
+    extra: dict[str, Shape] = {}
+    if _mismatches(cfg, GPT2_NEEDS) == [] and cfg.n_kv_heads in (None, cfg.n_heads):
+        architecture, config = "GPT2LMHeadModel", _gpt2_config(cfg, vocab_size)
+        parts, extra = _gpt2_parts(cfg, vocab_size)
+    elif _mismatches(cfg, LLAMA_NEEDS) == []:
+        architecture, config = "LlamaForCausalLM", _llama_config(cfg, vocab_size)
+        parts = _llama_parts(cfg, vocab_size)
+    else:
+        raise ConfigError(_no_layout_message(cfg))
+    _check_covers(parts, shapes)
+    ordered = {n: shapes[n] for n in parts}  # tensors are read and written in the layout's order
+    return Layout(architecture, config, ordered, parts, extra)
+
+
+def _mismatches(cfg: ModelConfig, needs: dict[str, str]) -> list[str]:
+    return [
+        f"model.{key}={value} (have {getattr(cfg, key)})"
+        for key, value in needs.items()
+        if getattr(cfg, key) != value
+    ]
+
+
+def _no_layout_message(cfg: ModelConfig) -> str:
+    gpt2 = _mismatches(cfg, GPT2_NEEDS)
+    if cfg.n_kv_heads not in (None, cfg.n_heads):
+        gpt2.append(f"model.n_kv_heads=null or n_heads (have {cfg.n_kv_heads})")
+    llama = _mismatches(cfg, LLAMA_NEEDS)
+    return (
+        "no transformers layout for this model: GPT2LMHeadModel needs "
+        + ", ".join(gpt2)
+        + "; LlamaForCausalLM needs "
+        + ", ".join(llama)
+    )
+
+
+def _check_covers(parts: dict[str, list[Part]], shapes: dict[str, Shape]) -> None:
+    """Every given tensor is mapped, every mapped tensor is given, and the rows add up."""
+    missing = [n for n in parts if n not in shapes]
+    unexpected = [n for n in shapes if n not in parts]
+    if missing or unexpected:
+        raise ConfigError(
+            f"the tensors do not match the model config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, shape in shapes.items():
+        rows = sum(p.rows for p in parts[name])
+        if rows != shape[0]:
+            raise ConfigError(
+                f"tensor '{name}' has shape {shape}, the model config gives {rows} rows: the "
+                "checkpoint was not made with this model config"
+            )
+
+
+def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(head_dim, key/value width, MLP hidden width) of the built-in GPT."""
+    head_dim = cfg.d_model // cfg.n_heads
+    return head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim, cfg.d_ff or default_d_ff(cfg)
+
+
+def _gpt2_parts(
+    cfg: ModelConfig, vocab_size: int
+) -> tuple[dict[str, list[Part]], dict[str, Shape]]:
+    d, (_, kv_width, hidden) = cfg.d_model, _widths(cfg)
+    parts: dict[str, list[Part]] = {
+        "tok_emb.weight": [Part("transformer.wte.weight", vocab_size)],
+        "pos_emb.weight": [Part("transformer.wpe.weight", cfg.seq_len)],
+    }
+    extra: dict[str, Shape] = {}
+    # (bigtrain module, HF module, output rows, Conv1D); GPT-2's Conv1D weights are (in, out).
+    modules = []
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}", f"transformer.h.{i}"
+        modules += [
+            (f"{b}.norm1", f"{h}.ln_1", d, False),
+            (f"{b}.attn.qkv", f"{h}.attn.c_attn", d + 2 * kv_width, True),
+            (f"{b}.attn.proj", f"{h}.attn.c_proj", d, True),
+            (f"{b}.norm2", f"{h}.ln_2", d, False),
+            (f"{b}.mlp.up", f"{h}.mlp.c_fc", hidden, True),
+            (f"{b}.mlp.down", f"{h}.mlp.c_proj", d, True),
+        ]
+    modules.append(("norm_f", "transformer.ln_f", d, False))
+    for ours, theirs, rows, conv in modules:
+        parts[f"{ours}.weight"] = [Part(f"{theirs}.weight", rows, transpose=conv)]
+        if cfg.bias:
+            parts[f"{ours}.bias"] = [Part(f"{theirs}.bias", rows)]
+        else:
+            # GPT-2 always has biases (no config switch). Zeros compute what no bias does;
+            # left out, transformers reports them MISSING ("newly initialized") on every load
+            # (it happens to zero them) and stricter readers refuse the checkpoint.
+            extra[f"{theirs}.bias"] = (rows,)
+    if not cfg.tie_embeddings:
+        parts["lm_head.weight"] = [Part("lm_head.weight", vocab_size)]
+    return parts, extra
+
+
+def _gpt2_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=_widths(cfg)[2],
+        activation_function="gelu_new",  # the tanh approximation, as bigtrain's MLP computes
+        layer_norm_epsilon=cfg.norm_eps,
+        # The export is for inference: dropout off whatever model.dropout trained with.
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        architectures=["GPT2LMHeadModel"],
+        dtype="float32",
+    ).to_dict()
+
+
+def _llama_parts(cfg: ModelConfig, vocab_size: int) -> dict[str, list[Part]]:
+    d, (_, kv_width, hidden) = cfg.d_model, _widths(cfg)
+    parts: dict[str, list[Part]] = {
+        "tok_emb.weight": [Part("model.embed_tokens.weight", vocab_size)]
+    }
+    params = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}", f"model.layers.{i}"
+        parts[f"{b}.norm1.weight"] = [Part(f"{h}.input_layernorm.weight", d)]
+        for p in params:
+            # fused qkv rows are [q ; k ; v]; SwiGLU's up rows are [gate ; value]
+            parts[f"{b}.attn.qkv.{p}"] = [
+                Part(f"{h}.self_attn.q_proj.{p}", d),
+                Part(f"{h}.self_attn.k_proj.{p}", kv_width),
+                Part(f"{h}.self_attn.v_proj.{p}", kv_width),
+            ]
+            parts[f"{b}.attn.proj.{p}"] = [Part(f"{h}.self_attn.o_proj.{p}", d)]
+        parts[f"{b}.norm2.weight"] = [Part(f"{h}.post_attention_layernorm.weight", d)]
+        for p in params:
+            parts[f"{b}.mlp.up.{p}"] = [
+                Part(f"{h}.mlp.gate_proj.{p}", hidden),
+                Part(f"{h}.mlp.up_proj.{p}", hidden),
+            ]
+            parts[f"{b}.mlp.down.{p}"] = [Part(f"{h}.mlp.down_proj.{p}", d)]
+    parts["norm_f.weight"] = [Part("model.norm.weight", d)]
+    if not cfg.tie_embeddings:
+        parts["lm_head.weight"] = [Part("lm_head.weight", vocab_size)]
+    return parts
+
+
+def _llama_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    from transformers import LlamaConfig
+
+    head_dim, _, hidden = _widths(cfg)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        attention_dropout=0.0,  # the export is for inference
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    ).to_dict()
+
+
+def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
+    """The layout of a `model.kind=hf` model (bigtrain's `HFCausalLM`): `hf.<name>` is the
+    transformers tensor `<name>`, written for the class transformers builds from `hf_config`.
+    `shapes` are canonical parameter names as `named_parameters` gives them; when the config ties
+    the output embedding, its tied copy is dropped if present (written once, as save_pretrained
+    does). Persistent buffers are not parameters and are not written."""
+    from transformers import AutoModelForCausalLM
+
+    # The class AutoModelForCausalLM built (bigtrain.model.hf), which config.architectures may
+    # not name: a base model's directory says e.g. LlamaModel.
+    cls = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if cls is not None:
+        architecture = cls.__name__
+    elif hf_config.architectures:
+        architecture = hf_config.architectures[0]
+    else:
+        raise ConfigError(f"model.hf_config: {type(hf_config).__name__} has no causal LM class")
+    names = {n.removeprefix("hf."): tuple(s) for n, s in shapes.items() if n.startswith("hf.")}
+    if len(names) != len(shapes):
+        raise ConfigError("layout_for_hf: every tensor name starts with 'hf.' (an HFCausalLM)")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        # transformers 5 maps each tied tensor to its source; 4.x lists the tied tensors only
+        tied = getattr(cls, "_tied_weights_keys", None) or {}
+        pairs = tied.items() if isinstance(tied, dict) else ((t, None) for t in tied)
+        for target, source in pairs:
+            if source is None or source in names:
+                names.pop(target, None)
+    config = hf_config.to_dict()
+    config.pop("_name_or_path", None)  # where the model was loaded from: a local path, maybe
+    config.update(architectures=[architecture], dtype="float32")
+    return Layout(
+        architecture,
+        config,
+        {f"hf.{n}": s for n, s in names.items()},
+        {f"hf.{n}": [Part(n, s[0] if s else 1)] for n, s in names.items()},
+    )

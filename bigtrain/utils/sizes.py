@@ -1,0 +1,32 @@
+"""Sizes in bytes written as text: '5GB', '500 MB', '1.5GiB' or a plain number."""
+
+from __future__ import annotations
+
+from bigtrain.errors import ConfigError
+
+UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(value: str | int, key: str) -> int:
+    """Bytes from '80GiB', '80 GB', '81920MiB', '1.5GiB' or a plain number (decimal units are
+    powers of 10, binary ones powers of 2). `key` names the option in the error message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    t = str(value).strip().upper().replace(" ", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        number = t[: -len(unit)]
+        if t.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:
+            return int(float(number) * UNITS[unit])
+    if t.isdigit() and int(t) > 0:
+        return int(t)
+    raise ConfigError(f"{key} got '{value}', expected a size such as 5GB, 500MB or 1.5GiB")

@@ -1,0 +1,113 @@
+import dataclasses
+
+import pytest
+import torch
+
+from bigtrain.config.schema import ModelConfig
+from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import GPT
+from bigtrain.model.hf_layout import layout_for
+
+pytestmark = pytest.mark.unit
+
+GPT2 = ModelConfig(n_layers=2, n_heads=4, d_model=32, seq_len=16, vocab_size=96)
+LLAMA = dataclasses.replace(
+    GPT2, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2
+)
+
+
+def shapes_of(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [GPT2, dataclasses.replace(GPT2, bias=False, tie_embeddings=False), LLAMA],
+    ids=["gpt2", "gpt2-nobias-untied", "llama-gqa"],
+)
+def test_split_and_join_are_inverse(cfg):
+    torch.manual_seed(0)
+    params = dict(GPT(cfg).named_parameters())
+    layout = layout_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
+    assert list(layout.shapes) == list(layout.parts)  # read and written in one order
+    hf = {}
+    for name, param in params.items():
+        hf.update(layout.split(name, param.detach()))
+    assert {n: tuple(t.shape) for n, t in hf.items()} == {
+        n: s for n, s in layout.hf_shapes().items() if n not in layout.extra
+    }
+    for name, param in params.items():
+        assert torch.equal(layout.join(name, hf.__getitem__), param)
+
+
+def test_llama_splits_fused_qkv_and_gate_value():
+    layout = layout_for(LLAMA, shapes_of(LLAMA))
+    qkv = layout.parts["blocks.0.attn.qkv.weight"]
+    assert [(p.hf_name.rsplit(".", 2)[1], p.rows) for p in qkv] == [
+        ("q_proj", 32),
+        ("k_proj", 16),  # 2 key/value heads of 8
+        ("v_proj", 16),
+    ]
+    up = layout.parts["blocks.0.mlp.up.weight"]
+    assert [p.hf_name for p in up] == [
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
+    assert "lm_head.weight" not in layout.parts  # tied: the embedding is written once
+
+
+def test_gpt2_conv1d_weights_are_transposed_and_missing_biases_are_zeros():
+    cfg = dataclasses.replace(GPT2, bias=False)
+    layout = layout_for(cfg, shapes_of(cfg))
+    assert layout.parts["blocks.1.mlp.up.weight"][0].transpose
+    assert layout.hf_shapes()["transformer.h.1.mlp.c_fc.weight"] == (32, 128)  # (in, out)
+    assert not layout.parts["blocks.1.norm1.weight"][0].transpose
+    assert layout.extra["transformer.h.1.attn.c_attn.bias"] == (96,)
+    assert len(layout.extra) == 2 * 6 + 1  # six per block and ln_f
+
+
+def test_llama_config_carries_gqa_rope_and_norm_settings():
+    cfg = dataclasses.replace(LLAMA, rope_theta=500000.0, norm_eps=1e-6, d_ff=80)
+    config = layout_for(cfg, shapes_of(cfg)).config
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    assert config["num_key_value_heads"] == 2 and config["num_attention_heads"] == 4
+    assert config["head_dim"] == 8 and config["intermediate_size"] == 80
+    assert config["rope_parameters"]["rope_theta"] == 500000.0
+    assert config["rms_norm_eps"] == 1e-6 and config["max_position_embeddings"] == 16
+    assert config["attention_bias"] is False and config["mlp_bias"] is False
+
+
+def test_gpt2_config_is_for_inference_with_tanh_gelu():
+    cfg = dataclasses.replace(GPT2, dropout=0.1, norm_eps=1e-6)
+    config = layout_for(cfg, shapes_of(cfg)).config
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["dtype"] == "float32"
+    assert config["activation_function"] == "gelu_new" and config["n_inner"] == 128
+    assert config["layer_norm_epsilon"] == 1e-6 and config["n_positions"] == 16
+    assert config["resid_pdrop"] == config["embd_pdrop"] == config["attn_pdrop"] == 0.0
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None  # the export's job
+
+
+def test_unmappable_config_names_the_keys_and_both_layouts():
+    cfg = dataclasses.replace(GPT2, position="rope")
+    with pytest.raises(ConfigError) as info:
+        layout_for(cfg, shapes_of(cfg))
+    message = str(info.value)
+    assert "GPT2LMHeadModel needs model.position=learned (have rope)" in message
+    assert "LlamaForCausalLM needs model.norm=rmsnorm (have layernorm)" in message
+    assert "model.mlp=swiglu (have gelu)" in message
+    gqa = dataclasses.replace(GPT2, n_kv_heads=2)
+    with pytest.raises(ConfigError, match="model.n_kv_heads=null or n_heads \\(have 2\\)"):
+        layout_for(gqa, shapes_of(gqa))
+
+
+def test_tensors_of_another_model_config_are_refused():
+    shapes = shapes_of(LLAMA)
+    with pytest.raises(ConfigError, match="blocks.0.mlp.up.weight"):
+        layout_for(dataclasses.replace(LLAMA, d_ff=64), shapes)
+    learned = dataclasses.replace(LLAMA, position="learned", norm="layernorm", mlp="gelu")
+    with pytest.raises(ConfigError, match="missing \\['pos_emb.weight'\\]"):
+        layout_for(dataclasses.replace(learned, n_kv_heads=None), shapes)
+    with pytest.raises(
+        ConfigError, match="read with shape \\(96, 16\\), the layout was made for \\(96, 32\\)"
+    ):
+        next(layout_for(LLAMA, shapes).split("tok_emb.weight", torch.zeros(96, 16)))

@@ -1,0 +1,35 @@
+import pytest
+
+from bigtrain.errors import ConfigError
+from bigtrain.plan import parse_bytes
+from bigtrain.utils.sizes import parse_size
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("5GB", 5 * 10**9),
+        ("500 MB", 500 * 10**6),
+        ("1.5GiB", 3 * 2**29),
+        ("81920MiB", 80 * 2**30),
+        ("4096", 4096),
+        (4096, 4096),
+        ("2tb", 2 * 10**12),
+    ],
+)
+def test_sizes_in_decimal_and_binary_units(text, expected):
+    assert parse_size(text, "--max-shard-size") == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "0GB", "-5MB", 0, "5 GB extra", True])
+def test_a_bad_size_names_the_option(bad):
+    with pytest.raises(ConfigError, match="--max-shard-size got"):
+        parse_size(bad, "--max-shard-size")
+
+
+def test_plan_keeps_its_option_name():
+    assert parse_bytes("80GB") == 80 * 10**9
+    with pytest.raises(ConfigError, match="--gpu-memory got 'lots'"):
+        parse_bytes("lots")

@@ -37,7 +37,7 @@ from bigtrain.data import (
     split_samples,
 )
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
-from bigtrain.model import build_model, model_flops_per_token, num_params
+from bigtrain.model import architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.mfu import resolve_peak_flops
@@ -244,7 +244,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device) -> tuple[nn.M
     """The model with its precision policy applied (not yet wrapped), and what setup learned:
     policy, parameter count and shapes, FLOPs per token, INT8 layers."""
     with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
-        shaped = build_model(cfg.model, vocab_size)
+        shaped = build_model(architecture_only(cfg.model), vocab_size)
     n_params = num_params(shaped)
     if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
         with torch.device("meta"):  # FSDPBackend materialises this rank's shards only

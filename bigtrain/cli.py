@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | plan | report | ckpt.
+"""bigtrain's command line: train | plan | report | ckpt | export.
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
@@ -68,6 +68,24 @@ def _parser() -> argparse.ArgumentParser:
     ):
         c = ckpt_sub.add_parser(name, help=text)
         c.add_argument("path", type=Path)
+    convert = ckpt_sub.add_parser(
+        "convert", help="write any checkpoint as a consolidated local checkpoint (world size 1)"
+    )
+    convert.add_argument("path", type=Path)
+    convert.add_argument("--to", choices=["local"], required=True, help="the target layout")
+    convert.add_argument("out", type=Path, help="a new directory")
+
+    export = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
+    export.add_argument("path", type=Path, metavar="CHECKPOINT")
+    export.add_argument("--hf", type=Path, required=True, metavar="OUT_DIR", help="a new directory")
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)"
+    )
+    export.add_argument(
+        "--check",
+        action="store_true",
+        help="load the result with transformers and compare logits with bigtrain's (FP32)",
+    )
     return p
 
 
@@ -106,9 +124,29 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     return 0
 
 
-def _ckpt(command: str, path: Path) -> int:
+def _export(path: Path, out: Path, max_shard_size: str, check: bool) -> int:
+    from bigtrain.store.export_checkpoint import export_checkpoint
+    from bigtrain.utils.logs import setup_console
+    from bigtrain.utils.sizes import parse_size
+
+    setup_console(0)
+    result = export_checkpoint(path, out, parse_size(max_shard_size, "--max-shard-size"), check)
+    print(json.dumps(result))
+    if check and not result["check"]["ok"]:
+        print("bigtrain: export check failed: the logits differ (see check)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
     from bigtrain.store.checkpoint import verify
 
+    if command == "convert":
+        from bigtrain.store.convert import convert_to_local
+
+        manifest = convert_to_local(path, args.out)
+        print(f"ok: {args.out} (local, step {manifest['step']}, {len(manifest['files'])} files)")
+        return 0
     manifest = verify(path)
     if command == "verify":
         print(f"ok: {path} ({len(manifest['files'])} files verified, step {manifest['step']})")
@@ -151,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_report(args.run_dir))
             return 0
-        return _ckpt(args.ckpt_command, args.path)
+        if args.command == "export":
+            return _export(args.path, args.hf, args.max_shard_size, args.check)
+        return _ckpt(args.ckpt_command, args.path, args)
     except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost) as e:
         # One line, no traceback, the documented exit code.
         prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")

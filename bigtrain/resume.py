@@ -105,10 +105,12 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
         manifest = manager.verify(path)
         _check_shapes(path, manifest, trainer)
         source = checkpoint_source(path, manifest["backend"])
-        details.update(kind="checkpoint", backend=manifest["backend"], source_step=manifest["step"])
+        details.update(
+            source="checkpoint", backend=manifest["backend"], source_step=manifest["step"]
+        )
     else:
         source = hf_source(path, cfg.model, trainer.context["shapes"])
-        details.update(kind="huggingface")
+        details.update(source="huggingface")
     trainer.backend.load_from(source, optimizer=False)
     details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
     return details

@@ -19,6 +19,15 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     return GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab_size))
 
 
+def architecture_only(cfg: ModelConfig) -> ModelConfig:
+    """A model config that builds the architecture without loading weights (on the meta device,
+    or to load them later): a kind=hf model's architecture comes from hf_config, else from
+    hf_path's or init_from's config.json."""
+    if cfg.kind == "hf" and cfg.hf_config is None:
+        return dataclasses.replace(cfg, hf_path=None, init_from=cfg.hf_path or cfg.init_from)
+    return dataclasses.replace(cfg, hf_path=None, init_from=None)
+
+
 def model_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     """Training FLOPs per token of a built model (see gpt.flops_per_token)."""
     if isinstance(model, GPT):
@@ -34,4 +43,11 @@ def model_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     return 6.0 * n + 12.0 * n_layers * d_model * cfg.seq_len
 
 
-__all__ = ["GPT", "build_model", "flops_per_token", "model_flops_per_token", "num_params"]
+__all__ = [
+    "GPT",
+    "architecture_only",
+    "build_model",
+    "flops_per_token",
+    "model_flops_per_token",
+    "num_params",
+]

@@ -145,16 +145,14 @@ def test_init_from_starts_a_new_run_from_anothers_weights(micro):
     first = micro("train.max_steps=10", out="first")
     done = run(first, ENV)
     source = Path(first.train.out_dir) / "checkpoints" / "step_00000010"
-    trainer = build_trainer(
-        micro(f"model.init_from={source}", "optim.lr=1e-3", out="second"), ENV
-    )
+    trainer = build_trainer(micro(f"model.init_from={source}", "optim.lr=1e-3", out="second"), ENV)
     try:
         assert trainer.backend.fingerprint() == done["fingerprint"]  # the weights of step 10
         assert trainer.state.step == 0 and trainer.loader.stream.cursor == 0
         assert not trainer.backend.optimizer.state  # fresh optimizer state
         assert trainer.context["init_from"] == {
             "path": str(source),
-            "kind": "checkpoint",
+            "source": "checkpoint",
             "backend": "local",
             "source_step": 10,
             "fingerprint": done["fingerprint"],

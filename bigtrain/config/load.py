@@ -213,7 +213,7 @@ def _check_signs(config: Config) -> None:
         "train.max_steps": t.max_steps,
         "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum_steps": t.grad_accum_steps,
-        "train.global_batch_size": t.global_batch_size or 1,
+        "train.global_batch_size": 1 if t.global_batch_size is None else t.global_batch_size,
         "train.log_every": t.log_every,
         "train.lock_timeout_s": t.lock_timeout_s,
         "train.eval_batches": t.eval_batches,

@@ -27,9 +27,6 @@ def test_export_and_convert_cli(micro, tmp_path):
     assert result["architecture"] == "GPT2LMHeadModel" and result["check"]["ok"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded at 100 KB
-    assert all(
-        (out / f).stat().st_size <= 100_000 or f == "x" for f in set(index["weight_map"].values())
-    )
     again = run_cli("export", str(checkpoint), "--hf", str(out))
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert (out / "config.json").is_file()  # a refused export leaves the directory alone

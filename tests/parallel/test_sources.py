@@ -1,0 +1,63 @@
+"""Sources read any slice of any parameter: what ZeRO fragments (ranges that start mid-row) and
+FSDP2 shards (blocks of rows) ask of a Hugging Face directory or a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bigtrain.errors import ConfigError
+from bigtrain.parallel.sources import HFSource, LocalSource
+from tests.store.test_export import CONFIGS, export_gpt
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name", ["gpt2-untied-bias", "llama-gqa-untied"])
+def test_hf_source_reads_any_range_and_block_of_every_parameter(tmp_path, name):
+    _, params, layout, _ = export_gpt(CONFIGS[name], tmp_path / "hf", max_shard_bytes=20_000)
+    source = HFSource(tmp_path / "hf", layout.parts)
+    source.check_covers({n: tuple(p.shape) for n, p in params.items()})
+    generator = torch.Generator().manual_seed(0)
+    for pname, p in params.items():
+        flat = p.detach().reshape(-1)
+        assert torch.equal(source.full(pname), p.detach()), pname
+        for _ in range(3):  # ranges that start and end mid-row, as ZeRO fragments do
+            start = int(torch.randint(0, flat.numel(), (), generator=generator))
+            stop = int(torch.randint(start + 1, flat.numel() + 1, (), generator=generator))
+            assert torch.equal(source.read(pname, "param", start, stop), flat[start:stop]), pname
+        if p.dim() == 2 and p.shape[0] >= 4:  # an FSDP2-like shard: rows 1..3, columns 2..
+            block = source.block(pname, "param", (1, 2), (2, p.shape[1] - 2))
+            assert torch.equal(block, p.detach()[1:3, 2:]), pname
+
+
+def test_a_source_that_does_not_fit_names_the_tensors(tmp_path):
+    _, params, layout, _ = export_gpt(CONFIGS["llama-gqa-untied"], tmp_path / "hf")
+    source = HFSource(tmp_path / "hf", layout.parts)
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    shapes["blocks.9.attn.qkv.weight"] = (64, 32)
+    shapes["tok_emb.weight"] = (100, 32)
+    with pytest.raises(
+        ConfigError,
+        match=r"missing \['blocks.9.attn.qkv.weight'\].*tok_emb.weight \[96, 32\] there, \[100, 32\]",
+    ):
+        source.check_covers(shapes)
+
+
+def test_local_source_reads_slices_and_steps(tmp_path):
+    weight = torch.arange(24.0).view(6, 4)
+    scalar = torch.tensor(3.0)
+    save_file({"w": weight, "s": scalar}, str(tmp_path / "model.safetensors"))
+    moments = {"w.exp_avg": weight * 2, "w.exp_avg_sq": weight * 3}
+    meta = {"steps": json.dumps({"w": 7.0})}
+    save_file(moments, str(tmp_path / "optimizer.safetensors"), metadata=meta)
+    source = LocalSource(tmp_path)
+    assert source.shapes == {"w": (6, 4), "s": ()}
+    assert torch.equal(source.read("w", "param", 5, 14), weight.reshape(-1)[5:14])
+    assert torch.equal(source.read("w", "exp_avg_sq", 3, 9), (weight * 3).reshape(-1)[3:9])
+    assert source.step("w") == 7.0 and source.step("s") == 0.0
+    assert torch.equal(source.read("s", "exp_avg", 0, 1), torch.zeros(1))  # no state: zeros
+    assert source.buffer("s").item() == 3.0 and source.buffer("nothing") is None

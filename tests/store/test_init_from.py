@@ -163,3 +163,19 @@ def test_convert_a_zero_checkpoint_to_local_and_start_from_it(tmp_path, corpus_f
     )
     assert event["fingerprint"] == source["final"]["fingerprint"]
     assert event["source"] == "checkpoint" and event["backend"] == "local"
+
+
+def test_init_from_a_hf_directory_into_a_transformers_model_on_fsdp(
+    exported, tmp_path, corpus_files, cache_dir
+):
+    hf_dir = exported["llama"]["dir"]
+    args = micro_overrides(tmp_path / "run", corpus_files, cache_dir) + [
+        "model.kind=hf",  # the architecture from the directory's config.json
+        f"model.init_from={hf_dir}",
+        "train.global_batch_size=16",
+        "train.max_steps=1",
+        "train.eval_every=6",
+        "precision.compute_dtype=fp32",
+    ]
+    result = launch("fsdp", args)
+    assert result["val"][0] == pytest.approx(exported["llama"]["val"][6], rel=1e-4)

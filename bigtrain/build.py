@@ -37,7 +37,7 @@ from bigtrain.data import (
     split_samples,
 )
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
-from bigtrain.model import architecture_only, build_model, model_flops_per_token, num_params
+from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.mfu import resolve_peak_flops
@@ -240,7 +240,9 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
     return corpus, loader, val
 
 
-def make_model(cfg: Config, vocab_size: int, device: torch.device) -> tuple[nn.Module, dict]:
+def make_model(
+    cfg: Config, vocab_size: int, device: torch.device, eos_id: int | None = None
+) -> tuple[nn.Module, dict]:
     """The model with its precision policy applied (not yet wrapped), and what setup learned:
     policy, parameter count and shapes, FLOPs per token, INT8 layers."""
     with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
@@ -254,6 +256,13 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device) -> tuple[nn.M
         model = build_model(cfg.model, vocab_size)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
+    if cfg.data.document_mask:
+        if not isinstance(model, GPT):
+            raise ConfigError(
+                "data.document_mask=true needs model.kind=gpt (bigtrain's GPT builds the "
+                "per-document mask and positions from the EOS tokens)"
+            )
+        model.document_eos = eos_id
     learned = {
         "policy": policy,
         "num_params": n_params,
@@ -302,7 +311,7 @@ def _build_trainer(
     manager.tokenizer_dir = run_dir.path / "tokenizer"
     if env.is_main:  # the run's tokenizer, beside its config; checkpoints carry a copy
         load_tokenizer(corpus.tokenizer_dir).save_pretrained(str(manager.tokenizer_dir))
-    model, learned = make_model(cfg, corpus.vocab_size, device)
+    model, learned = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
     backend = make_backend(cfg, model, learned["policy"], device)
     peak_flops, peak_source = resolve_peak_flops(
         device,

@@ -102,6 +102,10 @@ class DataConfig:
     pin_memory: bool | None = None
     """Read batches into pinned host memory, so the copy to the GPU is asynchronous. None: on
     CUDA. Needs a CUDA device."""
+    document_mask: bool = False
+    """Keep attention inside each document of a packed sequence (documents end with EOS), with
+    positions restarting at each document (bigtrain's GPT; a boolean mask through SDPA). False:
+    plain causal attention across the documents of a sequence. Read when the model is built."""
 
 
 @dataclass

@@ -55,9 +55,9 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (batch, heads, seq, head_dim); rotates the two halves of head_dim (GPT-NeoX layout).
+    # x: (batch, heads, seq, head_dim); cos/sin: (seq, head_dim / 2), or (batch, 1, seq, ...) with
+    # positions per token; rotates the two halves of head_dim (GPT-NeoX layout).
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.to(x.dtype)
 
@@ -78,8 +78,13 @@ class CausalSelfAttention(nn.Module):
         """Set by the precision policy: compute scores and softmax in FP32 (explicit path)."""
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """mask: None (causal), or (batch, 1, seq, seq) booleans, True where attention is
+        allowed (causal within each document, see GPT.document_eos)."""
         batch, seq, width = x.shape
         kv_width = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([width, kv_width, kv_width], dim=-1)
@@ -93,22 +98,23 @@ class CausalSelfAttention(nn.Module):
             if grouped:  # each key/value head serves n_heads / n_kv_heads query heads
                 groups = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            y = self._explicit_fp32(q, k, v, p)
+            y = self._explicit_fp32(q, k, v, p, mask)
         else:
             y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=grouped
             )
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return self.resid_dropout(self.proj(y))
 
     def _explicit_fp32(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, mask: torch.Tensor | None
     ) -> torch.Tensor:
         seq = q.shape[-2]
+        if mask is None:
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         with autocast_off(q.device.type):
             scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-            probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
             probs = F.dropout(probs, p=p, training=p > 0)
         # The weighted sum of values goes back to the compute dtype like any other matmul.
         return probs.to(v.dtype) @ v
@@ -149,9 +155,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+        x = x + self.attn(self.norm1(x), rope, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -175,6 +184,9 @@ class GPT(nn.Module):
             # Not persistent: derived from the config, and kept in FP32 whatever the module dtype.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        self.document_eos: int | None = None
+        """Set from outside (data.document_mask): the EOS id that ends each document packed into
+        a sequence. Attention then stays inside a document and positions restart at each one."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -216,6 +228,11 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def _positions_and_mask(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.document_eos is None:
+            return torch.arange(idx.shape[1], device=idx.device), None
+        return document_positions(idx, self.document_eos)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype."""
         seq = idx.shape[1]
@@ -223,14 +240,35 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence of {seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
             )
+        positions, mask = self._positions_and_mask(idx)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(seq, device=idx.device))
+            x = x + self.pos_emb(positions)
         x = self.drop(x)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        rope = None
+        if self.cfg.position == "rope" and mask is None:
+            rope = (self.rope_cos[:seq], self.rope_sin[:seq])
+        elif self.cfg.position == "rope":  # per-token positions, broadcast over heads
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, mask)
         return self.lm_head(self.norm_f(x))
+
+
+def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences of documents each ended by `eos`: each token's position within its document
+    (batch, seq), and the attention mask (batch, 1, seq, seq), True where token i may attend to
+    token j: j <= i in the same document."""
+    seq = idx.shape[1]
+    ends = idx == eos
+    doc = torch.cumsum(ends, dim=1) - ends.long()  # EOS belongs to the document it ends
+    t = torch.arange(seq, device=idx.device).expand_as(idx)
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=idx.device).tril()
+    mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal
+    return t - first, mask.unsqueeze(1)
 
 
 def num_params(model: nn.Module, non_embedding: bool = False) -> int:

@@ -136,3 +136,32 @@ def test_grouped_query_attention_matches_its_explicit_path_and_shrinks_kv():
     fused = model(ids)
     model.blocks[0].attn.fp32_softmax = True  # explicit path: K/V heads repeated by hand
     torch.testing.assert_close(model(ids), fused, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("position", ["learned", "rope"])
+@pytest.mark.parametrize("fp32_softmax", [False, True])
+def test_document_mask_keeps_attention_and_positions_inside_each_document(position, fp32_softmax):
+    from bigtrain.config.schema import ModelConfig
+    from bigtrain.model.gpt import GPT
+
+    eos = 0
+    cfg = ModelConfig(
+        n_layers=2, n_heads=2, d_model=32, seq_len=16, vocab_size=50, position=position
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    for block in model.blocks:
+        block.attn.fp32_softmax = fp32_softmax
+    first = torch.tensor([[5, 6, 7, eos]])
+    second = torch.tensor([[8, 9, 10, 11, 12]])
+    both = torch.cat([first, second], dim=1)
+    with torch.no_grad():
+        plain = model(both)
+        model.document_eos = eos
+        masked = model(both)
+        alone = model(second)
+    # the second document sees nothing of the first, and starts at position 0
+    torch.testing.assert_close(masked[:, 4:], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked[:, :4], plain[:, :4])  # the first document is unchanged
+    assert (masked[:, 4:] - plain[:, 4:]).abs().max() > 1e-3  # without the mask it differs

@@ -59,3 +59,22 @@ def test_hf_config_without_spaces_shows_what_yaml_made_of_it():
     message = str(info.value)
     assert "{'model_type:gpt2': None, 'n_layer:2': None}" in message
     assert "model.hf_config='{model_type: gpt2, n_layer: 2}'" in message
+
+
+@pytest.mark.unit
+def test_document_mask_needs_the_builtin_gpt():
+    import dataclasses
+
+    from bigtrain.build import make_model
+    from bigtrain.config import load_config
+    from bigtrain.errors import ConfigError
+
+    cfg = load_config([], ["data.document_mask=true", "model.seq_len=16"])
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, kind="hf", hf_config=TINY_GPT2)
+    )
+    with pytest.raises(ConfigError, match="data.document_mask=true needs model.kind=gpt"):
+        make_model(cfg, 50, torch.device("cpu"), eos_id=0)
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="gpt"))
+    model, _ = make_model(plain, 50, torch.device("cpu"), eos_id=7)
+    assert model.document_eos == 7

@@ -266,8 +266,14 @@ class HFSource(Source):
         return self._handles[file]
 
     def _shape(self, parts) -> tuple[int, ...]:
+        """The bigtrain tensor's shape as the files give it; a part whose row count is not the
+        layout's (another model config) gives -1 rows, so check_covers names the tensor."""
         shapes = [tuple(self._handle(p.hf_name).get_slice(p.hf_name).get_shape()) for p in parts]
         shapes = [s[::-1] if p.transpose else s for p, s in zip(parts, shapes, strict=True)]
+        if any((s[0] if s else 1) != p.rows for p, s in zip(parts, shapes, strict=True)):
+            return (-1, *shapes[0][1:])
+        if not shapes[0]:
+            return ()
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
     def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:

@@ -4,7 +4,6 @@ which drives a whole training run and writes final.json."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import random
 import shutil
@@ -31,11 +30,13 @@ from bigtrain.config import Config, for_world_size, to_dict, to_yaml
 from bigtrain.data import (
     BatchLoader,
     SampleStream,
+    TokenCorpus,
     eval_batches,
     load_tokenizer,
     prepare_corpus,
     split_samples,
 )
+from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
 from bigtrain.model import architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
@@ -55,7 +56,7 @@ from bigtrain.precision import (
     resolve_policy,
 )
 from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
-from bigtrain.resume import start_state
+from bigtrain.resume import run_identity, start_state
 from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.store.rundir import RunDir
 from bigtrain.store.runlock import RunLock
@@ -72,16 +73,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
-    """What may not change on resume without checkpoint.allow_config_change=true."""
-    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
-    return {
-        **model,
-        "data.corpus_and_tokenizer": corpus_key,
-        "global_batch_size": global_batch_size,
-    }
 
 
 def apply_int8(
@@ -204,28 +195,30 @@ def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> 
 
 
 def make_data(cfg: Config, env: DistEnv, device: torch.device):
-    """(corpus, training batch loader, validation batches)."""
+    """(corpus or mixture, training batch loader, validation batches)."""
     if cfg.data.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
             "(leave it null: on for CUDA)"
         )
-    # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
-    if env.is_main:
-        corpus = prepare_corpus(cfg.data)
-    barrier()
-    if not env.is_main:
-        corpus = prepare_corpus(cfg.data)
+    t = cfg.train
+    if cfg.data.source == "prepared":
+        corpus = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
+        train_samples, val_samples, stream = corpus.train, corpus.val, corpus.stream
+        needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * env.world_size
+        check_length(corpus.stream, needed, t.max_steps)
+    else:
+        corpus = _token_corpus(cfg, env)
+        train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
+        stream = SampleStream(len(train_samples), t.seed)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({corpus.vocab_size})"
         )
-    train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
-    t = cfg.train
     loader = BatchLoader(
         train_samples,
-        SampleStream(len(train_samples), t.seed),
+        stream,
         t.micro_batch_size,
         t.grad_accum_steps,
         env.rank,
@@ -238,6 +231,16 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
         val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
     )
     return corpus, loader, val
+
+
+def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
+    # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
+    if env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    barrier()
+    if not env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    return corpus
 
 
 def make_model(cfg: Config, vocab_size: int, device: torch.device) -> tuple[nn.Module, dict]:

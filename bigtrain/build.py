@@ -23,6 +23,7 @@ from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.preempt import PreemptionHandler
 from bigtrain.callbacks.rollback import Rollback
+from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
@@ -281,6 +282,8 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callbac
         ConsoleProgress(cfg.train.progress and env.is_main),
         PreemptionHandler(),
     ]
+    if cfg.data.source == "prepared":
+        callbacks.append(SourceEvents())
     if int8_layers:
         callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
     if cfg.wandb.mode != "disabled":

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from bigtrain.build import run
-from bigtrain.data.tokens import load_tokenizer, train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
+from tests.data.conftest import mixture_args
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 
 pytestmark = pytest.mark.e2e
@@ -21,42 +21,8 @@ pytestmark = pytest.mark.e2e
 ENV = DistEnv()
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory, corpus_files) -> dict[str, Path]:
-    """Two prepared directories with one real BPE tokenizer: `big` (~6k tokens) and `small`
-    (~420 tokens, about 50 sequences of 8: it runs out in the first block of 1024 positions)."""
-    root = tmp_path_factory.mktemp("prepared")
-    text = corpus_files[0].read_text()[:20_000].splitlines()
-    train_bpe(iter(text), 300, root / "tokenizer")
-    vocab = len(load_tokenizer(str(root / "tokenizer")))
-    eos = load_tokenizer(str(root / "tokenizer")).eos_token_id
-    return {
-        name: write_prepared(
-            root / name,
-            random_documents(seed, num_tokens, vocab_size=vocab, low=eos + 1),
-            root / "tokenizer",
-            eos_id=eos,
-            vocab_size=vocab,
-        )
-        for seed, (name, num_tokens) in enumerate({"big": 6000, "small": 400}.items())
-    }
-
-
-def mixture_args(sources: dict[str, Path]) -> list[str]:
-    return [
-        "data.source=prepared",
-        f"data.mixture=[{{path: {sources['big']}}}, {{path: {sources['small']}, max_epochs: 1}}]",
-        "model.seq_len=8",
-        "train.micro_batch_size=256",  # 6 steps cover more than one block of 1024 positions
-        "train.max_steps=6",
-        "train.log_every=2",
-        "train.eval_every=6",
-        "checkpoint.every=3",
-    ]
-
-
-def test_a_mixture_run_logs_tokens_by_source_and_resumes_bit_exactly(micro, sources):
-    straight = run(micro(*mixture_args(sources), out="straight"), ENV)
+def test_a_mixture_run_logs_tokens_by_source_and_resumes_bit_exactly(micro, mixture_sources):
+    straight = run(micro(*mixture_args(mixture_sources), out="straight"), ENV)
     out = Path(micro().train.out_dir).parent
     metrics = [m for m in read_jsonl(out / "straight" / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in metrics] == [2, 4, 6]
@@ -70,9 +36,9 @@ def test_a_mixture_run_logs_tokens_by_source_and_resumes_bit_exactly(micro, sour
     assert metrics[-1]["tokens_by_source"]["small"] == cap * 8  # every sample once, no more
     assert 1 < exhausted["step"] < 6
 
-    stopped = run(micro(*mixture_args(sources), "train.stop_at_step=3", out="resumed"), ENV)
+    stopped = run(micro(*mixture_args(mixture_sources), "train.stop_at_step=3", out="resumed"), ENV)
     assert stopped == {"step": 3, "stopped": True}
-    resumed = run(micro(*mixture_args(sources), out="resumed"), ENV)
+    resumed = run(micro(*mixture_args(mixture_sources), out="resumed"), ENV)
     assert resumed["fingerprint"] == straight["fingerprint"]
     assert resumed["loss"] == straight["loss"]
     again = [m for m in read_jsonl(out / "resumed" / "metrics.jsonl") if "loss" in m]
@@ -80,21 +46,27 @@ def test_a_mixture_run_logs_tokens_by_source_and_resumes_bit_exactly(micro, sour
     kinds = [e["kind"] for e in read_jsonl(out / "resumed" / "events.jsonl")]
     assert kinds.count("resume") == 1 and kinds.count("source_exhausted") == 1
     reweighted = [
-        a.replace(f"{{path: {sources['big']}}}", f"{{path: {sources['big']}, weight: 2}}")
-        for a in mixture_args(sources)
+        a.replace(
+            f"{{path: {mixture_sources['big']}}}", f"{{path: {mixture_sources['big']}, weight: 2}}"
+        )
+        for a in mixture_args(mixture_sources)
     ]
     with pytest.raises(ConfigError, match="different data.corpus_and_tokenizer"):
         run(micro(*reweighted, "train.max_steps=8", out="resumed"), ENV)
 
 
-def test_sources_with_different_tokenizers_exit_2_naming_both(micro_args, sources, tmp_path):
+def test_sources_with_different_tokenizers_exit_2_naming_both(
+    micro_args, mixture_sources, tmp_path
+):
     other = write_prepared(
         tmp_path / "other", random_documents(7, 500), fake_tokenizer(tmp_path / "tok", "x")
     )
     args = micro_args(
-        "data.source=prepared", f"data.mixture=[{sources['big']}, {other}]", "train.max_steps=2"
+        "data.source=prepared",
+        f"data.mixture=[{mixture_sources['big']}, {other}]",
+        "train.max_steps=2",
     )
     result = run_cli("train", *args)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"'{sources['big']}' and '{other}'" in result.stderr
+    assert f"'{mixture_sources['big']}' and '{other}'" in result.stderr
     assert "different tokenizers" in result.stderr and "Traceback" not in result.stderr

@@ -152,13 +152,16 @@ def _specs(
 
 
 def mixture_key(sources: list[PreparedData], specs: list[SourceSpec]) -> str:
-    """Changes when the training data or its order would: a manifest (shard hashes, tokenizer),
-    a weight, a max_epochs, a source's number of samples (seq_len, val_fraction)."""
+    """Changes when the training tokens or their order would: a shard's content (its sha256 in
+    the manifest), the tokenizer, a weight, a max_epochs, a source's number of samples (seq_len,
+    val_fraction). Not with what else a manifest records (bigtrain version, source description),
+    so the same tokens prepared again are the same corpus."""
     h = hashlib.sha256()
     for data, spec in zip(sources, specs, strict=True):
-        manifest = json.dumps(data.manifest, sort_keys=True).encode()
-        h.update(hashlib.sha256(manifest).digest())
-        h.update(json.dumps([spec.weight, spec.max_epochs, spec.num_samples]).encode())
+        content = [data.tokenizer_sha256, data.eos_id, str(data.dtype)]
+        content += [shard["sha256"] for shard in data.manifest["shards"]]
+        content += [spec.weight, spec.max_epochs, spec.num_samples]
+        h.update(json.dumps(content).encode())
     return "mixture-" + h.hexdigest()[:16]
 
 

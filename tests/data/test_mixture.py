@@ -301,3 +301,18 @@ def test_a_bare_path_is_an_entry_of_weight_one():
 def test_plan_reads_the_vocabulary_of_the_first_source(prepared):
     cfg = load_config([], ["data.source=prepared", f"data.mixture=[{prepared['code']}]"])
     assert vocab_size_for_plan(cfg) == PreparedData.open(prepared["code"]).vocab_size == 256
+
+
+def test_the_corpus_key_follows_tokens_and_weights_not_manifest_notes(prepared, tmp_path):
+    def key(cfg: DataConfig) -> str:
+        return build_mixture(cfg, *_opened(prepared), seq_len=16, seed=0).key
+
+    base = key(data_config(prepared))
+    manifest = prepared["code"] / "manifest.json"
+    notes = json.loads(manifest.read_text())
+    notes["bigtrain_version"] = "9.9"
+    manifest.write_text(json.dumps(notes))
+    assert key(data_config(prepared)) == base
+    reweighted = data_config(prepared)
+    reweighted.mixture[0].weight = 0.6
+    assert key(reweighted) != base != key(data_config(prepared, val_fraction=0.2))

@@ -4,7 +4,6 @@ which drives a whole training run and writes final.json."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import random
 import shutil
@@ -24,6 +23,7 @@ from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.preempt import PreemptionHandler
 from bigtrain.callbacks.rollback import Rollback
+from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
@@ -31,11 +31,13 @@ from bigtrain.config import Config, for_world_size, to_dict, to_yaml
 from bigtrain.data import (
     BatchLoader,
     SampleStream,
+    TokenCorpus,
     eval_batches,
     load_tokenizer,
     prepare_corpus,
     split_samples,
 )
+from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
 from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
@@ -55,10 +57,10 @@ from bigtrain.precision import (
     resolve_policy,
 )
 from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
-from bigtrain.resume import start_state
+from bigtrain.resume import run_identity, start_state
 from bigtrain.store.checkpoint import CheckpointManager
-from bigtrain.store.rundir import RunDir
-from bigtrain.store.runlock import RunLock
+from bigtrain.store.rundir import RunDir, check_out_dir
+from bigtrain.store.runlock import RunLock, lock_run_dir
 from bigtrain.train import Trainer
 from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.utils.dist import all_gather_objects, barrier
@@ -72,16 +74,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
-    """What may not change on resume without checkpoint.allow_config_change=true."""
-    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
-    return {
-        **model,
-        "data.corpus_and_tokenizer": corpus_key,
-        "global_batch_size": global_batch_size,
-    }
 
 
 def apply_int8(
@@ -162,34 +154,6 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
         raise
 
 
-def check_out_dir(out: Path) -> None:
-    """train.out_dir must be a directory or a path where one can be made."""
-    for path in (out, *out.parents):
-        if path.exists():
-            if not path.is_dir():
-                what = "train.out_dir" if path == out else f"train.out_dir's parent '{path}'"
-                raise ConfigError(
-                    f"key 'train.out_dir' ({out}): {what} is an existing file, expected a "
-                    "directory (or a path where one can be created)"
-                )
-            return
-
-
-def lock_run_dir(run_dir: RunDir, timeout_s: float, is_main: bool) -> RunLock | None:
-    """Rank 0 locks the run directory; every rank learns whether it could, and all exit 2
-    together when another live run holds it."""
-    lock, error = None, None
-    if is_main:
-        try:
-            lock = RunLock(run_dir.path, timeout_s).acquire()
-        except ConfigError as e:
-            error = str(e)
-    error = all_gather_objects(error)[0]
-    if error is not None:
-        raise ConfigError(error)
-    return lock
-
-
 def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> None:
     if run_dir.aborted_marker.exists():
         raise AbortRun(
@@ -204,28 +168,30 @@ def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> 
 
 
 def make_data(cfg: Config, env: DistEnv, device: torch.device):
-    """(corpus, training batch loader, validation batches)."""
+    """(corpus or mixture, training batch loader, validation batches)."""
     if cfg.data.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
             "(leave it null: on for CUDA)"
         )
-    # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
-    if env.is_main:
-        corpus = prepare_corpus(cfg.data)
-    barrier()
-    if not env.is_main:
-        corpus = prepare_corpus(cfg.data)
+    t = cfg.train
+    if cfg.data.source == "prepared":
+        corpus = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
+        train_samples, val_samples, stream = corpus.train, corpus.val, corpus.stream
+        needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * env.world_size
+        check_length(corpus.stream, needed, t.max_steps)
+    else:
+        corpus = _token_corpus(cfg, env)
+        train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
+        stream = SampleStream(len(train_samples), t.seed)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({corpus.vocab_size})"
         )
-    train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
-    t = cfg.train
     loader = BatchLoader(
         train_samples,
-        SampleStream(len(train_samples), t.seed),
+        stream,
         t.micro_batch_size,
         t.grad_accum_steps,
         env.rank,
@@ -238,6 +204,16 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
         val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
     )
     return corpus, loader, val
+
+
+def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
+    # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
+    if env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    barrier()
+    if not env.is_main:
+        corpus = prepare_corpus(cfg.data)
+    return corpus
 
 
 def make_model(
@@ -287,6 +263,8 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callbac
         ConsoleProgress(cfg.train.progress and env.is_main),
         PreemptionHandler(),
     ]
+    if cfg.data.source == "prepared":
+        callbacks.append(SourceEvents())
     if int8_layers:
         callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
     if cfg.wandb.mode != "disabled":

@@ -18,6 +18,7 @@ import torch
 
 from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
+from bigtrain.data.prepared import PreparedData
 from bigtrain.model import build_model, num_params
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
 from bigtrain.utils.sizes import parse_size
@@ -87,6 +88,8 @@ def bigtrain_layout(backend: str, stage: int, policy: PrecisionPolicy) -> Layout
 def vocab_size_for_plan(cfg: Config) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
+    if cfg.data.source == "prepared":  # every source has the first one's tokenizer
+        return PreparedData.open(cfg.data.mixture[0].path, verify=False).vocab_size
     if cfg.data.tokenizer == "bpe":
         return cfg.data.vocab_size
     from bigtrain.data.tokens import load_tokenizer

@@ -15,6 +15,7 @@ when there is nothing to resume, so a restarted job resumes its own checkpoints 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,16 @@ from bigtrain.store.checkpoint import (
     shape_changes,
 )
 from bigtrain.train import Trainer
+
+
+def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
+    """What may not change on resume without checkpoint.allow_config_change=true."""
+    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+    return {
+        **model,
+        "data.corpus_and_tokenizer": corpus_key,
+        "global_batch_size": global_batch_size,
+    }
 
 
 def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bigtrain.data.mixture import MixtureStream
 from bigtrain.observe.mfu import mfu
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
@@ -28,6 +29,7 @@ CONSOLE_EVENTS = {
     "checkpoint_invalid",
     "checkpoint_refused",
     "lr_restore",
+    "source_exhausted",
 }
 
 
@@ -76,6 +78,11 @@ class MetricsLogger(Callback):
         record["samples_seen"] = trainer.state.samples_seen
         record["tokens"] = trainer.state.tokens_seen
         record["skipped_steps"] = trainer.state.skipped_steps
+        stream = trainer.loader.stream
+        if isinstance(stream, MixtureStream):  # tokens trained per source: skip windows left out
+            seq_len = trainer.cfg.model.seq_len
+            by_source = stream.samples_by_source().items()
+            record["tokens_by_source"] = {name: n * seq_len for name, n in by_source}
         if trainer.context.get("flops_per_token") and trainer.context.get("peak_flops"):
             record["mfu"] = mfu(
                 record["tokens_per_s"],

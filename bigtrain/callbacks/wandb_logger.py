@@ -24,6 +24,7 @@ from bigtrain.train.step import StepResult
 RUN_ID_FILE = "wandb_run_id"
 ALERTS = ("rollback", "abort", "preempt")  # online runs also raise a wandb alert for these
 STEP_KEY = "train/step"  # the training step: the x-axis of every wandb chart
+PER_SOURCE = ("tokens_by_source",)  # dicts by mixture source name, not by layer
 
 
 def resolve_hold_steps(cfg: WandbConfig, resilience: ResilienceConfig) -> int:
@@ -157,12 +158,14 @@ def wandb_record(record: dict[str, Any]) -> dict[str, Any]:
     """A metrics record as wandb keys: the step as `train/step`, scalars under `train/`; per-layer
     dicts as one key per layer under `layers/<metric>/`, prefixed with the layer's position in the
     model so that the keys sort as the layers stack (a layer x step heatmap reads them in order);
-    per-rank step times as `timing/<part>/rank<r>`."""
+    per-rank step times as `timing/<part>/rank<r>`; per-source counts as `data/<key>/<source>`."""
     out: dict[str, Any] = {}
     for key, value in record.items():
         if key == "step_time_by_rank":
             for part, per_rank in value.items():
                 out.update({f"timing/{part}/rank{r}": v for r, v in enumerate(per_rank)})
+        elif key in PER_SOURCE:
+            out.update({f"data/{key}/{name}": v for name, v in value.items()})
         elif isinstance(value, dict):
             width = max(2, len(str(len(value) - 1)))
             for i, (layer, v) in enumerate(value.items()):

@@ -1,3 +1,4 @@
+from bigtrain.config.data import MixtureSource
 from bigtrain.config.load import (
     config_changes,
     for_world_size,
@@ -27,6 +28,7 @@ __all__ = [
     "DataConfig",
     "FaultConfig",
     "for_world_size",
+    "MixtureSource",
     "ModelConfig",
     "MonitorConfig",
     "OptimConfig",

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
 
@@ -26,7 +27,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.position": ("learned", "rope"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "swiglu"),
-    "data.source": ("shakespeare", "files", "hub"),
+    "data.source": ("shakespeare", "files", "hub", "prepared"),
     "precision.preset": ("auto", "fp32", "bf16-mixed", "fp16-mixed"),
     "precision.compute_dtype": ("auto", "bf16", "fp16", "fp32"),
     "precision.master_dtype": ("fp32",),
@@ -116,17 +117,37 @@ def _steps_as_lists(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _paths_as_sources(cfg: DictConfig) -> DictConfig:
+    """`data.mixture` and `data.val_mixture` accept a bare path for an entry of weight 1."""
+    data = cfg.get("data") if isinstance(cfg, DictConfig) else None
+    if isinstance(data, DictConfig):
+        for key in ("mixture", "val_mixture"):
+            entries = data.get(key)
+            if isinstance(entries, ListConfig):
+                data[key] = [{"path": e} if isinstance(e, str) else e for e in entries]
+    return cfg
+
+
 def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
-    other = _steps_as_lists(other)
+    other = _paths_as_sources(_steps_as_lists(other))
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except ConfigKeyError as e:
         key = e.full_key or str(e.key)
+        if e.object_type is MixtureSource:  # a list entry: OmegaConf knows no full key yet
+            raise ConfigError(
+                f"{origin}: unknown key '{key}' in a data.mixture/val_mixture entry "
+                f"(expected {[f.name for f in fields(MixtureSource)]})"
+            ) from None
         raise ConfigError(f"{origin}: unknown config key '{key}'{_closest(key)}") from None
     except ValidationError as e:
-        key = e.full_key
-        expected = _expected_type(key)
-        raise ConfigError(f"{origin}: key '{key}' got {e.value!r}, expected {expected}") from None
+        if e.object_type is MixtureSource:
+            types = {f.name: f.type for f in fields(MixtureSource)}
+            where = f"key '{e.key}' of a data.mixture/val_mixture entry"
+            expected = f"a value of type {types[e.key]}"
+        else:
+            where, expected = f"key '{e.full_key}'", _expected_type(e.full_key)
+        raise ConfigError(f"{origin}: {where} got {e.value!r}, expected {expected}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
 
@@ -175,6 +196,7 @@ def validate(config: Config) -> None:
     _check_signs(config)
     _check_checkpoints_and_hangs(config)
     _check_optim_and_data(config)
+    check_data(config.data)
     _check_monitor_and_int8(config)
     _check_parallel_and_train(config)
 

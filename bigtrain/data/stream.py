@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,11 +22,21 @@ from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
 
 
+class Samples(Protocol):
+    """What BatchLoader and eval_batches read: (seq_len + 1)-token rows by sample id
+    (PackedSamples; data/mixture.py's MixedSamples over several sources)."""
+
+    def __len__(self) -> int: ...
+
+    def get(self, indices: list[int]) -> torch.Tensor: ...
+
+
 class PackedSamples:
     """Fixed-length samples of seq_len + 1 tokens (inputs and shifted targets) over a token range.
-    Consecutive samples overlap by one token so that every token is a target exactly once."""
+    Consecutive samples overlap by one token so that every token is a target exactly once.
+    `tokens` is a numpy array or anything that slices like one (data/prepared.py)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int) -> None:
+    def __init__(self, tokens: Any, seq_len: int, first: int, count: int) -> None:
         self.tokens, self.seq_len, self.first, self.count = tokens, seq_len, first, count
 
     def __len__(self) -> int:
@@ -45,16 +55,24 @@ def split_samples(
     corpus: TokenCorpus, seq_len: int, val_fraction: float
 ) -> tuple[PackedSamples, PackedSamples]:
     """Train on the head of the token stream, validate on its tail (no sequence crosses over)."""
-    total = (len(corpus) - 1) // seq_len
+    return split_tokens(corpus.tokens, seq_len, val_fraction, "the corpus")
+
+
+def split_tokens(
+    tokens: Any, seq_len: int, val_fraction: float, what: str
+) -> tuple[PackedSamples, PackedSamples]:
+    """split_samples of any token array that slices like a numpy one (a prepared directory's
+    PreparedData too); `what` names it in the error."""
+    total = (len(tokens) - 1) // seq_len
     n_val = max(1, int(round(total * val_fraction)))
     n_train = total - n_val
     if n_train < 1:
         raise ConfigError(
-            f"data: the corpus has {len(corpus)} tokens, too few for model.seq_len={seq_len} "
+            f"data: {what} has {len(tokens)} tokens, too few for model.seq_len={seq_len} "
             f"and data.val_fraction={val_fraction} (need at least 2 sequences)"
         )
-    return PackedSamples(corpus.tokens, seq_len, 0, n_train), PackedSamples(
-        corpus.tokens, seq_len, n_train, n_val
+    return PackedSamples(tokens, seq_len, 0, n_train), PackedSamples(
+        tokens, seq_len, n_train, n_val
     )
 
 
@@ -74,6 +92,7 @@ class SampleStream:
         self.num_samples, self.seed = num_samples, seed
         self.cursor = 0
         self.skip_windows: list[tuple[int, int]] = []
+        self.end: int | None = None  # positions the stream holds; None: endless
         self._perm: tuple[int, np.ndarray] | None = None
 
     def sample_at(self, position: int) -> int:
@@ -121,6 +140,11 @@ class SampleStream:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "mixture" in state:
+            raise ConfigError(
+                "data: the checkpoint was trained on data.mixture (data.source=prepared), this "
+                "run on one corpus: the data order would change"
+            )
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
             raise ConfigError(
                 f"data: the checkpoint's sample order (seed {state['seed']}, {state['num_samples']} samples) differs from "
@@ -140,7 +164,7 @@ class BatchLoader:
 
     def __init__(
         self,
-        samples: PackedSamples,
+        samples: Samples,
         stream: SampleStream,
         micro_batch_size: int,
         grad_accum_steps: int,
@@ -198,8 +222,11 @@ class BatchLoader:
         """Queue the next `prefetch` steps of the stream as it stands; drop stale reads."""
         assert self._pool is not None
         wanted, cursor = [], self.stream.cursor
+        end = self.stream.end
         for _ in range(self.prefetch):
             global_positions, cursor = self.stream.positions_from(cursor, self.global_batch_size)
+            if end is not None and global_positions[-1] >= end:
+                break  # the stream ends there: a step that needs more raises in take()
             wanted.append(tuple(self.rank_positions(global_positions)))
         self._ahead = {k: v for k, v in self._ahead.items() if k in wanted}
         for key in wanted:
@@ -210,7 +237,7 @@ class BatchLoader:
 
 
 def eval_batches(
-    samples: PackedSamples,
+    samples: Samples,
     micro_batch_size: int,
     num_batches: int,
     rank: int,

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bigtrain.errors import ConfigError
+
 ABORTED = "ABORTED"
 
 
@@ -78,3 +80,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_out_dir(out: Path) -> None:
+    """train.out_dir must be a directory or a path where one can be made."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "train.out_dir" if path == out else f"train.out_dir's parent '{path}'"
+                raise ConfigError(
+                    f"key 'train.out_dir' ({out}): {what} is an existing file, expected a "
+                    "directory (or a path where one can be created)"
+                )
+            return

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bigtrain.errors import ConfigError
+from bigtrain.store.rundir import RunDir
+from bigtrain.utils.dist import all_gather_objects
 
 LOCK_NAME = ".lock"
 
@@ -198,3 +200,18 @@ class RunLock:
         current = self._read()
         if current is not None and self._is_mine(current):
             self.path.unlink(missing_ok=True)
+
+
+def lock_run_dir(run_dir: RunDir, timeout_s: float, is_main: bool) -> RunLock | None:
+    """Rank 0 locks the run directory; every rank learns whether it could, and all exit 2
+    together when another live run holds it."""
+    lock, error = None, None
+    if is_main:
+        try:
+            lock = RunLock(run_dir.path, timeout_s).acquire()
+        except ConfigError as e:
+            error = str(e)
+    error = all_gather_objects(error)[0]
+    if error is not None:
+        raise ConfigError(error)
+    return lock

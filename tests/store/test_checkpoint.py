@@ -27,6 +27,8 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
         "trainer.json",
         "rng_rank0.pt",
         "config.yaml",
+        "tokenizer/tokenizer.json",  # the run's tokenizer travels with each checkpoint
+        "tokenizer/tokenizer_config.json",
     }
     assert manifest["step"] == 10 and manifest["backend"] == "local" and manifest["world_size"] == 1
     assert manifest["data"]["cursor"] == 80 and manifest["data"]["skip_windows"] == []

@@ -172,7 +172,7 @@ def test_ckpt_cli_verify_and_inspect(micro):
     run(cfg, ENV)
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000005"
     ok = run_cli("ckpt", "verify", str(path))
-    assert ok.returncode == 0 and "5 files verified" in ok.stdout
+    assert ok.returncode == 0 and "7 files verified" in ok.stdout
     summary = json.loads(run_cli("ckpt", "inspect", str(path)).stdout)
     assert summary["step"] == 5 and summary["bytes"] > 0
     (path / "trainer.json").write_text("{}")

@@ -39,7 +39,7 @@ from bigtrain.parallel.env import DistEnv  # noqa: E402
 def raw_loop(cfg, vocab_size: int, tokens: np.ndarray, policy_dtype: torch.dtype):
     """A minimal nanoGPT-style loop; returns a function that runs n steps and returns seconds."""
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, vocab_size)
+    model = build_model(cfg.model, vocab_size, init_seed=cfg.train.seed)
     opt = torch.optim.AdamW(
         adamw_param_groups(model, cfg.optim.weight_decay),
         lr=cfg.optim.lr,

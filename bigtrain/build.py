@@ -226,10 +226,10 @@ def make_model(
     n_params = num_params(shaped)
     if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
         with torch.device("meta"):  # FSDPBackend materialises this rank's shards only
-            model = build_model(cfg.model, vocab_size)
+            model = build_model(cfg.model, vocab_size, init_seed=None)
     else:
-        # same seed on every rank: same initial weights
-        model = build_model(cfg.model, vocab_size)
+        # drawn per parameter from train.seed (model/init.py): the same weights on every rank
+        model = build_model(cfg.model, vocab_size, init_seed=cfg.train.seed)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     apply_to_model(model, policy)
     if cfg.data.document_mask:

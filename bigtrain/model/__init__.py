@@ -10,13 +10,16 @@ from bigtrain.config.schema import ModelConfig
 from bigtrain.model.gpt import GPT, flops_per_token, num_params
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
-    """Build on the current default device with FP32 weights. `vocab_size` is the tokenizer's."""
+def build_model(cfg: ModelConfig, vocab_size: int, init_seed: int | None = 0) -> nn.Module:
+    """Build on the current default device with FP32 weights. `vocab_size` is the tokenizer's.
+    init_seed (train.seed) seeds the GPT's per-parameter draws (model/init.py); None leaves them
+    undrawn for a build that writes them later. transformers models ignore it: they draw from
+    the global RNG (seeded by train.seed) or load their weights."""
     if cfg.kind == "hf":
         from bigtrain.model.hf import build_hf
 
         return build_hf(cfg.hf_config, cfg.hf_path, cfg.vocab_size or vocab_size, cfg.init_from)
-    return GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab_size))
+    return GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab_size), init_seed)
 
 
 def architecture_only(cfg: ModelConfig) -> ModelConfig:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config.schema import ModelConfig
+from bigtrain.model.init import initial_value
 from bigtrain.utils.tensors import autocast_off
 
 
@@ -164,8 +165,26 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class TiedLinear(nn.Linear):
+    """The bias-free output projection over the token embedding's table (tied weights). Built
+    without nn.Linear's constructor, which would first make and draw a table of its own (vocab x
+    d_model) only for the tie to drop it."""
+
+    def __init__(self, weight: nn.Parameter, in_features: int, out_features: int) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = weight
+        self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        """Nothing: the table is the embedding's."""
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, init_seed: int | None = 0) -> None:
+        """init_seed: the seed of the initial weights (train.seed; model/init.py). None leaves
+        them undrawn, for builds whose parameters get their values later, one parameter at a
+        time (on the meta device; partitioned by ZeRO-3)."""
         super().__init__()
         assert cfg.vocab_size is not None, (
             "vocab_size is resolved from the tokenizer before building"
@@ -176,9 +195,10 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+            self.lm_head = TiedLinear(self.tok_emb.weight, cfg.d_model, cfg.vocab_size)
+        else:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.position == "rope":
             cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
             # Not persistent: derived from the config, and kept in FP32 whatever the module dtype.
@@ -187,17 +207,16 @@ class GPT(nn.Module):
         self.document_eos: int | None = None
         """Set from outside (data.document_mask): the EOS id that ends each document packed into
         a sequence. Attention then stays inside a document and positions restart at each one."""
-        self.reset_parameters()
+        if init_seed is not None:
+            self.reset_parameters(init_seed)
 
-    def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std * self._linear_scale(module))
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Draw every parameter from its own generator seeded by (seed, name): the values a
+        sharded build draws one parameter at a time (model/init.py)."""
+        for name, param in self.named_parameters():  # a tied weight is listed, and drawn, once
+            if not param.is_meta:  # shapes only: nothing to draw
+                param.copy_(initial_value(self, name, param.shape, param.device, seed))
 
     def _linear_scale(self, module: nn.Module) -> float:
         residual = getattr(module, "residual_scaled_init", False)
@@ -206,12 +225,13 @@ class GPT(nn.Module):
     def init_value(
         self, name: str, shape: torch.Size, device: torch.device, generator: torch.Generator
     ) -> torch.Tensor:
-        """The initial value of parameter `name` (as named by named_parameters), drawn from
-        `generator`: the same rules as reset_parameters, for models built on the meta device and
-        materialised shard by shard (parallel.meta_init)."""
+        """The initial value of parameter `name` (as named by named_parameters, or canonical),
+        drawn from `generator`: normal(0, init_std) for matrices (embeddings, linear layers, the
+        residual output projections scaled by 1/sqrt(2 n_layers)), ones for norm gains, zeros
+        for biases."""
         owner_name, _, attr = name.rpartition(".")
         owner = self.get_submodule(owner_name)
-        out = torch.empty(shape, device=device)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
         if attr == "weight" and len(shape) >= 2:  # linear layers (also replaced ones), embeddings
             std = self.cfg.init_std * self._linear_scale(owner)
             return out.normal_(0.0, std, generator=generator)
@@ -220,7 +240,9 @@ class GPT(nn.Module):
         return out.zero_()  # biases
 
     def init_buffers(self) -> None:
-        """Recompute the non-persistent buffers (rotary tables) after `to_empty`."""
+        """Recompute the non-persistent buffers (rotary tables) after `to_empty`, or after a
+        build inside ZeRO-3's zero.Init (which casts every floating tensor created in it, arange
+        included, to the compute dtype)."""
         if self.cfg.position == "rope":
             cos, sin = rope_tables(
                 self.cfg.seq_len, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta

@@ -2,20 +2,19 @@
 then each rank materialises its shards.
 
 Every parameter's full initial value is drawn, one parameter at a time, on the training device
-from a generator seeded by (train.seed, canonical name); each rank keeps its slice. The peak
-extra memory is the largest single parameter, and the weights are the same at any world size
-(though not the same draws as a model built whole, which consumes one global RNG stream).
+from a generator seeded by (train.seed, canonical name) (model/init.py); each rank keeps its
+slice. The peak extra memory is the largest single parameter, and the weights are those of a
+model built whole, at any world size.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.init import initial_value
 from bigtrain.utils.names import canonical_name
 
 META_INIT_PARAMS = 1_000_000_000  # parallel.meta_init=auto turns on from here
@@ -33,11 +32,6 @@ def uses_meta_init(choice: bool | None, backend: str, kind: str, num_params: int
     return choice
 
 
-def _seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"bigtrain-init:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate the (sharded) meta model on `device` and initialise it (see module docstring)."""
@@ -45,13 +39,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for _, buffer in model.named_buffers():
         if buffer.is_floating_point():
             buffer.zero_()  # e.g. INT8 calibration state; tables are recomputed below
-    root = model
-    init_value = getattr(root, "init_value", None)
-    assert init_value is not None, "meta init needs a model with init_value (bigtrain's GPT)"
-    generator = torch.Generator(device=device)
+    assert hasattr(model, "init_value"), "meta init needs a model with init_value (bigtrain's GPT)"
     for name, param in model.named_parameters():
-        generator.manual_seed(_seed(seed, canonical_name(name)))
-        full = init_value(canonical_name(name), param.shape, device, generator)
+        full = initial_value(model, canonical_name(name), param.shape, device, seed)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank slices its own copy, no communication.
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -59,4 +49,4 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         else:
             param.copy_(full)
         del full
-    root.init_buffers()  # type: ignore[operator]
+    model.init_buffers()  # type: ignore[operator]

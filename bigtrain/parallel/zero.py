@@ -366,6 +366,8 @@ class ZeroBackend(Backend):
     def _fp32_flats(self) -> list[torch.Tensor]:
         if self.stage == 3:
             return list(self.optimizer.fp32_partitioned_groups_flat)
+        if hasattr(self.optimizer, "fp32_groups_flat_partition"):  # ZeRO-1 with BF16 compute
+            return list(self.optimizer.fp32_groups_flat_partition)  # (DeepSpeed's BF16_Optimizer)
         return list(self.optimizer.single_partition_of_fp32_groups)
 
     def master_state(self) -> tuple[list[torch.Tensor], dict]:
@@ -378,7 +380,20 @@ class ZeroBackend(Backend):
         """The module's compute-dtype parameters from the FP32 master partitions (and all-gathered
         where ZeRO-1/2 keep them whole)."""
         if self.stage == 3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            # Small ("persistent") parameters stay gathered between steps, and a gather skips
+            # what is gathered already: drop those copies (no write-back), gather them anew.
+            gathered = [
+                p
+                for p in self.optimizer.persistent_parameters
+                if p.ds_status == ZeroParamStatus.AVAILABLE
+            ]
+            if gathered:
+                gathered[0].partition(gathered)
             for i in range(len(self.optimizer.fp32_partitioned_groups_flat)):
                 self.optimizer._reassign_or_swap_out_partitioned_parameters(i)
+            if gathered:
+                gathered[0].all_gather(gathered)
         else:
             self.optimizer.update_lp_params()

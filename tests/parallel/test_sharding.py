@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from bigtrain.build import build_trainer, run
@@ -212,18 +213,26 @@ def test_zero_checkpoint_resumes_under_another_stage_and_world_size(
             assert after[step] == pytest.approx(before[step], rel=1e-3), (name, step)
 
 
-def snapshot_round_trip(args: list[str]) -> tuple[str, str, str]:
+def snapshot_round_trip(args: list[str]) -> tuple[tuple[str, float], ...]:
+    """(fingerprint, logits sum) at a snapshot, two steps later, and after restoring it: the
+    restored masters must also reach the weights the next forward computes with."""
     trainer = build_trainer(load_config([], args), read_env())
+    inputs = torch.arange(64).reshape(2, 32) % 300
     try:
+
+        def now() -> tuple[str, float]:
+            logits = trainer.backend.eval_logits(inputs.to(trainer.device))
+            return trainer.backend.fingerprint(), logits.float().sum().item()
+
         for _ in range(2):
             trainer.train_step()
         snap = trainer.backend.local_state()
-        before = trainer.backend.fingerprint()
+        before = now()
         for _ in range(2):
             trainer.train_step()
-        moved = trainer.backend.fingerprint()
+        moved = now()
         trainer.backend.load_local_state(snap)
-        return before, moved, trainer.backend.fingerprint()
+        return before, moved, now()
     finally:
         trainer.callbacks.close()
         shutdown(clean=False)
@@ -249,7 +258,8 @@ def test_snapshot_restores_the_local_shards(tmp_path, corpus_files, cache_dir, b
         "precision.compute_dtype=bf16",
     )
     for before, moved, restored in run_distributed(snapshot_round_trip, world, args):
-        assert moved != before and restored == before
+        assert moved[0] != before[0] and moved[1] != before[1]
+        assert restored == before
 
 
 def zero_clipped_norm(args: list[str]) -> tuple[float, float]:

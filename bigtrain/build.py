@@ -39,7 +39,6 @@ from bigtrain.data import (
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
-from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.mfu import resolve_peak_flops
@@ -48,15 +47,8 @@ from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.parallel.meta_init import uses_meta_init
-from bigtrain.precision import (
-    PrecisionPolicy,
-    apply_to_model,
-    detect_hardware,
-    dtype_name,
-    resolve_policy,
-)
-from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
+from bigtrain.parallel.model_setup import make_model
+from bigtrain.precision import PrecisionPolicy, dtype_name
 from bigtrain.resume import run_identity, start_state
 from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.store.rundir import RunDir, check_out_dir
@@ -74,20 +66,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def apply_int8(
-    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
-) -> dict[str, Int8Linear]:
-    """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
-    record their names in the policy's table."""
-    if not policy.int8:
-        return {}
-    int_mm_available(device)
-    fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
-    layers = convert_to_int8(model, cfg.precision.int8, fp32)
-    policy.int8_modules = tuple(layers)
-    return layers
 
 
 def make_backend(
@@ -214,39 +192,6 @@ def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
     if not env.is_main:
         corpus = prepare_corpus(cfg.data)
     return corpus
-
-
-def make_model(
-    cfg: Config, vocab_size: int, device: torch.device, eos_id: int | None = None
-) -> tuple[nn.Module, dict]:
-    """The model with its precision policy applied (not yet wrapped), and what setup learned:
-    policy, parameter count and shapes, FLOPs per token, INT8 layers."""
-    with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
-        shaped = build_model(architecture_only(cfg.model), vocab_size)
-    n_params = num_params(shaped)
-    if uses_meta_init(cfg.parallel.meta_init, cfg.parallel.backend, cfg.model.kind, n_params):
-        with torch.device("meta"):  # FSDPBackend materialises this rank's shards only
-            model = build_model(cfg.model, vocab_size, init_seed=None)
-    else:
-        # drawn per parameter from train.seed (model/init.py): the same weights on every rank
-        model = build_model(cfg.model, vocab_size, init_seed=cfg.train.seed)
-    policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
-    apply_to_model(model, policy)
-    if cfg.data.document_mask:
-        if not isinstance(model, GPT):
-            raise ConfigError(
-                "data.document_mask=true needs model.kind=gpt (bigtrain's GPT builds the "
-                "per-document mask and positions from the EOS tokens)"
-            )
-        model.document_eos = eos_id
-    learned = {
-        "policy": policy,
-        "num_params": n_params,
-        "shapes": {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
-        "flops_per_token": model_flops_per_token(model, cfg.model),
-        "int8_layers": apply_int8(cfg, model, policy, device),
-    }
-    return model, learned
 
 
 def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callback]:

@@ -30,7 +30,7 @@ from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import local_tensor, to_cpu
+from bigtrain.utils.tensors import full_shape, local_tensor, to_cpu
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, in checkpoints always FP32
 
@@ -218,7 +218,7 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(full_shape(p)) >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -12,6 +12,7 @@ at any world size without a process ever holding the whole model:
   without a process group, so this holds one parameter at a time.
 - `HFSource`: a transformers directory (safetensors, sharded or not) through the name and layout
   mapping of model/hf_layout.py (split q/k/v, transposed Conv1D weights), sliced.
+- `InitialValues`: a model's exact FP32 initial values, made one parameter at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch
 from safetensors import safe_open
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.init import initial_value
 from bigtrain.parallel import zero_ckpt
 from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import full_shape
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -90,6 +93,32 @@ class Source:
                 + (f"; other shapes: {'; '.join(wrong[:4])}" if wrong else "")
                 + ")"
             )
+
+
+class InitialValues(Source):
+    """A model's exact FP32 initial values. bigtrain's GPT draws each parameter when it is read
+    (model/init.py), built whole or partitioned; any other model (transformers) was built whole,
+    and the FP32 tensors it was built with are kept by reference (no copy) to be read: DeepSpeed
+    replaces the module's parameters with compute-dtype copies. No optimizer state, no buffers."""
+
+    def __init__(self, model: torch.nn.Module, seed: int, device: torch.device) -> None:
+        self.origin = "the initial weights"
+        named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+        self.shapes = {name: tuple(full_shape(p)) for name, p in named}
+        self.model, self.seed, self.device = model, seed, device
+        self.kept = None if hasattr(model, "init_value") else {n: p.detach() for n, p in named}
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        assert key == "param", "initial values hold no optimizer state"
+        if self.kept is not None:
+            return self.kept[name].reshape(-1)[start:stop]
+        full = initial_value(
+            self.model, name, torch.Size(self.shapes[name]), self.device, self.seed
+        )
+        return full.reshape(-1)[start:stop]  # a view: the whole value lives until it is copied
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        return None
 
 
 def _slice_rows(handle, key: str, shape, start: int, stop: int) -> torch.Tensor:

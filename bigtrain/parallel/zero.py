@@ -10,11 +10,18 @@ BF16 copies, the FP32 master weights live in the ZeRO optimizer's partitions, gr
 accumulated and reduced in FP32 (`data_types.grad_accum_dtype`, `communication_data_type`).
 Clipping uses the norm from the monitor's statistics of the local gradient partitions: bigtrain
 scales the partitions before DeepSpeed's step, with DeepSpeed's own clipping off.
+
+Initial weights: ZeRO-3 builds bigtrain's GPT inside deepspeed.zero.Init (`build_partitioned`),
+so no process ever holds more than its partition and the layer being built. On every stage, the
+exact FP32 initial values are then loaded into the FP32 master partitions, one parameter at a
+time (sources.InitialValues, model/init.py), and the compute copies refreshed from them: the
+weights are those of every other backend at any world size, not rounded to the compute dtype.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,7 @@ from bigtrain.parallel.backend import (
     set_fp32_optimizer_state,
     weights_fingerprint,
 )
-from bigtrain.parallel.sources import ZeroSource
+from bigtrain.parallel.sources import InitialValues, ZeroSource
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.utils.names import canonical_name
@@ -124,6 +131,34 @@ def check_accelerator_dtype(compute_dtype: torch.dtype) -> None:
         )
 
 
+def build_partitioned(
+    build: Callable[[], nn.Module], cfg: Config, policy: PrecisionPolicy
+) -> nn.Module:
+    """ZeRO-3: `build()` inside deepspeed.zero.Init with this run's DeepSpeed config, which
+    partitions each layer across the ranks as soon as it is built. Its values are placeholders
+    (build draws nothing): ZeroBackend writes the exact ones into its FP32 master partitions."""
+    import deepspeed
+
+    check_zero_precision(cfg, policy)
+    check_accelerator_dtype(policy.compute_dtype)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
+    config = deepspeed_config(cfg, policy, dist.get_world_size())
+    # zero.Init takes its dtype from the config (the compute dtype), as the engine expects the
+    # partitions; the FP32 masters are made at initialize and then written exactly.
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = build()
+    # zero.Init also cast the buffers made inside it (rotary tables: arange and all).
+    init_buffers = getattr(model, "init_buffers", None)
+    if init_buffers is not None:
+        init_buffers()
+    return model
+
+
+def is_partitioned(model: nn.Module) -> bool:
+    """Built inside zero.Init: DeepSpeed marks its parameters with ids."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 class ZeroBackend(Backend):
     name = "zero"
     state_key, state_label = "fp32", "fp32_partition"
@@ -137,14 +172,16 @@ class ZeroBackend(Backend):
         check_accelerator_dtype(policy.compute_dtype)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
-        model = model.to(device)
+        assert is_partitioned(model) == (self.stage == 3 and hasattr(model, "init_value")), (
+            "ZeRO-3 builds bigtrain's GPT partitioned (model_setup.py), everything else whole"
+        )
+        if not is_partitioned(model):
+            model = model.to(device)
+        initial = InitialValues(model, cfg.train.seed, device)  # before DeepSpeed recasts it
         optimizer = make_adamw(
             adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
         )
         self.ds_config = deepspeed_config(cfg, policy, dist.get_world_size())
-        # DeepSpeed casts the module to BF16 and builds its FP32 master partitions from that
-        # cast, which would round the initial weights to BF16. Keep the FP32 init, put it back.
-        init = [p.detach().to("cpu", copy=True) for p in model.parameters()]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config
         )
@@ -160,12 +197,9 @@ class ZeroBackend(Backend):
         self._spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min
-        if policy.compute_dtype != torch.float32:
-            from deepspeed.utils import safe_set_full_fp32_param
-
-            for (_, p), value in zip(self._params, init, strict=True):
-                safe_set_full_fp32_param(p, value.to(device))
-            self._refresh_compute_copies()
+        # DeepSpeed made the FP32 masters from the compute-dtype module (placeholders on ZeRO-3;
+        # rounded to BF16/FP16 otherwise): write the exact initial values, then the copies.
+        self.load_from(initial, optimizer=False)
 
     def set_phase(self, phase: Phase) -> None:
         assert phase.compute_dtype == self.policy.compute_dtype, (
@@ -334,9 +368,12 @@ class ZeroBackend(Backend):
         }
         source.check_covers(shapes)
         flats = self._fp32_flats()
-        moments = {k: [torch.zeros_like(f) for f in flats] for k in MOMENTS}
+        # Two partition-sized buffers: only when there are moments to read.
+        moments = {k: [torch.zeros_like(f) for f in flats] for k in MOMENTS} if optimizer else {}
         steps = [0.0] * len(flats)
         for frag in self.fragments:
+            if not frag.numel:  # ZeRO-3's padding: nothing of this parameter here
+                continue
             end = frag.start + frag.numel
             at = slice(frag.flat_start, frag.flat_start + frag.numel)
             flats[frag.group][at].copy_(source.read(frag.name, "param", frag.start, end))

@@ -34,7 +34,7 @@ from torch import nn
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import autocast_dtype, autocast_off
+from bigtrain.utils.tensors import autocast_dtype, autocast_off, full_shape
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Int8Linear(nn.Module):
             if not key.startswith("_") and key not in vars(self) and not callable(value):
                 setattr(self, key, value)
         self.transposed, self.affine = transposed, affine
-        in_features = self.weight.shape[0 if transposed else 1]
+        in_features = full_shape(self.weight)[0 if transposed else 1]  # also partitioned (ZeRO-3)
         self.in_features = in_features
         self.observe = True  # record max |x| per input channel (calibration, EMA)
         self.smoothing_alpha = 0.5

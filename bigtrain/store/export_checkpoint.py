@@ -75,7 +75,7 @@ def checkpoint_layout(cfg: Config, shapes: dict[str, tuple], vocab_size: int) ->
 @torch.no_grad()
 def model_from_source(cfg: Config, vocab_size: int, source: Source) -> nn.Module:
     """bigtrain's model of the checkpoint's config in FP32 on the CPU, holding its weights."""
-    model = build_model(architecture_only(cfg.model), vocab_size)
+    model = build_model(architecture_only(cfg.model), vocab_size, init_seed=None)  # copied below
     for name, p in model.named_parameters():
         p.copy_(source.full(name))
     return model

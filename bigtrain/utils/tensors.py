@@ -38,6 +38,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape, also where ZeRO-3 has partitioned it (its own shape is then
+    (0,): `ds_shape` keeps the real one)."""
+    return getattr(t, "ds_shape", t.shape)
+
+
 def to_cpu(obj: Any, into: Any = None) -> Any:
     """Host copies of the tensors in `obj`. From CUDA: into pinned memory, without waiting (the
     copy is ordered on the stream before later kernels that change the source, and before any

@@ -320,12 +320,15 @@ def initial_fingerprint(args: list[str]) -> str:
 def test_fingerprint_is_the_same_for_the_same_weights_on_every_backend(
     tmp_path, corpus_files, cache_dir
 ):
-    """Same seed, no step yet: identical weights, so identical fingerprints, whatever holds them."""
+    """Same seed, no step yet: identical weights (model/init.py), so identical fingerprints,
+    whatever holds them and however it was built (whole, on meta, inside zero.Init)."""
     prints = {}
     for backend, world, extra in (
         ("local", 1, []),
         ("fsdp", 2, []),
+        ("fsdp", 2, ["parallel.meta_init=true"]),
         ("zero", 2, ["parallel.zero_stage=3"]),
+        ("zero", 1, ["parallel.zero_stage=3"]),
         ("zero", 2, ["parallel.zero_stage=1", "precision.compute_dtype=bf16"]),
     ):
         args = _args(

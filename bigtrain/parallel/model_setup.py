@@ -1,0 +1,101 @@
+"""The model as a backend receives it: built where its backend wants it, with the precision
+policy's knobs and INT8 layers applied, not yet wrapped.
+
+Where it is built (`build_site`):
+- `partitioned`: ZeRO-3 with bigtrain's GPT, inside deepspeed.zero.Init: each layer is split
+  across the ranks as soon as it is built, so no process holds more than its partition and the
+  layer being built. Undrawn: ZeroBackend writes the initial values into its FP32 partitions.
+- `meta`: FSDP2 with parallel.meta_init: shapes only; FSDPBackend materialises its shards.
+- `whole`: everything else, in every process. bigtrain's GPT is built on the training device and
+  drawn there; transformers models on the default device, with transformers' own init.
+bigtrain's GPT gets the same initial weights on every site (model/init.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from bigtrain.config.schema import Config
+from bigtrain.errors import ConfigError
+from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
+from bigtrain.parallel.meta_init import uses_meta_init
+from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
+from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
+from bigtrain.utils.names import canonical_name
+
+
+def build_site(cfg: Config, num_params: int) -> str:
+    """`partitioned`, `meta` or `whole` (module docstring)."""
+    p = cfg.parallel
+    if p.backend == "zero" and p.zero_stage == 3 and cfg.model.kind == "gpt":
+        return "partitioned"
+    if uses_meta_init(p.meta_init, p.backend, cfg.model.kind, num_params):
+        return "meta"
+    return "whole"
+
+
+def build(
+    cfg: Config, vocab_size: int, site: str, policy: PrecisionPolicy, device: torch.device
+) -> nn.Module:
+    """The model, built at `site`."""
+    if site == "partitioned":
+        from bigtrain.parallel.zero import build_partitioned  # imports deepspeed: only then
+
+        return build_partitioned(
+            lambda: build_model(cfg.model, vocab_size, init_seed=None), cfg, policy
+        )
+    if site == "meta":
+        with torch.device("meta"):
+            return build_model(cfg.model, vocab_size, init_seed=None)
+    # GPT: drawn on the device the sharded sites draw on (CPU and CUDA generators differ).
+    gpt = cfg.model.kind == "gpt"
+    with torch.device(device) if gpt else contextlib.nullcontext():
+        return build_model(cfg.model, vocab_size, init_seed=cfg.train.seed)
+
+
+def apply_int8(
+    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
+) -> dict[str, Int8Linear]:
+    """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
+    record their names in the policy's table."""
+    if not policy.int8:
+        return {}
+    int_mm_available(device)
+    fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
+    layers = convert_to_int8(model, cfg.precision.int8, fp32)
+    policy.int8_modules = tuple(layers)
+    return layers
+
+
+def make_model(
+    cfg: Config, vocab_size: int, device: torch.device, eos_id: int | None = None
+) -> tuple[nn.Module, dict]:
+    """The model with its precision policy applied (not yet wrapped), and what setup learned:
+    policy, parameter count and shapes, FLOPs per token, INT8 layers, build site."""
+    with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
+        shaped = build_model(architecture_only(cfg.model), vocab_size, init_seed=None)
+    n_params = num_params(shaped)
+    policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
+    site = build_site(cfg, n_params)
+    model = build(cfg, vocab_size, site, policy, device)
+    apply_to_model(model, policy)
+    if cfg.data.document_mask:
+        if not isinstance(model, GPT):
+            raise ConfigError(
+                "data.document_mask=true needs model.kind=gpt (bigtrain's GPT builds the "
+                "per-document mask and positions from the EOS tokens)"
+            )
+        model.document_eos = eos_id
+    learned = {
+        "policy": policy,
+        "num_params": n_params,
+        "shapes": {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
+        # from the shapes: a partitioned model's parameters hold only this rank's part
+        "flops_per_token": model_flops_per_token(shaped, cfg.model),
+        "int8_layers": apply_int8(cfg, model, policy, device),
+        "build_site": site,
+    }
+    return model, learned

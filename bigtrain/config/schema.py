@@ -364,8 +364,8 @@ class ParallelConfig:
     """torch.compile each transformer block (in place; parameter names unchanged)."""
     meta_init: bool | None = None
     """Build the model on the meta device and materialise only this rank's shards (fsdp, gpt):
-    no process ever holds the whole model. None: on for fsdp from 1B parameters. Initial weights
-    are then drawn per parameter (the same at any world size, not the draws of a whole build)."""
+    no process ever holds the whole model. None: on for fsdp from 1B parameters. The initial
+    weights are those of a whole build (drawn per parameter: model/init.py)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
     backward (ZeRO-2-like speed)."""

@@ -74,8 +74,8 @@ def prepare(
     out = Path(out_dir)
     if shard_tokens < 1:
         raise ConfigError(f"prepare: shard_tokens got {shard_tokens}, expected a positive count")
+    docs = Documents(data_cfg)  # checks paths and formats before anything is written
     _check_out_dir(out)
-    docs = Documents(data_cfg)
     expect = {
         "format": PROGRESS_FORMAT,
         "source": source_of(data_cfg),
@@ -155,6 +155,7 @@ def _write_shards(
         except BaseException:
             writer.abandon()
             raise
+        bar.update(docs.bytes_read - bar.n)
         return writer.close()
 
 
@@ -219,6 +220,7 @@ def _make_tokenizer(data_cfg: DataConfig, docs: Documents, out: Path, progress: 
                     bar.update(docs.bytes_read - bar.n)
 
             train_bpe(texts(), data_cfg.vocab_size, tmp)
+            bar.update(docs.bytes_read - bar.n)
     else:
         load_tokenizer(data_cfg.tokenizer).save_pretrained(str(tmp))
     tmp.rename(out / TOKENIZER)

@@ -2,7 +2,6 @@
 stream per rank."""
 
 from bigtrain.data.corpus import Documents, strip_play_markup
-from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.stream import (
     BatchLoader,
@@ -22,7 +21,6 @@ __all__ = [
     "TokenCorpus",
     "eval_batches",
     "load_tokenizer",
-    "prepare",
     "prepare_corpus",
     "split_samples",
     "strip_play_markup",

@@ -2,10 +2,10 @@
 
 `data.num_proc=1` encodes in this process with the Rust tokenizer's own threads (it releases the
 GIL and spreads a batch over every core). `data.num_proc=N>1` forks N worker processes that each
-encode whole batches on one thread; at most 2N batches are in flight, so memory stays bounded
-whatever the corpus size. On 2 cores the pool was about 15% faster (bench/prepare.py, README
-"Preparing data"): it also overlaps reading and writing with encoding. Neither pickles a tokenizer
-nor fingerprints anything: workers rebuild it from its JSON once.
+encode whole batches on one thread, while this process reads, parses and writes; at most 2N
+batches are in flight, so memory stays bounded whatever the corpus's size. On the shared 2-core
+VM of bench/prepare.py the two were within its noise of each other (README "Preparing data").
+Neither pickles a tokenizer nor fingerprints anything: workers rebuild it from its JSON once.
 """
 
 from __future__ import annotations

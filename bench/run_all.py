@@ -99,7 +99,7 @@ def headline(name: str, r: dict) -> str:
     if name == "prepare":
         rss = r["peak_rss_mb"]
         return (
-            f"{r['mb_per_s']:.2f} MB/s = {r['ratio']:.2f}x encode_batch (goal >= 0.8); peak RSS "
+            f"{r['mb_per_s']:.2f} MB/s = {r['ratio']:.2f}x a bare encode loop (goal >= 0.8); peak RSS "
             f"{rss['1x']:.0f} MB at 1x, {rss['4x']:.0f} MB at 4x (goal <= 1.3x)"
         )
     return json.dumps(r)[:120]

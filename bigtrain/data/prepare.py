@@ -196,7 +196,10 @@ def _resumable_shards(out: Path, expect: dict) -> list[dict] | None:
     tokenizer = out / TOKENIZER
     if not tokenizer.is_dir() or tokenizer_sha256(tokenizer) != done.get("tokenizer_sha256"):
         return None
-    return intact_prefix(out, done["shards"], np.dtype(done["dtype"]))
+    try:
+        return intact_prefix(out, done["shards"], np.dtype(done["dtype"]))
+    except (KeyError, TypeError, ValueError):  # a progress file this code did not write
+        return None
 
 
 def _clear(out: Path) -> None:

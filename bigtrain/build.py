@@ -4,6 +4,7 @@ which drives a whole training run and writes final.json."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import shutil
@@ -100,6 +101,8 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
+    # Saved as given: a config with train.global_batch_size runs again at any world size.
+    config_yaml = to_yaml(cfg)
     cfg = for_world_size(cfg, env.world_size)  # train.global_batch_size -> grad_accum_steps
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
@@ -119,7 +122,7 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
     log_file = add_rank_file(out, env.rank)
     try:
-        return _build_trainer(cfg, env, run_dir, device, lock, log_file)
+        return _build_trainer(cfg, env, run_dir, device, lock, log_file, config_yaml)
     except BaseException:
         remove_handler(log_file)
         if lock is not None:
@@ -127,6 +130,7 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
             if created:  # a setup error leaves no run directory of its own behind
                 for made in ("logs", "tokenizer"):
                     shutil.rmtree(out / made, ignore_errors=True)
+                (out / "hf_config.json").unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     out.rmdir()
         raise
@@ -224,6 +228,7 @@ def _build_trainer(
     device: torch.device,
     lock: RunLock | None,
     log_file: logging.Handler,
+    config_yaml: str,
 ) -> Trainer:
     manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     _check_run_dir(cfg, run_dir, manager)
@@ -231,10 +236,8 @@ def _build_trainer(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
     corpus, loader, val = make_data(cfg, env, device)
-    manager.tokenizer_dir = run_dir.path / "tokenizer"
-    if env.is_main:  # the run's tokenizer, beside its config; checkpoints carry a copy
-        load_tokenizer(corpus.tokenizer_dir).save_pretrained(str(manager.tokenizer_dir))
     model, learned = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
+    manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
     backend = make_backend(cfg, model, learned["policy"], device)
     peak_flops, peak_source = resolve_peak_flops(
         device,
@@ -250,7 +253,7 @@ def _build_trainer(
         "peak_flops": peak_flops,
         "peak_flops_source": peak_source,
         "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
-        "config_yaml": to_yaml(cfg),
+        "config_yaml": config_yaml,
         "skipped_rows": corpus.skipped_rows,
         "monitor_kernel": "triton" if monitor.use_kernel else "torch",
     }
@@ -266,6 +269,20 @@ def _build_trainer(
         barrier()
     context["resume_from"] = start_state(cfg, trainer, manager)
     return trainer
+
+
+def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: bool) -> list[Path]:
+    """The run's tokenizer and, for a transformers model, its config, beside the run's config
+    (rank 0 writes them); checkpoints carry a copy of each."""
+    tokenizer, hf_config = out / "tokenizer", out / "hf_config.json"
+    hf = getattr(model, "hf", None)
+    if is_main:
+        shutil.rmtree(tokenizer, ignore_errors=True)  # no files of an earlier tokenizer
+        load_tokenizer(tokenizer_dir).save_pretrained(str(tokenizer))
+        if hf is not None:
+            config = {k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"}
+            hf_config.write_text(json.dumps(config, indent=1))
+    return [tokenizer, hf_config] if hf is not None else [tokenizer]
 
 
 def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:

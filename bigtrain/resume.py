@@ -22,7 +22,7 @@ from typing import Any
 
 from bigtrain.config import Config, ModelConfig, config_changes
 from bigtrain.errors import ConfigError
-from bigtrain.model.hf_layout import Part, layout_for
+from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
 from bigtrain.parallel.sources import HFSource, checkpoint_source
 from bigtrain.store.checkpoint import (
     MANIFEST,
@@ -35,7 +35,8 @@ from bigtrain.train import Trainer
 
 def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
     """What may not change on resume without checkpoint.allow_config_change=true."""
-    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+    # model.init_from only says where a new run's weights come from: a resume ignores it.
+    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "init_from"}
     return {
         **model,
         "data.corpus_and_tokenizer": corpus_key,
@@ -65,6 +66,8 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
         if k in os.environ
     }
     changed = config_changes((path / "config.yaml").read_text(), cfg)
+    if cfg.train.global_batch_size is not None:  # derived for the world size, not a setting
+        changed.pop("train.grad_accum_steps", None)
     return {
         "path": str(path),
         "changed": sorted(changed),
@@ -138,5 +141,10 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
     if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
         parts = {n: [Part(n.removeprefix("hf."), s[0] if s else 1)] for n, s in shapes.items()}
     else:
-        parts = layout_for(model_cfg, {k: tuple(v) for k, v in shapes.items()}).parts
+        from transformers import AutoConfig
+
+        layout = layout_for(model_cfg, {k: tuple(v) for k, v in shapes.items()})
+        found = AutoConfig.from_pretrained(str(path)).to_dict()
+        check_hf_config(layout, found, f"key 'model.init_from': Hugging Face directory '{path}'")
+        parts = layout.parts
     return HFSource(path, parts)

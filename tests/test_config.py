@@ -169,3 +169,15 @@ def test_global_batch_size_derives_grad_accum_at_each_world_size():
 def test_a_moved_key_says_where_it_went():
     with pytest.raises(ConfigError, match="it moved: use 'model.init_from'"):
         load_config([], ["checkpoint.init_from=/x"])
+
+
+@pytest.mark.unit
+def test_a_saved_config_with_a_moved_key_still_loads(tmp_path):
+    from bigtrain.config import load_saved_config
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text("checkpoint:\n  init_from: /runs/a\n  keep: 2\ntrain:\n  max_steps: 7\n")
+    cfg = load_saved_config(saved)
+    assert cfg.model.init_from == "/runs/a" and cfg.checkpoint.keep == 2
+    saved.write_text("checkpoint:\n  init_from: null\n")
+    assert load_saved_config(saved).model.init_from is None

@@ -16,6 +16,7 @@ class SourceEvents(Callback):
 
     def __init__(self) -> None:
         self.cursor = 0
+        self.reported: set[str] = set()  # a rollback that moves the cursor back does not repeat
 
     def on_start(self, trainer) -> None:
         self.cursor = trainer.loader.stream.cursor
@@ -24,7 +25,8 @@ class SourceEvents(Callback):
         stream = trainer.loader.stream
         assert isinstance(stream, MixtureStream)
         for spec, position in stream.exhaustions():
-            if self.cursor < position <= stream.cursor:
+            if self.cursor < position <= stream.cursor and spec.name not in self.reported:
+                self.reported.add(spec.name)
                 trainer.event(
                     "source_exhausted",
                     source=spec.name,

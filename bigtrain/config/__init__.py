@@ -1,12 +1,12 @@
 from bigtrain.config.data import MixtureSource
 from bigtrain.config.load import (
-    config_changes,
     for_world_size,
     load_config,
     to_dict,
     to_yaml,
     validate,
 )
+from bigtrain.config.saved import config_changes, load_saved_config
 from bigtrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -37,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "load_config",
+    "load_saved_config",
     "to_dict",
     "to_yaml",
     "validate",

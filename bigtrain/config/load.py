@@ -399,18 +399,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(saved_yaml: str, config: Config) -> dict[str, list[Any]]:
-    """Every key whose value differs between a saved config.yaml and `config`: {key: [old, new]}
-    (a key that one side lacks counts as None there)."""
-    saved = flatten(yaml.safe_load(saved_yaml) or {})
-    current = flatten(to_dict(config))
-    return {
-        key: [saved.get(key), current.get(key)]
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
-    }
-
-
 def _hf_config_without_model_type(got: dict[str, Any]) -> str:
     message = (
         f"key 'model.hf_config' must name its 'model_type' (e.g. gpt2, llama); the value was read "

@@ -30,14 +30,10 @@ from bigtrain.config.schema import DataConfig
 from bigtrain.data.corpus import Documents, corpus_fingerprint
 from bigtrain.data.encode import Encoder, encode_batches
 from bigtrain.data.prepared import FORMAT, MANIFEST, TOKENIZER, record_verified
-from bigtrain.data.shards import (
-    ShardWriter,
-    intact_prefix,
-    remove_shards,
-    write_json_atomic,
-)
+from bigtrain.data.shards import ShardWriter, intact_prefix, remove_shards
 from bigtrain.data.tokenizer import load_tokenizer, tokenizer_key, tokenizer_sha256, train_bpe
 from bigtrain.errors import ConfigError
+from bigtrain.utils.files import write_json_atomic
 from bigtrain.utils.version import BIGTRAIN_VERSION
 
 logger = logging.getLogger(__name__)

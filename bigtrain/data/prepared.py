@@ -17,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.shards import INDEX_DTYPE, file_sha256, write_json_atomic
+from bigtrain.data.shards import INDEX_DTYPE
 from bigtrain.data.tokenizer import tokenizer_sha256
 from bigtrain.errors import ConfigError
+from bigtrain.utils.files import sha256_file as file_sha256
+from bigtrain.utils.files import write_json_atomic
 
 FORMAT = "bigtrain-prepared-1"
 MANIFEST = "manifest.json"

@@ -12,14 +12,15 @@ files: that is what a resumed run keeps.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from bigtrain.utils.files import fsync_dir
+from bigtrain.utils.files import sha256_file as file_sha256
 
 SHARD_FILE = re.compile(r"shard_(\d{5,})\.(bin|idx)")
 INDEX_DTYPE = np.dtype("<u8")
@@ -28,44 +29,6 @@ INDEX_DTYPE = np.dtype("<u8")
 def shard_files(number: int) -> tuple[str, str]:
     """The token file and index file names of shard `number`."""
     return f"shard_{number:05d}.bin", f"shard_{number:05d}.idx"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write `obj` as JSON to `path` so that a crash leaves the old file or the new one, on disk."""
-    # A name of its own: processes that write the same file at once (ranks) do not collide.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with tmp.open("x") as f:  # mode 0666 less the umask, like any new file
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make renames and new files in `directory` durable (where the OS supports it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def intact_prefix(directory: Path, shards: list[dict], dtype: np.dtype) -> list[dict]:

@@ -17,6 +17,7 @@ at any world size without a process ever holding the whole model:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -141,6 +142,12 @@ class LocalSource(Source):
 
     def __init__(self, directory: Path) -> None:
         self.origin = f"checkpoint '{directory}'"
+        if (directory / "optimizer.pt").is_file():
+            raise ConfigError(
+                f"{self.origin} holds optimizer.pt, the local layout of bigtrain before universal "
+                "checkpoints; its optimizer state would be lost: resume it with that bigtrain "
+                "version, or start from its weights with model.init_from"
+            )
         self.model = safe_open(str(directory / "model.safetensors"), "pt")
         optim = directory / "optimizer.safetensors"
         self.optim = safe_open(str(optim), "pt") if optim.is_file() else None
@@ -267,32 +274,54 @@ class HFSource(Source):
 
     def __init__(self, directory: Path, parts: dict[str, list]) -> None:
         self.origin = f"Hugging Face directory '{directory}'"
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: directory / file for name, file in weight_map.items()}
-        elif (directory / "model.safetensors").is_file():
-            with safe_open(str(directory / "model.safetensors"), "pt") as f:
-                files = {name: directory / "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        else:
-            raise ConfigError(
-                f"{self.origin} has no model.safetensors or model.safetensors.index.json "
-                "(bigtrain reads safetensors weights only)"
-            )
-        self.files, self._handles = files, {}
+        self._handles: dict[Path, Any] = {}
+        self.files = self._weight_files(directory)
         self.parts, self.shapes = {}, {}
         for name, plist in parts.items():
-            missing = [p.hf_name for p in plist if p.hf_name not in files]
-            if missing:
+            # Hub directories of some models (GPT-2) drop the base model's prefix
+            # (`transformer.`), which transformers adds back on load: accept both spellings.
+            plist = [dataclasses.replace(p, hf_name=self._spelling(p.hf_name)) for p in plist]
+            if any(p.hf_name not in self.files for p in plist):
                 continue  # reported by check_covers when this model needs the tensor
             self.parts[name] = plist
             self.shapes[name] = self._shape(plist)
 
-    def _handle(self, hf_name: str):
-        file = self.files[hf_name]
+    def _weight_files(self, directory: Path) -> dict[str, Path]:
+        """Tensor name -> the safetensors file that holds it."""
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(
+                    f"{self.origin}: '{index.name}' is not a safetensors index (expected JSON "
+                    "with a weight_map)"
+                ) from None
+            return {name: directory / file for name, file in weight_map.items()}
+        single = directory / "model.safetensors"
+        if not single.is_file():
+            raise ConfigError(
+                f"{self.origin} has no model.safetensors or model.safetensors.index.json "
+                "(bigtrain reads safetensors weights only)"
+            )
+        return dict.fromkeys(self._open(single).keys(), single)
+
+    def _open(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), "pt")
+            try:
+                self._handles[file] = safe_open(str(file), "pt")
+            except Exception as e:  # a missing or damaged shard: name it, no traceback
+                raise ConfigError(f"{self.origin}: cannot read '{file.name}': {e}") from None
         return self._handles[file]
+
+    def _handle(self, hf_name: str):
+        return self._open(self.files[hf_name])
+
+    def _spelling(self, hf_name: str) -> str:
+        if hf_name in self.files or "." not in hf_name:
+            return hf_name
+        bare = hf_name.split(".", 1)[1]
+        return bare if bare in self.files else hf_name
 
     def _shape(self, parts) -> tuple[int, ...]:
         """The bigtrain tensor's shape as the files give it; a part whose row count is not the
@@ -307,6 +336,8 @@ class HFSource(Source):
 
     def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
         assert key == "param", "a Hugging Face directory holds no optimizer state"
+        if start == stop:  # an empty shard (fewer rows than ranks)
+            return torch.empty(0)
         shape = self.shapes[name]
         row = math.prod(shape[1:])
         first, last = start // row, -(-stop // row)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import platform
 import random
 import shutil
@@ -32,6 +31,7 @@ import torch
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
+from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -44,27 +44,6 @@ class CheckpointError(ConfigError):
 
 def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def library_versions() -> dict[str, str]:
@@ -154,7 +133,7 @@ def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for name in names:
         path = directory / name
-        _fsync_file(path)
+        fsync_file(path)
         out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return out
 
@@ -169,9 +148,10 @@ class CheckpointManager:
     def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
         self.pending: tuple[Future, tuple] | None = None  # (hashes of an async save, commit args)
-        self.tokenizer_dir: Path | None = None
-        """The run's tokenizer (a transformers directory); each checkpoint carries a copy, so an
-        export or a conversion needs nothing but the checkpoint."""
+        self.carry: list[Path] = []
+        """Files and directories of the run that each checkpoint carries a copy of (the
+        tokenizer, a transformers model's config), so that an export or a conversion needs
+        nothing but the checkpoint."""
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
 
     def committed(self) -> list[Path]:
@@ -214,7 +194,7 @@ class CheckpointManager:
         if self.rank == 0:
             (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
-            own += ["trainer.json", "config.yaml", *copy_tokenizer(self.tokenizer_dir, tmp)]
+            own += ["trainer.json", "config.yaml", *copy_into(self.carry, tmp)]
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
             written = backend.save_async(tmp, host_state)
@@ -270,7 +250,7 @@ class CheckpointManager:
                 # returned to): kept aside, never deleted.
                 final.rename(self.root / f"{final.name}.replaced-{time.time_ns()}")
             tmp.rename(final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         barrier()
         return final
@@ -338,16 +318,19 @@ class CheckpointManager:
         return trainer_state
 
 
-def copy_tokenizer(tokenizer_dir: Path | None, directory: Path) -> list[str]:
-    """Copy a tokenizer directory's files into `directory`/tokenizer; their relative names."""
-    if tokenizer_dir is None or not tokenizer_dir.is_dir():
-        return []
-    (directory / "tokenizer").mkdir(exist_ok=True)
+def copy_into(paths: list[Path], directory: Path) -> list[str]:
+    """Copy files, and the files of directories, into `directory` under their own names; the
+    relative names written (what does not exist is skipped)."""
     names = []
-    for file in sorted(tokenizer_dir.iterdir()):
-        if file.is_file():
-            shutil.copyfile(file, directory / "tokenizer" / file.name)
-            names.append(f"tokenizer/{file.name}")
+    for path in paths:
+        if path.is_file():
+            shutil.copyfile(path, directory / path.name)
+            names.append(path.name)
+        elif path.is_dir():
+            (directory / path.name).mkdir(exist_ok=True)
+            for file in sorted(f for f in path.iterdir() if f.is_file()):
+                shutil.copyfile(file, directory / path.name / file.name)
+                names.append(f"{path.name}/{file.name}")
     return names
 
 
@@ -366,8 +349,8 @@ def write_manifest(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (directory / MANIFEST).write_text(json.dumps(full, indent=1))
-    _fsync_file(directory / MANIFEST)
-    _fsync_dir(directory)
+    fsync_file(directory / MANIFEST)
+    fsync_dir(directory)
 
 
 def identity_hash(identity: dict[str, Any]) -> str:

@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bigtrain.config import load_saved_config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.backend import MOMENTS
 from bigtrain.parallel.sources import Source, checkpoint_source
 from bigtrain.store.checkpoint import hash_files, verify, write_manifest
+from bigtrain.utils.files import fsync_dir
 
 
 def convert_to_local(path: Path, out: Path) -> dict:
@@ -29,6 +31,8 @@ def convert_to_local(path: Path, out: Path) -> dict:
     exist yet; returns the new manifest."""
     if out.exists():
         raise ConfigError(f"output '{out}' exists already; name a new directory")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"output '{out}': its parent is a file, expected a directory")
     manifest = verify(path)
     source = checkpoint_source(path, manifest["backend"])
     tmp = out.parent / f".tmp-{out.name}"
@@ -37,8 +41,13 @@ def convert_to_local(path: Path, out: Path) -> dict:
     tmp.mkdir(parents=True)
     names = _write_tensors(source, tmp)
     names += ["trainer.json", "config.yaml"]
-    for name in ("trainer.json", "config.yaml"):
-        shutil.copyfile(path / name, tmp / name)
+    shutil.copyfile(path / "config.yaml", tmp / "config.yaml")
+    trainer = json.loads((path / "trainer.json").read_text())
+    scale = source.loss_scale()  # ZeRO keeps its FP16 loss scale beside its tensors
+    if scale is not None and not trainer.get("loss_scaler"):
+        hysteresis = load_saved_config(path / "config.yaml").precision.loss_scale_hysteresis
+        trainer["loss_scaler"] = {"scale": scale, "clean_steps": 0, "overflows_left": hysteresis}
+    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
     rng = path / "rng_rank0.pt"
     if rng.is_file():
         shutil.copyfile(rng, tmp / rng.name)
@@ -57,6 +66,7 @@ def convert_to_local(path: Path, out: Path) -> dict:
     }
     write_manifest(tmp, converted, hash_files(tmp, names))
     tmp.rename(out)
+    fsync_dir(out.parent)
     return json.loads((out / "manifest.json").read_text())
 
 

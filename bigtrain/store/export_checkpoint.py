@@ -11,6 +11,7 @@ transformers and compares its logits with bigtrain's own forward of the same wei
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigtrain.config import Config, load_config
+from bigtrain.config import Config, load_saved_config
 from bigtrain.data.tokens import load_tokenizer
+from bigtrain.errors import ConfigError
 from bigtrain.model import architecture_only, build_model
 from bigtrain.model.hf_layout import Layout, layout_for, layout_for_hf
 from bigtrain.parallel.sources import Source, checkpoint_source
@@ -36,7 +38,7 @@ def export_checkpoint(
     logits (FP32). Returns what was written and, with check, the comparison."""
     manifest = verify(path)
     source = checkpoint_source(path, manifest["backend"])
-    cfg = load_config([str(path / "config.yaml")])
+    cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
     tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else None
     shapes = {k: tuple(v) for k, v in (manifest.get("shapes") or source.shapes).items()}
     vocab_size = vocab_size_of(cfg, shapes, tokenizer_dir)
@@ -54,6 +56,16 @@ def export_checkpoint(
     return result
 
 
+def with_saved_hf_config(cfg: Config, path: Path) -> Config:
+    """A model.kind=hf checkpoint carries its transformers config (hf_config.json): the
+    architecture then comes from the checkpoint, not from hf_path or init_from, which may be gone."""
+    saved = path / "hf_config.json"
+    if cfg.model.kind != "hf" or not saved.is_file():
+        return cfg
+    model = dataclasses.replace(cfg.model, hf_config=json.loads(saved.read_text()), hf_path=None)
+    return dataclasses.replace(cfg, model=model)
+
+
 def vocab_size_of(cfg: Config, shapes: dict[str, tuple], tokenizer_dir: Path | None) -> int:
     """The vocabulary the model was built with: model.vocab_size, else the tokenizer's size (as
     at training time), else the embedding table's rows."""
@@ -61,7 +73,12 @@ def vocab_size_of(cfg: Config, shapes: dict[str, tuple], tokenizer_dir: Path | N
         return cfg.model.vocab_size
     if tokenizer_dir is not None:
         return len(load_tokenizer(str(tokenizer_dir)))
-    return shapes["tok_emb.weight"][0]
+    if "tok_emb.weight" in shapes:
+        return shapes["tok_emb.weight"][0]
+    raise ConfigError(
+        "the checkpoint does not say its vocabulary size (no model.vocab_size in its config.yaml, "
+        "no tokenizer/ directory)"
+    )
 
 
 def checkpoint_layout(cfg: Config, shapes: dict[str, tuple], vocab_size: int) -> Layout:

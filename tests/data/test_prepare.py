@@ -22,6 +22,7 @@ from bigtrain.data.prepared import PreparedData
 from bigtrain.data.tokenizer import tokenizer_sha256
 from bigtrain.data.tokens import prepare_corpus
 from bigtrain.errors import ConfigError
+from bigtrain.utils.files import sha256_file
 from tests.conftest import ROOT, run_cli
 from tests.data.conftest import expected_tokens, jsonl_cfg, write_jsonl
 
@@ -65,8 +66,8 @@ def test_shards_hold_the_tokenizers_ids_with_eos_after_each_document(
             (out / shard["file"]).read_bytes(),
             (out / shard["index"]).read_bytes(),
         )
-        assert shards.file_sha256(out / shard["file"]) == shard["sha256"]
-        assert shards.file_sha256(out / shard["index"]) == shard["index_sha256"]
+        assert sha256_file(out / shard["file"]) == shard["sha256"]
+        assert sha256_file(out / shard["index"]) == shard["index_sha256"]
         ids = np.frombuffer(bin_bytes, "<u2")
         ends = np.frombuffer(idx_bytes, "<u8")
         docs = lengths[first : first + shard["num_documents"]]

@@ -61,3 +61,63 @@ def test_local_source_reads_slices_and_steps(tmp_path):
     assert source.step("w") == 7.0 and source.step("s") == 0.0
     assert torch.equal(source.read("s", "exp_avg", 0, 1), torch.zeros(1))  # no state: zeros
     assert source.buffer("s").item() == 3.0 and source.buffer("nothing") is None
+
+
+def test_hub_names_without_the_base_prefix_and_empty_shards(tmp_path):
+    from safetensors.torch import load_file
+
+    _, params, layout, _ = export_gpt(CONFIGS["gpt2-untied-bias"], tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    # the hub's gpt2 stores `wte.weight`, `h.0.*`: transformers adds `transformer.` on load
+    bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    save_file(bare, str(tmp_path / "hf" / "model.safetensors"))
+    source = HFSource(tmp_path / "hf", layout.parts)
+    source.check_covers({n: tuple(p.shape) for n, p in params.items()})
+    for name, p in params.items():
+        assert torch.equal(source.full(name), p.detach()), name
+    assert source.read("tok_emb.weight", "param", 64, 64).numel() == 0  # a rank without rows
+
+
+def test_a_damaged_hf_directory_is_named(tmp_path):
+    _, _, layout, _ = export_gpt(
+        CONFIGS["llama-gqa-untied"], tmp_path / "hf", max_shard_bytes=20_000
+    )
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    missing = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "hf" / missing).unlink()
+    with pytest.raises(ConfigError, match=f"cannot read '{missing}'"):
+        HFSource(tmp_path / "hf", layout.parts)
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a safetensors index"):
+        HFSource(tmp_path / "hf", layout.parts)
+
+
+def test_a_local_checkpoint_of_the_old_layout_is_refused(tmp_path):
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "optimizer.pt").write_bytes(b"old")
+    with pytest.raises(ConfigError, match="holds optimizer.pt.*would be lost"):
+        LocalSource(tmp_path)
+
+
+def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
+    import dataclasses
+
+    from bigtrain.model.hf_layout import check_hf_config, layout_for
+
+    cfg = CONFIGS["llama-gqa-untied"]
+    _, params, layout, _ = export_gpt(cfg, tmp_path / "hf")
+    found = json.loads((tmp_path / "hf" / "config.json").read_text())
+    check_hf_config(layout, found, "dir")  # its own export passes
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    other = layout_for(dataclasses.replace(cfg, rope_theta=500000.0, norm_eps=1e-6), shapes)
+    with pytest.raises(
+        ConfigError,
+        match=r"rms_norm_eps 1e-05 there, 1e-06 here .*rope \(10000.0, 'default'\) there, \(500000.0",
+    ):
+        check_hf_config(other, found, "dir")
+    tied = dict(found, tie_word_embeddings=True)
+    with pytest.raises(
+        ConfigError, match=r"tie_word_embeddings True there, False here \(model.tie_embeddings\)"
+    ):
+        check_hf_config(layout, tied, "dir")

@@ -48,6 +48,7 @@ from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
+from bigtrain.parallel.mesh import mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.precision import PrecisionPolicy, dtype_name
 from bigtrain.resume import run_identity, start_state
@@ -96,8 +97,10 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
         )
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
     use_kernel = use_kernel and kernel.available(device)
-    names = [canonical_name(n) for n, p in backend.model.named_parameters() if p.requires_grad]
-    return GradMonitor(cfg.monitor, names, device, use_kernel)
+    trainable = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
+    names = [canonical_name(n) for n, _ in trainable]
+    replicas = [replication(p) for _, p in trainable]
+    return GradMonitor(cfg.monitor, names, device, use_kernel, replicas)
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
@@ -109,6 +112,7 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
             "use parallel.backend=fsdp or zero"
         )
+    mesh_shape(cfg.parallel, env.world_size)  # a mesh that does not divide: exit 2 before any work
     out = Path(cfg.train.out_dir)
     check_out_dir(out)
     device = pick_device(cfg.train.device, env)

@@ -362,6 +362,15 @@ def _check_parallel_and_train(config: Config) -> None:
         raise ConfigError(
             f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"
         )
+    if config.parallel.replicate < 1:
+        raise ConfigError(
+            f"key 'parallel.replicate' got {config.parallel.replicate}, expected a positive integer"
+        )
+    if config.parallel.replicate > 1 and config.parallel.backend != "fsdp":
+        raise ConfigError(
+            f"key 'parallel.replicate' ({config.parallel.replicate}) needs parallel.backend=fsdp "
+            f"(HSDP), got parallel.backend={config.parallel.backend}"
+        )
     if config.parallel.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"

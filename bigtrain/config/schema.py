@@ -369,6 +369,11 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
     backward (ZeRO-2-like speed)."""
+    replicate: int = 1
+    """fsdp: replicas of the sharded model (HSDP). The ranks form a `replicate x shard` mesh;
+    parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
+    the replicate dim, whose all-reduce of the gradients is the only traffic between replicas.
+    world size / replicate is the shard degree; it must divide. 1: plain FSDP. At start."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 

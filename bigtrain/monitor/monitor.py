@@ -24,6 +24,7 @@ from bigtrain.monitor.stats import (
     ranked,
     reduce_grad_stats,
     scale_stats,
+    weighted_stats,
 )
 
 SPIKE_METRICS = ("loss", "grad_norm", "tensor_max")
@@ -70,11 +71,29 @@ class Health:
         return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
 
 
+def weighted_count(value: float) -> int:
+    """A reduced non-finite count: replicated tensors' counts were weighted 1/replication, so the
+    sum is a float; a NaN on fewer than all replicas still counts (at least 1)."""
+    return max(round(value), 1) if value > 0 else 0
+
+
 class GradMonitor:
     def __init__(
-        self, cfg: MonitorConfig, names: list[str], device: torch.device, use_kernel: bool
+        self,
+        cfg: MonitorConfig,
+        names: list[str],
+        device: torch.device,
+        use_kernel: bool,
+        replication: list[int] | None = None,
     ) -> None:
+        """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
+        replicas hold equal shards): its local statistics are weighted 1/replication before the
+        SUM all-reduce, so a tensor counts once however many ranks repeat it."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
+        self.weights: torch.Tensor | None = None
+        if replication is not None and any(r != 1 for r in replication):
+            assert len(replication) == len(names), "one replication count per tensor"
+            self.weights = 1.0 / torch.tensor(replication, dtype=torch.float32, device=device)
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
         unknown = set(cfg.spikes) - set(SPIKE_METRICS)
@@ -119,6 +138,7 @@ class GradMonitor:
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
+        stats = weighted_stats(stats, self.weights)
         stats, loss, stops = reduce_grad_stats(stats, local_loss, float(stop_requested))
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
@@ -130,7 +150,7 @@ class GradMonitor:
         host_loss, host_norm, stop = host[0], host[1], host[2] > 0
         sum_sq, nonfinite = host[3 : 3 + n], host[3 + n : 3 + 2 * n]
         max_abs = host[3 + 2 * n :] if full else None
-        num_nonfinite = int(sum(nonfinite))
+        num_nonfinite = weighted_count(sum(nonfinite))
         loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
         grads_ok = num_nonfinite == 0 and host_norm < float("inf")
 
@@ -220,7 +240,8 @@ class GradMonitor:
     ) -> None:
         k = self.cfg.top_k
         anomaly.top_max_abs = ranked(self.names, max_abs, k) if max_abs is not None else []
-        anomaly.top_nonfinite = [[n, int(c)] for n, c in ranked(self.names, nonfinite, k)]
+        counts = ranked(self.names, nonfinite, k)
+        anomaly.top_nonfinite = [[n, weighted_count(c)] for n, c in counts]
         if anomaly.tensor is None:
             top = anomaly.top_nonfinite or anomaly.top_max_abs
             anomaly.tensor = top[0][0] if top else None

@@ -108,6 +108,14 @@ def reduce_grad_stats(
     return reduced, packed[2 * n] / dist.get_world_size(), packed[2 * n + 1]
 
 
+def weighted_stats(stats: GradStats, weights: torch.Tensor | None) -> GradStats:
+    """Sums of squares and non-finite counts times a per-tensor weight (1/replication), so that
+    the SUM over ranks counts a replicated tensor once; max |g| is unaffected by repetition."""
+    if weights is None:
+        return stats
+    return GradStats(stats.names, stats.sum_sq * weights, stats.nonfinite * weights, stats.max_abs)
+
+
 def scale_stats(stats: GradStats, factor: float) -> GradStats:
     """Stats of gradients that still carry a loss scale `factor`, as if they had been unscaled."""
     if factor == 1.0:

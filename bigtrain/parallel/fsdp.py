@@ -13,12 +13,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from bigtrain.config.schema import Config
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
+from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
 from bigtrain.parallel.meta_init import materialize
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
@@ -58,7 +58,11 @@ class FSDPBackend(TorchBackend):
         self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
     ) -> None:
         assert dist.is_initialized(), "FSDP2 needs a process group"
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mesh_shape = mesh_shape(cfg.parallel, dist.get_world_size())
+        self.mesh = build_mesh(self.mesh_shape, device.type)
+        mesh = shard_mesh(
+            self.mesh
+        )  # 2D: HSDP, reduce-scatter over shard, all-reduce over replicate
         mp = fsdp_mixed_precision(policy)
         reshard = cfg.parallel.reshard_after_forward
         on_meta = any(p.is_meta for p in model.parameters())

@@ -1,0 +1,102 @@
+"""HSDP (fsdp with parallel.replicate > 1) on 4 gloo ranks: a replicate 2 x shard 2 mesh trains
+like one process on the same global batch, its monitor counts replicated shards once, and its
+DCP checkpoints resume on other meshes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import micro_overrides
+from tests.distributed import run_distributed, train_run
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 20
+GLOBAL_BATCH = 16
+
+
+def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
+    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "precision.compute_dtype=fp32",
+        f"train.global_batch_size={GLOBAL_BATCH}",
+        "optim.grad_clip=0.05",  # below the micro model's norms: clipping uses the monitor's norm
+        *extra,
+    ]
+
+
+def by_step(result: dict, key: str) -> dict[int, float]:
+    return {m["step"]: m[key] for m in result["metrics"] if key in m}
+
+
+@pytest.fixture(scope="module")
+def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
+    tmp = tmp_path_factory.mktemp("hsdp")
+    steps = f"train.max_steps={STEPS}"
+    local = train_run(
+        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16")
+    )
+    hsdp = run_distributed(
+        train_run,
+        4,
+        _args(
+            tmp,
+            "hsdp",
+            corpus_files,
+            cache_dir,
+            steps,
+            "parallel.backend=fsdp",
+            "parallel.replicate=2",
+            "train.micro_batch_size=4",
+        ),
+    )
+    assert len({r["final"]["fingerprint"] for r in hsdp}) == 1  # replicas hold the same weights
+    return local, hsdp[0]
+
+
+def test_hsdp_losses_match_one_process(local_and_hsdp):
+    local, hsdp = (by_step(r, "loss") for r in local_and_hsdp)
+    assert sorted(hsdp) == sorted(local) == list(range(1, STEPS + 1))
+    for step, reference in local.items():
+        assert hsdp[step] == pytest.approx(reference, rel=1e-4), step
+    assert hsdp[STEPS] < hsdp[1] - 0.3  # and it trains
+
+
+def test_hsdp_grad_norm_counts_each_replicated_shard_once(local_and_hsdp):
+    """Each replica holds the same shards: summed over all 4 ranks unweighted, the norm would be
+    sqrt(2) too large (and clipping too strong)."""
+    local, hsdp = (by_step(r, "grad_norm") for r in local_and_hsdp)
+    for step, reference in local.items():
+        assert hsdp[step] == pytest.approx(reference, rel=1e-5), step
+
+
+def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process(tmp_path, corpus_files, cache_dir):
+    """DCP reshards: a replicate 2 x shard 2 checkpoint resumes as shard 4 and as one local
+    process (same global batch); the losses after the checkpoint follow the uninterrupted run."""
+    hsdp = ["parallel.backend=fsdp", "parallel.replicate=2", "train.micro_batch_size=4"]
+    common = ["train.max_steps=7", "checkpoint.every=4"]
+    straight = run_distributed(
+        train_run, 4, _args(tmp_path, "s", corpus_files, cache_dir, *common, *hsdp)
+    )[0]
+    run_distributed(
+        train_run,
+        4,
+        _args(tmp_path, "h", corpus_files, cache_dir, *common, *hsdp, "train.stop_at_step=4"),
+    )
+    for name, world, extra in (
+        ("fsdp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
+        ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
+    ):
+        shutil.copytree(tmp_path / "h", tmp_path / name)
+        resumed = run_distributed(
+            train_run, world, _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
+        )[0]
+        assert "resume" in [e["kind"] for e in resumed["events"]], name
+        before, after = by_step(straight, "loss"), by_step(resumed, "loss")
+        for step in (5, 6, 7):
+            assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)

@@ -1,0 +1,66 @@
+"""The fsdp backend's mesh: its shape from the config and the world size, and its checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigtrain.config import load_config
+from bigtrain.errors import ConfigError
+from bigtrain.parallel.mesh import mesh_shape
+from tests.conftest import run_cli
+
+
+def parallel(*overrides: str):
+    return load_config([], ["parallel.backend=fsdp", *overrides]).parallel
+
+
+@pytest.mark.unit
+def test_replicate_splits_the_world_into_replicas_of_a_shard_group():
+    shape = mesh_shape(parallel("parallel.replicate=2"), 8)
+    assert (shape.replicate, shape.shard) == (2, 4)
+    assert shape.axes == ("replicate", "shard") and shape.sizes == (2, 4)
+    assert shape.describe() == "replicate 2 x shard 4"
+
+
+@pytest.mark.unit
+def test_without_replicas_the_mesh_is_one_shard_axis():
+    shape = mesh_shape(parallel(), 4)
+    assert shape.axes == ("shard",) and shape.sizes == (4,)
+
+
+@pytest.mark.unit
+def test_a_replicate_degree_that_does_not_divide_the_world_names_the_numbers():
+    with pytest.raises(
+        ConfigError, match=r"parallel.replicate' \(3\) must divide the world size \(4\)"
+    ):
+        mesh_shape(parallel("parallel.replicate=3"), 4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.replicate=0"], "expected a positive integer"),
+        (["parallel.backend=zero", "parallel.replicate=2"], "needs parallel.backend=fsdp"),
+    ],
+)
+def test_bad_replicate_settings_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], ["parallel.backend=fsdp", *overrides])
+
+
+@pytest.mark.e2e
+def test_a_mesh_that_does_not_divide_the_launched_world_exits_2_with_the_numbers(tmp_path):
+    """Checked before the process group starts: one of the 4 launched ranks is enough to see it."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    result = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "parallel.backend=fsdp",
+        "parallel.replicate=3",
+        f"train.out_dir={tmp_path / 'run'}",
+        env={**env, "MASTER_PORT": "29999"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "parallel.replicate' (3) must divide the world size (4)" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -100,7 +100,7 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
     trainable = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
     names = [canonical_name(n) for n, _ in trainable]
     replicas = [replication(p) for _, p in trainable]
-    return GradMonitor(cfg.monitor, names, device, use_kernel, replicas)
+    return GradMonitor(cfg.monitor, names, device, use_kernel, replicas, backend.replica_group)
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:

@@ -275,7 +275,8 @@ class MonitorConfig:
     """What a non-finite loss or gradient does (the step is never applied): `rollback` (to the last
     good state, see resilience.*), `skip` (anomaly event, training goes on) or `abort` (anomaly
     event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
-    the scale backs off."""
+    the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
+    steps) take the same action."""
     spikes: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "tensor_max"])
     """Spike detectors: `loss`, `grad_norm` (global) and `tensor_max` (max |g| of each tensor, on
     full steps). [] turns spike detection off."""

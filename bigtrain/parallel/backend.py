@@ -51,6 +51,8 @@ class Backend(abc.ABC):
     scaler: LossScaler | None = None
     """bigtrain's own loss scaler, whose state travels in the trainer state; None without loss
     scaling, and on ZeRO (DeepSpeed's scaler is saved with the backend's files)."""
+    replica_group: dist.ProcessGroup | None = None
+    """The ranks that hold the same shards as this one (HSDP replicas); None without replicas."""
     state_key = "params"  # local_state's key of the master tensors
     state_label = "param"  # state_tensors' name prefix
 

@@ -60,9 +60,10 @@ class FSDPBackend(TorchBackend):
         assert dist.is_initialized(), "FSDP2 needs a process group"
         self.mesh_shape = mesh_shape(cfg.parallel, dist.get_world_size())
         self.mesh = build_mesh(self.mesh_shape, device.type)
-        mesh = shard_mesh(
-            self.mesh
-        )  # 2D: HSDP, reduce-scatter over shard, all-reduce over replicate
+        # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
+        mesh = shard_mesh(self.mesh)
+        if self.mesh_shape.replicate > 1:
+            self.replica_group = self.mesh.get_group("replicate")
         mp = fsdp_mixed_precision(policy)
         reshard = cfg.parallel.reshard_after_forward
         on_meta = any(p.is_meta for p in model.parameters())

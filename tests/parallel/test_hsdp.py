@@ -100,3 +100,33 @@ def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process(tmp_path, corpus_files,
         before, after = by_step(straight, "loss"), by_step(resumed, "loss")
         for step in (5, 6, 7):
             assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)
+
+
+def test_a_nan_on_one_replica_rolls_every_rank_back_together(tmp_path, corpus_files, cache_dir):
+    """Rank 3 (replica 1, shard 2 of 2) gets a NaN gradient after the all-reduce: half of it
+    counts (its replica twin is clean), still a non-finite anomaly on every rank, and all 4
+    roll back to the same snapshot, holding identical weights afterwards."""
+    args = _args(
+        tmp_path,
+        "nan",
+        corpus_files,
+        cache_dir,
+        "parallel.backend=fsdp",
+        "parallel.replicate=2",
+        "train.micro_batch_size=4",
+        "train.max_steps=16",
+        "train.log_every=5",
+        "resilience.snapshot_every=5",
+        "resilience.confirm_steps=3",
+        "monitor.every=1",
+        "fault.rank=3",
+        "fault.nan_grad_step=12",
+    )
+    ranks = run_distributed(train_run, 4, args)
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1
+    for r in ranks:
+        assert r["final"]["rollbacks"] == 1
+        anomaly = next(e for e in r["events"] if e["kind"] == "anomaly")
+        assert (anomaly["step"], anomaly["type"], anomaly["metric"]) == (12, "nonfinite", "grads")
+        rollback = next(e for e in r["events"] if e["kind"] == "rollback")
+        assert (rollback["from_step"], rollback["to_step"]) == (12, 5)

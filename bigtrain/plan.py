@@ -20,6 +20,8 @@ from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
 from bigtrain.data.prepared import PreparedData
 from bigtrain.model import build_model, num_params
+from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.plan_comm import fsdp_traffic
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
 from bigtrain.utils.sizes import parse_size
 
@@ -278,7 +280,7 @@ def activation_lines(
     if gpu_memory is None:
         return lines
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
-    persistent = sum(layout.per_rank_bytes_per_param(world_size).values()) * n
+    persistent = sum(layout.per_rank_bytes_per_param(sharding_degree(cfg, world_size)).values()) * n
     weights = transient_weight_bytes(cfg, policy, n, block)
     fits = {
         mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
@@ -304,6 +306,28 @@ def activation_lines(
     return lines
 
 
+def sharding_degree(cfg: Config, world_size: int) -> int:
+    """Over how many ranks the sharded states are divided: the shard axis of the fsdp mesh (the
+    world size without HSDP replicas), the whole data-parallel world for zero."""
+    if cfg.parallel.backend == "fsdp":
+        return mesh_shape(cfg.parallel, world_size).shard
+    return world_size
+
+
+def comm_lines(cfg: Config, policy: PrecisionPolicy, n: int, world_size: int) -> list[str]:
+    """fsdp: bytes each rank receives per optimizer step, by mesh axis and collective."""
+    shape = mesh_shape(cfg.parallel, world_size)
+    lines = ["", f"communication per rank and optimizer step, mesh {shape.describe()}:"]
+    traffic = fsdp_traffic(
+        cfg, n, world_size, gathered_dtype_bytes(cfg, policy), policy.reduce_dtype.itemsize
+    )
+    for t in traffic:
+        lines.append(
+            f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(t.bytes_per_step):>10}"
+        )
+    return lines
+
+
 def plan_text(
     cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
 ) -> str:
@@ -317,10 +341,16 @@ def plan_text(
         f"precision policy ({hardware.name}):",
         policy.table(),
         "",
-        f"memory per rank, {cfg.parallel.backend}:",
+        f"memory per rank, {cfg.parallel.backend}"
+        + (
+            f" (states sharded over {sharding_degree(cfg, world_size)} ranks)"
+            if cfg.parallel.backend == "fsdp"
+            else ""
+        )
+        + ":",
     ]
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
-    per_param = layout.per_rank_bytes_per_param(world_size)
+    per_param = layout.per_rank_bytes_per_param(sharding_degree(cfg, world_size))
     for c in COMPONENTS:
         lines.append(f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * n):>10}")
     lines.append(
@@ -353,5 +383,7 @@ def plan_text(
             else ""
         )
         lines.append(f"  {label:<15} {b:>7.3f}  {fmt_bytes(b * n):>10}{extra}")
+    if cfg.parallel.backend == "fsdp":
+        lines += comm_lines(cfg, policy, n, world_size)
     lines += activation_lines(cfg, policy, n, block, world_size, gpu_memory)
     return "\n".join(lines)

@@ -203,3 +203,37 @@ def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
 )
 def test_recipes_have_the_published_sizes(name, params):
     assert count_params(load_config([f"configs/{name}.yaml"]))[0] == params
+
+
+@pytest.mark.unit
+def test_hsdp_traffic_per_mesh_axis_by_hand():
+    """Shard 4 x replicate 2, 1000 parameters, 3 micro-batches, resharded after forward: 6 BF16
+    all-gathers and one FP32 reduce-scatter over shard, one FP32 all-reduce of the 250-element
+    shard over replicate (ring: (g - 1) / g of the data in each, twice for an all-reduce)."""
+    from bigtrain.plan_comm import fsdp_traffic
+
+    cfg = load_config(
+        [], ["parallel.backend=fsdp", "parallel.replicate=2", "train.grad_accum_steps=3"]
+    )
+    traffic = fsdp_traffic(cfg, 1000, 8, gathered_itemsize=2, reduce_itemsize=4)
+    assert [(t.axis, t.size, t.collective) for t in traffic] == [
+        ("shard", 4, "all-gather x 6"),
+        ("shard", 4, "reduce-scatter x 1"),
+        ("replicate", 2, "all-reduce x 1"),
+    ]
+    assert [t.bytes_per_step for t in traffic] == [6 * 750 * 2, 750 * 4, 2 * 125 * 4]
+
+
+@pytest.mark.unit
+def test_hsdp_plan_divides_the_states_by_the_shard_degree_only():
+    from bigtrain.plan import plan_text
+
+    cfg = load_config(["configs/llama-70b.yaml", "configs/parallel/hsdp.yaml"])
+    h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
+    text = plan_text(cfg, 512, h100)
+    # 16 B/param over the 64 ranks of a replica (not 512): 1 B/param for the states
+    assert "memory per rank, fsdp (states sharded over 64 ranks):" in text
+    assert f"{16 / 64 * 68_976_648_192 / 2**30:.1f} GiB" in text
+    assert "mesh replicate 8 x shard 64:" in text
+    all_reduce = 2 * 7 / 8 * 68_976_648_192 / 64 * 4 / 2**30
+    assert f"replicate (   8) all-reduce x 1 {all_reduce:>10.1f} GiB" in text

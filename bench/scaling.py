@@ -1,7 +1,8 @@
 """Sharded against single-process training, side by side on the same global batch.
 
 Runs, in one invocation: 1 process (local backend, all cores), then 2 spawned ranks on gloo with
-FSDP2 and with ZeRO-2 (one thread each, so the cores are split the same way). Each trains the
+FSDP2 and with ZeRO-2, then 4 ranks with FSDP2 (shard 4) and HSDP (replicate 2 x shard 2) (one
+thread each, so the cores are split the same way). Each trains the
 same model on the same data for the same steps after a warm-up; the timed part is the training
 steps only. Prints tokens/s, the ratios to the single process, and how far the FP32 losses of the
 sharded runs are from the single process's (a correctness check alongside the speed).
@@ -68,8 +69,8 @@ def main() -> None:
         "train.max_steps=100000",
     ]
     micro = load_config(files, user).train.micro_batch_size
-    if micro % 2:
-        raise SystemExit(f"train.micro_batch_size={micro} must be even: 2 ranks split it")
+    if micro % 4:
+        raise SystemExit(f"train.micro_batch_size={micro} must divide by 4: 2 and 4 ranks split it")
     results = {}
     for dtype in ("bf16", "fp32"):
         single = timed(
@@ -83,9 +84,11 @@ def main() -> None:
             args.steps,
         )
         results[("local", dtype)] = single
-        for name, extra in (
-            ("fsdp", ["parallel.backend=fsdp"]),
-            ("zero2", ["parallel.backend=zero", "parallel.zero_stage=2"]),
+        for name, world, extra in (
+            ("fsdp", 2, ["parallel.backend=fsdp"]),
+            ("zero2", 2, ["parallel.backend=zero", "parallel.zero_stage=2"]),
+            ("fsdp4", 4, ["parallel.backend=fsdp"]),
+            ("hsdp2x2", 4, ["parallel.backend=fsdp", "parallel.replicate=2"]),
         ):
             overrides = [
                 *base,
@@ -93,13 +96,13 @@ def main() -> None:
                 f"precision.compute_dtype={dtype}",
                 *user,
                 *extra,
-                f"train.micro_batch_size={micro // 2}",
+                f"train.micro_batch_size={micro // world}",
             ]
-            results[(name, dtype)] = run_distributed(timed, 2, files, overrides, args.steps)[0]
+            results[(name, dtype)] = run_distributed(timed, world, files, overrides, args.steps)[0]
     summary = {
         "bench": "scaling",
         "steps": args.steps,
-        "world_size": 2,
+        "world_sizes": [2, 4],
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
     }
     print(

@@ -52,7 +52,7 @@ def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
             steps,
             "parallel.backend=fsdp",
             "parallel.replicate=2",
-            "train.micro_batch_size=4",
+            "train.micro_batch_size=2",  # 2 micro-batches: replicas sync on the last one only
         ),
     )
     assert len({r["final"]["fingerprint"] for r in hsdp}) == 1  # replicas hold the same weights
@@ -75,9 +75,12 @@ def test_hsdp_grad_norm_counts_each_replicated_shard_once(local_and_hsdp):
         assert hsdp[step] == pytest.approx(reference, rel=1e-5), step
 
 
-def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process(tmp_path, corpus_files, cache_dir):
+def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process_and_back(
+    tmp_path, corpus_files, cache_dir
+):
     """DCP reshards: a replicate 2 x shard 2 checkpoint resumes as shard 4 and as one local
-    process (same global batch); the losses after the checkpoint follow the uninterrupted run."""
+    process, and a local checkpoint resumes as replicate 2 x shard 2 (same global batch); the
+    losses after the checkpoint follow the uninterrupted run."""
     hsdp = ["parallel.backend=fsdp", "parallel.replicate=2", "train.micro_batch_size=4"]
     common = ["train.max_steps=7", "checkpoint.every=4"]
     straight = run_distributed(
@@ -100,6 +103,45 @@ def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process(tmp_path, corpus_files,
         before, after = by_step(straight, "loss"), by_step(resumed, "loss")
         for step in (5, 6, 7):
             assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)
+    local = ["parallel.backend=local", "train.micro_batch_size=16", "train.stop_at_step=4"]
+    run_distributed(train_run, 1, _args(tmp_path, "back", corpus_files, cache_dir, *common, *local))
+    resumed = run_distributed(
+        train_run, 4, _args(tmp_path, "back", corpus_files, cache_dir, *common, *hsdp)
+    )[0]
+    assert "resume" in [e["kind"] for e in resumed["events"]]
+    before, after = by_step(straight, "loss"), by_step(resumed, "loss")
+    for step in (5, 6, 7):
+        assert after[step] == pytest.approx(before[step], rel=1e-4), ("back", step)
+
+
+def initial_fingerprint(args: list[str]) -> str:
+    from bigtrain.build import build_trainer
+    from bigtrain.config import load_config
+    from bigtrain.parallel.env import read_env, shutdown
+
+    trainer = build_trainer(load_config([], args), read_env())
+    try:
+        return trainer.backend.fingerprint()
+    finally:
+        trainer.callbacks.close()
+        shutdown(clean=False)
+
+
+def test_hsdp_built_on_meta_starts_from_the_weights_of_one_process(
+    tmp_path, corpus_files, cache_dir
+):
+    """parallel.meta_init on the 2D mesh: each rank draws and keeps only its (replicated) shard."""
+    local = run_distributed(initial_fingerprint, 1, _args(tmp_path, "l", corpus_files, cache_dir))
+    hsdp = [
+        "parallel.backend=fsdp",
+        "parallel.replicate=2",
+        "parallel.meta_init=true",
+        "train.micro_batch_size=4",
+    ]
+    ranks = run_distributed(
+        initial_fingerprint, 4, _args(tmp_path, "m", corpus_files, cache_dir, *hsdp)
+    )
+    assert set(ranks) == set(local)
 
 
 def test_a_nan_on_one_replica_rolls_every_rank_back_together(tmp_path, corpus_files, cache_dir):

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from bigtrain.config.data import MixtureSource, check_data
+from bigtrain.config.mesh import check_mesh
 from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
 
@@ -362,15 +363,7 @@ def _check_parallel_and_train(config: Config) -> None:
         raise ConfigError(
             f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"
         )
-    if config.parallel.replicate < 1:
-        raise ConfigError(
-            f"key 'parallel.replicate' got {config.parallel.replicate}, expected a positive integer"
-        )
-    if config.parallel.replicate > 1 and config.parallel.backend != "fsdp":
-        raise ConfigError(
-            f"key 'parallel.replicate' ({config.parallel.replicate}) needs parallel.backend=fsdp "
-            f"(HSDP), got parallel.backend={config.parallel.backend}"
-        )
+    check_mesh(config)
     if config.parallel.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"

@@ -375,6 +375,16 @@ class ParallelConfig:
     parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
     the replicate dim, whose all-reduce of the gradients is the only traffic between replicas.
     world size / replicate is the shard degree; it must divide. 1: plain FSDP. At start."""
+    tensor_parallel: int = 1
+    """fsdp: tensor-parallel degree, the innermost mesh axis `tp` (ranks of one node): each
+    matched linear layer is split over `tensor_parallel` ranks, which read the same batch.
+    world size / (replicate x tensor_parallel) is the shard degree; it must divide. Needs
+    `tp_plan` (model.kind=hf; not yet for the built-in GPT). At start."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
+    each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
+    v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
+    projections). A colwise layer's output must feed the next rowwise one. At start."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 

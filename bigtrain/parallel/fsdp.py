@@ -20,6 +20,7 @@ from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
 from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
 from bigtrain.parallel.meta_init import materialize
+from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 
@@ -69,6 +70,8 @@ class FSDPBackend(TorchBackend):
         on_meta = any(p.is_meta for p in model.parameters())
         if not on_meta:
             model = model.to(device)
+        if self.mesh_shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
+            apply_tensor_parallel(model, self.mesh["tp"], cfg.parallel.tp_plan)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds embeddings, final norm and lm_head (tied weights stay in one group).

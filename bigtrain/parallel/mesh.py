@@ -1,8 +1,9 @@
-"""The device mesh of the fsdp backend: `replicate x shard` (HSDP) or `shard` alone (FSDP).
+"""The device mesh of the fsdp backend: `replicate x shard x tp`, size-1 axes left out
+(`shard` alone is FSDP; with `replicate` HSDP; with `tp` tensor parallelism inside).
 
-Ranks are laid out row-major, so one shard group is a run of contiguous ranks (one node's, where
-the shard degree is the node's GPU count): the frequent all-gathers and reduce-scatters stay on the
-fast links and only the gradient all-reduce of the replicate dim crosses nodes.
+Ranks are laid out row-major, tp innermost: a tp group is a run of consecutive ranks (one node's
+GPUs, for its per-layer collectives), then the shard groups; the replicate axis is outermost, so
+only its once-a-step gradient all-reduce crosses replicas.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -23,15 +25,29 @@ class MeshShape:
 
     replicate: int
     shard: int
+    tp: int = 1
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Named axes, outermost first; a size-1 replicate axis is left out (plain FSDP)."""
-        return ("replicate", "shard") if self.replicate > 1 else ("shard",)
+        """Named axes, outermost first; size-1 replicate and tp axes are left out."""
+        return tuple(a for a, n in zip(AXES, self._all, strict=True) if n > 1 or a == "shard")
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return (self.replicate, self.shard) if self.replicate > 1 else (self.shard,)
+        return tuple(n for a, n in zip(AXES, self._all, strict=True) if n > 1 or a == "shard")
+
+    @property
+    def _all(self) -> tuple[int, int, int]:
+        return (self.replicate, self.shard, self.tp)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: every replica and shard rank reads its own slice of the batch."""
+        return self.replicate * self.shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The slice of the batch `rank` reads; the ranks of one tp group read the same one."""
+        return rank // self.tp  # tp is the innermost axis: consecutive ranks form a tp group
 
     def describe(self) -> str:
         return " x ".join(
@@ -39,15 +55,20 @@ class MeshShape:
         )
 
 
+AXES = ("replicate", "shard", "tp")
+
+
 def mesh_shape(cfg: ParallelConfig, world_size: int) -> MeshShape:
     """The mesh for `world_size` ranks; ConfigError with the numbers when it does not divide."""
-    if world_size % cfg.replicate:
+    model_copies = cfg.replicate * cfg.tensor_parallel
+    if world_size % model_copies:
         raise ConfigError(
-            f"key 'parallel.replicate' ({cfg.replicate}) must divide the world size "
-            f"({world_size}): the shard degree is world size / replicate = "
-            f"{world_size} / {cfg.replicate}, not an integer"
+            f"key 'parallel.replicate' ({cfg.replicate}) x parallel.tensor_parallel "
+            f"({cfg.tensor_parallel}) = {model_copies} must divide the world size ({world_size}): "
+            f"the shard degree is world size / (replicate x tensor_parallel) = "
+            f"{world_size} / {model_copies}, not an integer"
         )
-    return MeshShape(cfg.replicate, world_size // cfg.replicate)
+    return MeshShape(cfg.replicate, world_size // model_copies, cfg.tensor_parallel)
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
@@ -57,16 +78,21 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """What fully_shard takes: the 2D (replicate, shard) mesh is HSDP, the 1D one is FSDP."""
-    return mesh[("replicate", "shard")] if "replicate" in (mesh.mesh_dim_names or ()) else mesh
+    names = mesh.mesh_dim_names or ()
+    if "replicate" in names:
+        return mesh[("replicate", "shard")]
+    return mesh if len(names) == 1 else mesh["shard"]
 
 
 def replication(tensor: torch.Tensor) -> int:
     """Over how many ranks the tensor's values are repeated: the product of the mesh sizes of
-    its Replicate placements (1 for a plain tensor, which each rank holds as its own)."""
+    its Replicate placements, times the ranks outside its mesh (a norm gain sharded over
+    `shard` only is the same on every rank of a tp group); 1 for a plain tensor, which each rank
+    holds as its own."""
     if not isinstance(tensor, DTensor):
         return 1
     mesh = tensor.device_mesh
-    count = 1
+    count = dist.get_world_size() // mesh.size()
     for axis, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             count *= mesh.size(axis)

@@ -9,6 +9,10 @@ from bigtrain.errors import ConfigError
 from bigtrain.parallel.mesh import mesh_shape
 from tests.conftest import run_cli
 
+HF = "model.kind=hf"
+LLAMA = "model.hf_config={model_type: llama}"
+PLAN = "parallel.tp_plan={q_proj: colwise, o_proj: rowwise}"
+
 
 def parallel(*overrides: str):
     return load_config([], ["parallel.backend=fsdp", *overrides]).parallel
@@ -31,9 +35,24 @@ def test_without_replicas_the_mesh_is_one_shard_axis():
 @pytest.mark.unit
 def test_a_replicate_degree_that_does_not_divide_the_world_names_the_numbers():
     with pytest.raises(
-        ConfigError, match=r"parallel.replicate' \(3\) must divide the world size \(4\)"
+        ConfigError,
+        match=r"parallel.replicate' \(3\) x parallel.tensor_parallel \(1\) = 3 must divide the world size \(4\)",
     ):
         mesh_shape(parallel("parallel.replicate=3"), 4)
+
+
+@pytest.mark.unit
+def test_tp_is_the_innermost_axis_and_a_tp_group_reads_one_slice():
+    tp2 = (HF, LLAMA, PLAN, "parallel.tensor_parallel=2")
+    shape = mesh_shape(parallel("parallel.replicate=2", *tp2), 8)
+    assert shape.axes == ("replicate", "shard", "tp") and shape.sizes == (2, 2, 2)
+    assert shape.dp_size == 4 and [shape.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(
+        ConfigError, match=r"\(2\) x parallel.tensor_parallel \(4\) = 8 must divide"
+    ):
+        mesh_shape(
+            parallel("parallel.replicate=2", HF, LLAMA, PLAN, "parallel.tensor_parallel=4"), 4
+        )
 
 
 @pytest.mark.unit
@@ -42,6 +61,14 @@ def test_a_replicate_degree_that_does_not_divide_the_world_names_the_numbers():
     [
         (["parallel.replicate=0"], "expected a positive integer"),
         (["parallel.backend=zero", "parallel.replicate=2"], "needs parallel.backend=fsdp"),
+        (["parallel.tensor_parallel=0"], "expected a positive integer"),
+        (
+            ["parallel.backend=zero", HF, LLAMA, PLAN, "parallel.tensor_parallel=2"],
+            "needs parallel.backend",
+        ),
+        (["parallel.tensor_parallel=2"], "not supported for model.kind=gpt yet"),
+        ([HF, LLAMA, "parallel.tensor_parallel=2"], "key 'parallel.tp_plan' is empty"),
+        ([HF, LLAMA, "parallel.tp_plan={q_proj: diagonal}"], "expected colwise or rowwise"),
     ],
 )
 def test_bad_replicate_settings_are_config_errors(overrides, message):
@@ -62,5 +89,5 @@ def test_a_mesh_that_does_not_divide_the_launched_world_exits_2_with_the_numbers
         env={**env, "MASTER_PORT": "29999"},
     )
     assert result.returncode == 2, result.stderr
-    assert "parallel.replicate' (3) must divide the world size (4)" in result.stderr
+    assert "(3) x parallel.tensor_parallel (1) = 3 must divide the world size (4)" in result.stderr
     assert "Traceback" not in result.stderr

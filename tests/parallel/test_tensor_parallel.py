@@ -5,6 +5,7 @@ resumes as shard 4 and on one process."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,53 @@ def test_kv_heads_that_do_not_split_over_tp_are_a_config_error(tmp_path, corpus_
     tp4 = ["parallel.backend=fsdp", "parallel.tensor_parallel=4", TP_PLAN]
     with pytest.raises(AssertionError, match=r"must divide the model's num_key_value_heads \(2\)"):
         run_distributed(layouts, 4, _args(tmp_path, "kv", corpus_files, cache_dir, *tp4))
+
+
+def test_tp2_checkpoint_resumes_on_shard_4_and_one_process(tmp_path, corpus_files, cache_dir):
+    """DCP reshards the tp x shard DTensors: the losses after the checkpoint follow the
+    uninterrupted tp run (FP32, same global batch)."""
+    common = ["train.max_steps=7", "checkpoint.every=4"]
+    straight = run_distributed(
+        train_run, 4, _args(tmp_path, "s", corpus_files, cache_dir, *common, *TP2)
+    )[0]
+    stop = "train.stop_at_step=4"
+    run_distributed(
+        train_run, 4, _args(tmp_path, "t", corpus_files, cache_dir, *common, *TP2, stop)
+    )
+    for name, world, extra in (
+        ("dp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
+        ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
+    ):
+        shutil.copytree(tmp_path / "t", tmp_path / name)
+        resumed = run_distributed(
+            train_run, world, _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
+        )[0]
+        assert "resume" in [e["kind"] for e in resumed["events"]], name
+        before, after = by_step(straight, "loss"), by_step(resumed, "loss")
+        for step in (5, 6, 7):
+            assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)
+
+
+def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cache_dir):
+    args = _args(
+        tmp_path,
+        "nan",
+        corpus_files,
+        cache_dir,
+        *TP2,
+        "train.max_steps=16",
+        "train.log_every=5",
+        "resilience.snapshot_every=5",
+        "resilience.confirm_steps=3",
+        "monitor.every=1",
+        "fault.rank=1",  # tp rank 1 of the first tp group
+        "fault.nan_grad_step=12",
+    )
+    ranks = run_distributed(train_run, 4, args)
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1
+    for r in ranks:
+        assert r["final"]["rollbacks"] == 1
+        anomaly = next(e for e in r["events"] if e["kind"] == "anomaly")
+        assert (anomaly["step"], anomaly["type"]) == (12, "nonfinite")
+        rollback = next(e for e in r["events"] if e["kind"] == "rollback")
+        assert (rollback["from_step"], rollback["to_step"]) == (12, 5)

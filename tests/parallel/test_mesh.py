@@ -91,3 +91,16 @@ def test_a_mesh_that_does_not_divide_the_launched_world_exits_2_with_the_numbers
     assert result.returncode == 2, result.stderr
     assert "(3) x parallel.tensor_parallel (1) = 3 must divide the world size (4)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.unit
+def test_the_tp2_preset_names_llamas_layers():
+    cfg = load_config(["configs/parallel/tp2.yaml"], [HF, LLAMA])
+    assert cfg.parallel.tensor_parallel == 2
+    assert cfg.parallel.tp_plan == {
+        "self_attn.[qkv]_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }

@@ -108,7 +108,8 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     config_yaml = to_yaml(cfg)
     # A mesh that does not divide the world: exit 2 before any work. tp ranks share a batch.
     dp_size = mesh_shape(cfg.parallel, env.world_size).dp_size
-    cfg = for_world_size(cfg, dp_size)  # train.global_batch_size -> grad_accum_steps
+    label = "world size" if dp_size == env.world_size else "data-parallel size"
+    cfg = for_world_size(cfg, dp_size, label)  # train.global_batch_size -> grad_accum_steps
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "

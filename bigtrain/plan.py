@@ -349,7 +349,8 @@ def plan_text(
     cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
 ) -> str:
     shape = mesh_shape(cfg.parallel, world_size)
-    cfg = for_world_size(cfg, shape.dp_size)  # the ranks of a tp group share a batch
+    label = "world size" if shape.dp_size == world_size else "data-parallel size"
+    cfg = for_world_size(cfg, shape.dp_size, label)  # the ranks of a tp group share a batch
     model = meta_model(cfg)
     n, block = count_params(cfg, model)
     tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()

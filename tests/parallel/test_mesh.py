@@ -104,3 +104,17 @@ def test_the_tp2_preset_names_llamas_layers():
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
     }
+
+
+@pytest.mark.unit
+def test_under_tp_the_global_batch_counts_data_parallel_ranks():
+    from bigtrain.config import for_world_size
+
+    cfg = load_config(
+        ["configs/parallel/tp2.yaml"],
+        [HF, LLAMA, "train.global_batch_size=16", "train.micro_batch_size=4"],
+    )
+    dp_size = mesh_shape(cfg.parallel, 8).dp_size  # 8 ranks, tp 2: 4 read the data
+    assert for_world_size(cfg, dp_size, "data-parallel size").train.grad_accum_steps == 1
+    with pytest.raises(ConfigError, match=r"\(4\) x data-parallel size \(8\) = 32"):
+        for_world_size(cfg, 8, "data-parallel size")

@@ -1,7 +1,9 @@
 """Sharded against single-process training, side by side on the same global batch.
 
 Runs, in one invocation: 1 process (local backend, all cores), then 2 spawned ranks on gloo with
-FSDP2 and with ZeRO-2 (one thread each, so the cores are split the same way). Each trains the
+FSDP2 and with ZeRO-2, then 4 ranks with FSDP2 (shard 4), HSDP (replicate 2 x shard 2) and, for
+a `model.kind=hf` Llama-family config, tensor parallel 2 x shard 2 (configs/parallel/tp2.yaml)
+(one thread each, so the cores are split the same way). Each trains the
 same model on the same data for the same steps after a warm-up; the timed part is the training
 steps only. Prints tokens/s, the ratios to the single process, and how far the FP32 losses of the
 sharded runs are from the single process's (a correctness check alongside the speed).
@@ -67,9 +69,23 @@ def main() -> None:
         "checkpoint.every=-1",
         "train.max_steps=100000",
     ]
-    micro = load_config(files, user).train.micro_batch_size
-    if micro % 2:
-        raise SystemExit(f"train.micro_batch_size={micro} must be even: 2 ranks split it")
+    loaded = load_config(files, user)
+    micro = loaded.train.micro_batch_size
+    if micro % 4:
+        raise SystemExit(f"train.micro_batch_size={micro} must divide by 4: 2 and 4 ranks split it")
+    runs = [
+        ("fsdp", 2, ["parallel.backend=fsdp"], 2),
+        ("zero2", 2, ["parallel.backend=zero", "parallel.zero_stage=2"], 2),
+        ("fsdp4", 4, ["parallel.backend=fsdp"], 4),
+        ("hsdp2x2", 4, ["parallel.backend=fsdp", "parallel.replicate=2"], 4),
+    ]
+    if loaded.model.kind == "hf":  # the tp plan names transformers Llama-family layers
+        tp2 = str(ROOT / "configs" / "parallel" / "tp2.yaml")
+        runs.append(("tp2xdp2", 4, [], 2))  # 2 data-parallel ranks split the batch
+        files_for = {"tp2xdp2": [*files, tp2]}
+    else:
+        print("tp2xdp2: skipped (tensor parallelism needs model.kind=hf, e.g. a Llama config)")
+        files_for = {}
     results = {}
     for dtype in ("bf16", "fp32"):
         single = timed(
@@ -83,23 +99,23 @@ def main() -> None:
             args.steps,
         )
         results[("local", dtype)] = single
-        for name, extra in (
-            ("fsdp", ["parallel.backend=fsdp"]),
-            ("zero2", ["parallel.backend=zero", "parallel.zero_stage=2"]),
-        ):
+        for name, world, extra, dp in runs:
             overrides = [
                 *base,
                 f"train.out_dir={out}/{name}-{dtype}",
                 f"precision.compute_dtype={dtype}",
                 *user,
                 *extra,
-                f"train.micro_batch_size={micro // 2}",
+                f"train.micro_batch_size={micro // dp}",
             ]
-            results[(name, dtype)] = run_distributed(timed, 2, files, overrides, args.steps)[0]
+            run_files = files_for.get(name, files)
+            results[(name, dtype)] = run_distributed(
+                timed, world, run_files, overrides, args.steps
+            )[0]
     summary = {
         "bench": "scaling",
         "steps": args.steps,
-        "world_size": 2,
+        "world_sizes": [2, 4],
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
     }
     print(

@@ -48,6 +48,7 @@ from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
+from bigtrain.parallel.mesh import mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.precision import PrecisionPolicy, dtype_name
 from bigtrain.resume import run_identity, start_state
@@ -96,14 +97,19 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
         )
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
     use_kernel = use_kernel and kernel.available(device)
-    names = [canonical_name(n) for n, p in backend.model.named_parameters() if p.requires_grad]
-    return GradMonitor(cfg.monitor, names, device, use_kernel)
+    trainable = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
+    names = [canonical_name(n) for n, _ in trainable]
+    replicas = [replication(p) for _, p in trainable]
+    return GradMonitor(cfg.monitor, names, device, use_kernel, replicas, backend.replica_group)
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
-    cfg = for_world_size(cfg, env.world_size)  # train.global_batch_size -> grad_accum_steps
+    # A mesh that does not divide the world: exit 2 before any work. tp ranks share a batch.
+    dp_size = mesh_shape(cfg.parallel, env.world_size).dp_size
+    label = "world size" if dp_size == env.world_size else "data-parallel size"
+    cfg = for_world_size(cfg, dp_size, label)  # train.global_batch_size -> grad_accum_steps
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
@@ -157,10 +163,12 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
             "(leave it null: on for CUDA)"
         )
     t = cfg.train
+    shape = mesh_shape(cfg.parallel, env.world_size)
+    dp_rank, dp_size = shape.dp_rank(env.rank), shape.dp_size  # a tp group reads one slice
     if cfg.data.source == "prepared":
         corpus = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
         train_samples, val_samples, stream = corpus.train, corpus.val, corpus.stream
-        needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * env.world_size
+        needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp_size
         check_length(corpus.stream, needed, t.max_steps)
     else:
         corpus = _token_corpus(cfg, env)
@@ -176,15 +184,13 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
         stream,
         t.micro_batch_size,
         t.grad_accum_steps,
-        env.rank,
-        env.world_size,
+        dp_rank,
+        dp_size,
         device,
         prefetch=cfg.data.prefetch,
         pin_memory=device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory,
     )
-    val = eval_batches(
-        val_samples, t.micro_batch_size, t.eval_batches, env.rank, env.world_size, device
-    )
+    val = eval_batches(val_samples, t.micro_batch_size, t.eval_batches, dp_rank, dp_size, device)
     return corpus, loader, val
 
 

@@ -20,6 +20,8 @@ from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
 from bigtrain.data.prepared import PreparedData
 from bigtrain.model import build_model, num_params
+from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.plan_comm import TPLayout, fsdp_traffic, tp_layout
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
 from bigtrain.utils.sizes import parse_size
 
@@ -97,12 +99,17 @@ def vocab_size_for_plan(cfg: Config) -> int:
     return len(load_tokenizer(cfg.data.tokenizer))
 
 
-def count_params(cfg: Config) -> tuple[int, int]:
+def meta_model(cfg: Config) -> torch.nn.Module:
+    """The model on the meta device: shapes only, no storage."""
+    with torch.device("meta"):
+        return build_model(cfg.model, vocab_size_for_plan(cfg))
+
+
+def count_params(cfg: Config, model: torch.nn.Module | None = None) -> tuple[int, int]:
     """(parameters, largest transformer block's parameters), from a meta-device model."""
     from bigtrain.parallel.apply import transformer_blocks
 
-    with torch.device("meta"):
-        model = build_model(cfg.model, vocab_size_for_plan(cfg))
+    model = model if model is not None else meta_model(cfg)
     block = max(num_params(b) for b in transformer_blocks(model))
     return num_params(model), block
 
@@ -244,7 +251,7 @@ def activation_lines(
     policy: PrecisionPolicy,
     n: int,
     block: int,
-    world_size: int,
+    degree: float,
     gpu_memory: int | None,
 ) -> list[str]:
     from bigtrain.parallel.fsdp import gathers_in_compute_dtype
@@ -278,7 +285,7 @@ def activation_lines(
     if gpu_memory is None:
         return lines
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
-    persistent = sum(layout.per_rank_bytes_per_param(world_size).values()) * n
+    persistent = sum(layout.per_rank_bytes_per_param(degree).values()) * n
     weights = transient_weight_bytes(cfg, policy, n, block)
     fits = {
         mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
@@ -304,11 +311,50 @@ def activation_lines(
     return lines
 
 
+def sharding_degree(cfg: Config, world_size: int, n: int, tp: TPLayout) -> float:
+    """Over how many ranks the sharded states are divided, on average over the parameters: the
+    shard axis of the fsdp mesh (without HSDP replicas), times tp for the layers tp splits; the
+    whole data-parallel world for zero."""
+    if cfg.parallel.backend != "fsdp":
+        return world_size
+    shape = mesh_shape(cfg.parallel, world_size)
+    return n / (tp.per_rank_params(n, shape.tp) / shape.shard)
+
+
+def comm_lines(
+    cfg: Config, policy: PrecisionPolicy, n: int, world_size: int, tp: TPLayout
+) -> list[str]:
+    """fsdp: bytes each rank receives per optimizer step, by mesh axis and collective."""
+    shape = mesh_shape(cfg.parallel, world_size)
+    lines = ["", f"communication per rank and optimizer step, mesh {shape.describe()}:"]
+    m = model_shape(cfg)
+    activations = cfg.train.micro_batch_size * m.seq_len * m.d_model
+    traffic = fsdp_traffic(
+        cfg,
+        n,
+        world_size,
+        gathered_dtype_bytes(cfg, policy),
+        policy.reduce_dtype.itemsize,
+        tp,
+        activations * policy.compute_dtype.itemsize,
+    )
+    for t in traffic:
+        lines.append(
+            f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(t.bytes_per_step):>10}"
+        )
+    return lines
+
+
 def plan_text(
     cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
 ) -> str:
-    cfg = for_world_size(cfg, world_size)
-    n, block = count_params(cfg)
+    shape = mesh_shape(cfg.parallel, world_size)
+    label = "world size" if shape.dp_size == world_size else "data-parallel size"
+    cfg = for_world_size(cfg, shape.dp_size, label)  # the ranks of a tp group share a batch
+    model = meta_model(cfg)
+    n, block = count_params(cfg, model)
+    tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()
+    degree = sharding_degree(cfg, world_size, n, tp)
     policy = resolve_policy(cfg.precision, hardware, n)
     lines = [
         f"model: {n / 1e6:.2f}M parameters (largest block {block / 1e6:.2f}M), world size {world_size}, "
@@ -317,10 +363,12 @@ def plan_text(
         f"precision policy ({hardware.name}):",
         policy.table(),
         "",
-        f"memory per rank, {cfg.parallel.backend}:",
+        f"memory per rank, {cfg.parallel.backend}"
+        + (f" (states sharded over {degree:.4g} ranks)" if cfg.parallel.backend == "fsdp" else "")
+        + ":",
     ]
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
-    per_param = layout.per_rank_bytes_per_param(world_size)
+    per_param = layout.per_rank_bytes_per_param(degree)
     for c in COMPONENTS:
         lines.append(f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * n):>10}")
     lines.append(
@@ -353,5 +401,7 @@ def plan_text(
             else ""
         )
         lines.append(f"  {label:<15} {b:>7.3f}  {fmt_bytes(b * n):>10}{extra}")
-    lines += activation_lines(cfg, policy, n, block, world_size, gpu_memory)
+    if cfg.parallel.backend == "fsdp":
+        lines += comm_lines(cfg, policy, n, world_size, tp)
+    lines += activation_lines(cfg, policy, n, block, degree, gpu_memory)
     return "\n".join(lines)

@@ -203,3 +203,74 @@ def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
 )
 def test_recipes_have_the_published_sizes(name, params):
     assert count_params(load_config([f"configs/{name}.yaml"]))[0] == params
+
+
+@pytest.mark.unit
+def test_hsdp_traffic_per_mesh_axis_by_hand():
+    """Shard 4 x replicate 2, 1000 parameters, 3 micro-batches, resharded after forward: 6 BF16
+    all-gathers and one FP32 reduce-scatter over shard, one FP32 all-reduce of the 250-element
+    shard over replicate (ring: (g - 1) / g of the data in each, twice for an all-reduce)."""
+    from bigtrain.plan_comm import fsdp_traffic
+
+    cfg = load_config(
+        [], ["parallel.backend=fsdp", "parallel.replicate=2", "train.grad_accum_steps=3"]
+    )
+    traffic = fsdp_traffic(cfg, 1000, 8, gathered_itemsize=2, reduce_itemsize=4)
+    assert [(t.axis, t.size, t.collective) for t in traffic] == [
+        ("shard", 4, "all-gather x 6"),
+        ("shard", 4, "reduce-scatter x 1"),
+        ("replicate", 2, "all-reduce x 1"),
+    ]
+    assert [t.bytes_per_step for t in traffic] == [6 * 750 * 2, 750 * 4, 2 * 125 * 4]
+
+
+@pytest.mark.unit
+def test_hsdp_plan_divides_the_states_by_the_shard_degree_only():
+    from bigtrain.plan import plan_text
+
+    cfg = load_config(["configs/llama-70b.yaml", "configs/parallel/hsdp.yaml"])
+    h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
+    text = plan_text(cfg, 512, h100)
+    # 16 B/param over the 64 ranks of a replica (not 512): 1 B/param for the states
+    assert "memory per rank, fsdp (states sharded over 64 ranks):" in text
+    assert f"{16 / 64 * 68_976_648_192 / 2**30:.1f} GiB" in text
+    assert "mesh replicate 8 x shard 64:" in text
+    all_reduce = 2 * 7 / 8 * 68_976_648_192 / 64 * 4 / 2**30
+    assert f"replicate (   8) all-reduce x 1 {all_reduce:>10.1f} GiB" in text
+
+
+@pytest.mark.unit
+def test_tensor_parallel_plan_counts_the_split_layers_and_the_tp_all_reduces():
+    """A 2-block Llama (width 64, 2 of 4 heads for k/v, MLP 128) under tp 2 x shard 2: q/k/v,
+    gate/up colwise and o/down rowwise split 36,864 parameters per block over tp; FSDP2 shards
+    the rest and the tp slice over shard; each micro-batch all-reduces the residual stream
+    7 times per block (2 rowwise outputs forward, 5 colwise input gradients backward)."""
+    from bigtrain.plan import meta_model
+    from bigtrain.plan_comm import fsdp_traffic, tp_layout
+
+    cfg = load_config(
+        [],
+        [
+            "model.kind=hf",
+            "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, "
+            "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2}",
+            "data.vocab_size=384",
+            "parallel.backend=fsdp",
+            "parallel.tensor_parallel=2",
+            "parallel.tp_plan={'self_attn.[qkv]_proj': colwise, self_attn.o_proj: rowwise, "
+            "mlp.gate_proj: colwise, mlp.up_proj: colwise, mlp.down_proj: rowwise}",
+            "train.grad_accum_steps=3",
+        ],
+    )
+    layout = tp_layout(meta_model(cfg), cfg.parallel.tp_plan)
+    per_block = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64
+    assert (layout.split_params, layout.colwise, layout.rowwise) == (2 * per_block, 5, 2)
+    n = 100_000
+    traffic = fsdp_traffic(cfg, n, 4, 2, 4, layout, activation_bytes=1000.0)
+    held = n - per_block  # the unsplit part, plus half of the split one
+    assert [(t.axis, t.collective) for t in traffic] == [
+        ("tp", "all-reduce x 42"),
+        ("shard", "all-gather x 6"),
+        ("shard", "reduce-scatter x 1"),
+    ]
+    assert [t.bytes_per_step for t in traffic] == [42 * 1000.0, 6 * held, 2 * held]

@@ -42,10 +42,12 @@ class AnomalyGuard(Callback):
             return
         self.consecutive += 1
         trainer.state.anomalies += 1
-        action = self.cfg.nonfinite if anomaly.kind == "nonfinite" else self.cfg.on_spike
+        # Replicas that disagree are as wrong as a NaN: the same ladder (replay, roll back).
+        action = self.cfg.on_spike if anomaly.kind == "spike" else self.cfg.nonfinite
         stop = None
         if action == "abort":
-            stop = f"non-finite {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
+            what = "disagreeing replicas" if anomaly.kind == "replica" else "non-finite"
+            stop = f"{what} {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
         elif self.consecutive >= self.cfg.max_consecutive:
             stop = (
                 f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "

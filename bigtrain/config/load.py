@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from bigtrain.config.data import MixtureSource, check_data
+from bigtrain.config.mesh import check_mesh
 from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
 
@@ -281,9 +282,10 @@ def _check_signs(config: Config) -> None:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
 
 
-def for_world_size(config: Config, world_size: int) -> Config:
+def for_world_size(config: Config, world_size: int, label: str = "world size") -> Config:
     """The config with `train.grad_accum_steps` derived from `train.global_batch_size` (when set)
-    for `world_size` ranks; ConfigError with the numbers when it does not divide."""
+    for `world_size` data-parallel ranks (`label` names them in errors: under tensor parallelism
+    they are fewer than the world); ConfigError with the numbers when it does not divide."""
     t = config.train
     if t.global_batch_size is None:
         return config
@@ -292,13 +294,13 @@ def for_world_size(config: Config, world_size: int) -> Config:
     if rest or accum == 0:
         raise ConfigError(
             f"key 'train.global_batch_size' ({t.global_batch_size}) must be a positive multiple "
-            f"of train.micro_batch_size ({t.micro_batch_size}) x world size ({world_size}) = "
+            f"of train.micro_batch_size ({t.micro_batch_size}) x {label} ({world_size}) = "
             f"{per_step}"
         )
     if t.grad_accum_steps not in (1, accum):
         raise ConfigError(
             f"key 'train.grad_accum_steps' ({t.grad_accum_steps}) disagrees with "
-            f"train.global_batch_size ({t.global_batch_size}), which gives {accum} at world size "
+            f"train.global_batch_size ({t.global_batch_size}), which gives {accum} at {label} "
             f"{world_size}: set one of them"
         )
     return dataclasses.replace(config, train=dataclasses.replace(t, grad_accum_steps=accum))
@@ -362,6 +364,7 @@ def _check_parallel_and_train(config: Config) -> None:
         raise ConfigError(
             f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"
         )
+    check_mesh(config)
     if config.parallel.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"

@@ -275,7 +275,8 @@ class MonitorConfig:
     """What a non-finite loss or gradient does (the step is never applied): `rollback` (to the last
     good state, see resilience.*), `skip` (anomaly event, training goes on) or `abort` (anomaly
     event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
-    the scale backs off."""
+    the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
+    steps) take the same action."""
     spikes: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "tensor_max"])
     """Spike detectors: `loss`, `grad_norm` (global) and `tensor_max` (max |g| of each tensor, on
     full steps). [] turns spike detection off."""
@@ -369,6 +370,21 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
     backward (ZeRO-2-like speed)."""
+    replicate: int = 1
+    """fsdp: replicas of the sharded model (HSDP). The ranks form a `replicate x shard` mesh;
+    parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
+    the replicate dim, whose all-reduce of the gradients is the only traffic between replicas.
+    world size / replicate is the shard degree; it must divide. 1: plain FSDP. At start."""
+    tensor_parallel: int = 1
+    """fsdp: tensor-parallel degree, the innermost mesh axis `tp` (ranks of one node): each
+    matched linear layer is split over `tensor_parallel` ranks, which read the same batch.
+    world size / (replicate x tensor_parallel) is the shard degree; it must divide. Needs
+    `tp_plan` (model.kind=hf; not yet for the built-in GPT). At start."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
+    each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
+    v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
+    projections). A colwise layer's output must feed the next rowwise one. At start."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
@@ -23,7 +24,9 @@ from bigtrain.monitor.stats import (
     local_grad_stats,
     ranked,
     reduce_grad_stats,
+    replica_differences,
     scale_stats,
+    weighted_stats,
 )
 
 SPIKE_METRICS = ("loss", "grad_norm", "tensor_max")
@@ -33,8 +36,8 @@ SPIKE_METRICS = ("loss", "grad_norm", "tensor_max")
 class Anomaly:
     """What the monitor found wrong at one step, for the anomaly event and the rollback logic."""
 
-    kind: str  # "nonfinite" or "spike"
-    metric: str  # loss, grads, grad_norm, tensor_max, loss_scale_at_minimum
+    kind: str  # "nonfinite", "replica" (HSDP replicas disagree) or "spike"
+    metric: str  # loss, grads, grad_norm, tensor_max, loss_scale_at_minimum, replicas
     value: float
     threshold: float | None = None
     baseline: float | None = None
@@ -42,6 +45,7 @@ class Anomaly:
     top_max_abs: list[list] = field(default_factory=list)  # [[name, max |g|], ...] largest first
     top_nonfinite: list[list] = field(default_factory=list)  # [[name, count], ...]
     spikes: list[dict[str, Any]] = field(default_factory=list)  # every detector that fired
+    replicas: list[int] = field(default_factory=list)  # replicas whose gradients differ from 0's
 
     def details(self) -> dict[str, Any]:
         return {"type": self.kind, **{k: v for k, v in asdict(self).items() if k != "kind"}}
@@ -70,11 +74,32 @@ class Health:
         return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
 
 
+def weighted_count(value: float) -> int:
+    """A reduced non-finite count: replicated tensors' counts were weighted 1/replication, so the
+    sum is a float; a NaN on fewer than all replicas still counts (at least 1)."""
+    return max(round(value), 1) if value > 0 else 0
+
+
 class GradMonitor:
     def __init__(
-        self, cfg: MonitorConfig, names: list[str], device: torch.device, use_kernel: bool
+        self,
+        cfg: MonitorConfig,
+        names: list[str],
+        device: torch.device,
+        use_kernel: bool,
+        replication: list[int] | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
+        replicas hold equal shards): its local statistics are weighted 1/replication before the
+        SUM all-reduce, so a tensor counts once however many ranks repeat it. `replica_group`:
+        this rank's HSDP replicas, compared on full steps (one more small collective)."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
+        self.replica_group = replica_group
+        self.weights: torch.Tensor | None = None
+        if replication is not None and any(r != 1 for r in replication):
+            assert len(replication) == len(names), "one replication count per tensor"
+            self.weights = 1.0 / torch.tensor(replication, dtype=torch.float32, device=device)
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
         unknown = set(cfg.spikes) - set(SPIKE_METRICS)
@@ -119,25 +144,29 @@ class GradMonitor:
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
-        stats, loss, stops = reduce_grad_stats(stats, local_loss, float(stop_requested))
+        flags = self._flags(stats, full, stop_requested)
+        stats = weighted_stats(stats, self.weights)
+        stats, loss, flags = reduce_grad_stats(stats, local_loss, flags)
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
         # Expensive device-to-host synchronization: the step's decision, one read per step.
-        host = torch.cat([loss.reshape(1), norm.reshape(1), stops.reshape(1), *host_vectors])
-        host = host.tolist()
-        n = len(self.names)
+        host = torch.cat([loss.reshape(1), norm.reshape(1), flags, *host_vectors]).tolist()
+        n, f = len(self.names), 2 + len(flags)
         host_loss, host_norm, stop = host[0], host[1], host[2] > 0
-        sum_sq, nonfinite = host[3 : 3 + n], host[3 + n : 3 + 2 * n]
-        max_abs = host[3 + 2 * n :] if full else None
-        num_nonfinite = int(sum(nonfinite))
+        replicas = [r for r, v in enumerate(host[3:f]) if v > 0]
+        sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
+        max_abs = host[f + 2 * n :] if full else None
+        num_nonfinite = weighted_count(sum(nonfinite))
         loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
         grads_ok = num_nonfinite == 0 and host_norm < float("inf")
 
         overflow = loss_ok and not grads_ok and loss_scaled
         anomaly = None
         if not overflow:
-            anomaly = self._verdict(loss_ok, grads_ok, host_loss, host_norm, num_nonfinite, max_abs)
+            anomaly = self._verdict(
+                loss_ok, grads_ok, host_loss, host_norm, num_nonfinite, max_abs, replicas
+            )
         if anomaly is not None:
             if max_abs is None:  # the report names tensors by max |g|: compute it now (rare)
                 return self.check(
@@ -166,6 +195,15 @@ class GradMonitor:
             stop,
         )
 
+    def _flags(self, stats: GradStats, full: bool, stop_requested: bool) -> torch.Tensor:
+        """What rides along the SUM all-reduce: the preemption request, then on full steps under
+        HSDP one difference flag per replica (the consistency probe)."""
+        stop = torch.tensor([float(stop_requested)], device=self.device)
+        if not full or self.replica_group is None:
+            return stop
+        local = torch.cat([stats.sum_sq, stats.nonfinite])
+        return torch.cat([stop, replica_differences(local, self.replica_group)])
+
     def _verdict(
         self,
         loss_ok: bool,
@@ -174,14 +212,18 @@ class GradMonitor:
         host_norm: float,
         num_nonfinite: int,
         max_abs: list[float] | None,
+        replicas: list[int],
     ) -> Anomaly | None:
-        """A non-finite loss or gradient, else a spike; a healthy step feeds the detectors."""
+        """A non-finite loss or gradient, else replicas that disagree, else a spike; a healthy
+        step feeds the detectors."""
         if not (loss_ok and grads_ok):
             metric = "loss" if not loss_ok else "grads" if num_nonfinite else "grad_norm"
             value = (
                 host_loss if not loss_ok else float(num_nonfinite) if num_nonfinite else host_norm
             )
             return Anomaly("nonfinite", metric, value)
+        if replicas:  # finite but inconsistent: the replicas' weights would drift apart
+            return Anomaly("replica", "replicas", float(len(replicas)), replicas=replicas)
         spikes = self._spikes(host_loss, host_norm, max_abs)
         if spikes:
             first = spikes[0]
@@ -220,7 +262,8 @@ class GradMonitor:
     ) -> None:
         k = self.cfg.top_k
         anomaly.top_max_abs = ranked(self.names, max_abs, k) if max_abs is not None else []
-        anomaly.top_nonfinite = [[n, int(c)] for n, c in ranked(self.names, nonfinite, k)]
+        counts = ranked(self.names, nonfinite, k)
+        anomaly.top_nonfinite = [[n, weighted_count(c)] for n, c in counts]
         if anomaly.tensor is None:
             top = anomaly.top_nonfinite or anomaly.top_max_abs
             anomaly.tensor = top[0][0] if top else None

@@ -87,15 +87,17 @@ def local_grad_stats(
 
 
 def reduce_grad_stats(
-    stats: GradStats, local_loss: torch.Tensor, flag: float = 0.0
+    stats: GradStats, local_loss: torch.Tensor, flag: float | torch.Tensor = 0.0
 ) -> tuple[GradStats, torch.Tensor, torch.Tensor]:
     """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
-    and a flag, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
-    Returns the reduced stats, the mean loss over ranks and the number of ranks that raised the
-    flag (a preemption request rides along at no extra cost); identical on every rank."""
-    flags = torch.tensor([flag], dtype=torch.float32, device=stats.sum_sq.device)
+    and the flags, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
+    Returns the reduced stats, the mean loss over ranks and the flags summed over ranks (a
+    preemption request, replica differences: they ride along at no extra cost), a scalar for a
+    float `flag`; identical on every rank."""
+    scalar = not isinstance(flag, torch.Tensor)
+    flags = torch.as_tensor(flag, dtype=torch.float32, device=stats.sum_sq.device).reshape(-1)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return stats, local_loss.float().reshape(()), flags[0]
+        return stats, local_loss.float().reshape(()), flags[0] if scalar else flags
     n = len(stats.names)
     packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1), flags])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
@@ -105,7 +107,30 @@ def reduce_grad_stats(
         max_abs = torch.where(max_abs.isnan(), float("inf"), max_abs)
         dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
     reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    return reduced, packed[2 * n] / dist.get_world_size(), packed[2 * n + 1]
+    summed_flags = packed[2 * n + 1 :]
+    return (
+        reduced,
+        packed[2 * n] / dist.get_world_size(),
+        summed_flags[0] if scalar else summed_flags,
+    )
+
+
+def replica_differences(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The consistency probe of HSDP replicas, which must hold bit-identical gradient shards after
+    their all-reduce: one all-gather of this rank's per-tensor statistics over its replicate
+    group; per replica, 1.0 where its statistics differ from replica 0's, else 0.0."""
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, local, group=group)
+    bits = torch.stack(rows).view(torch.int32)  # bitwise: NaN equals the same NaN
+    return (bits != bits[0]).any(dim=1).float()
+
+
+def weighted_stats(stats: GradStats, weights: torch.Tensor | None) -> GradStats:
+    """Sums of squares and non-finite counts times a per-tensor weight (1/replication), so that
+    the SUM over ranks counts a replicated tensor once; max |g| is unaffected by repetition."""
+    if weights is None:
+        return stats
+    return GradStats(stats.names, stats.sum_sq * weights, stats.nonfinite * weights, stats.max_abs)
 
 
 def scale_stats(stats: GradStats, factor: float) -> GradStats:

@@ -51,6 +51,8 @@ class Backend(abc.ABC):
     scaler: LossScaler | None = None
     """bigtrain's own loss scaler, whose state travels in the trainer state; None without loss
     scaling, and on ZeRO (DeepSpeed's scaler is saved with the backend's files)."""
+    replica_group: dist.ProcessGroup | None = None
+    """The ranks that hold the same shards as this one (HSDP replicas); None without replicas."""
     state_key = "params"  # local_state's key of the master tensors
     state_label = "param"  # state_tensors' name prefix
 
@@ -334,14 +336,18 @@ class TorchBackend(Backend):
 
     def unscale_grads(self) -> float:
         if self.scaler and self.scaler.scale != 1.0:  # clip, check and log the true gradients
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            torch._foreach_mul_(self._local_grads(), 1.0 / self.scaler.scale)
         return 1.0
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient shards as plain tensors: scaled in place with one foreach call,
+        also where the DTensors live on different meshes (tensor parallel and FSDP2 axes)."""
+        return [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+
     def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        if max_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+        if max_norm > 0:  # as clip_grads_with_norm_, on the local shards
+            coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(self._local_grads(), coef.to(self.device))
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -13,13 +13,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from bigtrain.config.schema import Config
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
+from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
 from bigtrain.parallel.meta_init import materialize
+from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 
@@ -58,12 +59,19 @@ class FSDPBackend(TorchBackend):
         self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
     ) -> None:
         assert dist.is_initialized(), "FSDP2 needs a process group"
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mesh_shape = mesh_shape(cfg.parallel, dist.get_world_size())
+        self.mesh = build_mesh(self.mesh_shape, device.type)
+        # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
+        mesh = shard_mesh(self.mesh)
+        if self.mesh_shape.replicate > 1:
+            self.replica_group = self.mesh.get_group("replicate")
         mp = fsdp_mixed_precision(policy)
         reshard = cfg.parallel.reshard_after_forward
         on_meta = any(p.is_meta for p in model.parameters())
         if not on_meta:
             model = model.to(device)
+        if self.mesh_shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
+            apply_tensor_parallel(model, self.mesh["tp"], cfg.parallel.tp_plan)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds embeddings, final norm and lm_head (tied weights stay in one group).

@@ -61,7 +61,7 @@ class Replay:
             return False
         if anomaly.kind == "spike":
             return self.monitor_cfg.on_spike != "warn"  # a warned spike is applied anyway
-        return anomaly.kind == "nonfinite"
+        return anomaly.kind in ("nonfinite", "replica")
 
     def run(self, trainer, rng: dict[str, Any], first, execute: Callable):
         """Run the step again; returns the second run's (StepResult, Health)."""

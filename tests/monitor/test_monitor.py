@@ -99,3 +99,19 @@ def test_state_dict_restores_the_windows():
         assert [v.tolist() for v in n.detectors[metric].values] == [
             v.tolist() for v in m.detectors[metric].values
         ]
+
+
+def test_replicated_tensors_are_weighted_so_that_the_sum_over_ranks_counts_them_once():
+    """HSDP: each of 2 replicas holds the same shards of tensors 0-2, so this rank's share of
+    their squares (and non-finite counts) is a half; tensor 3 is its own (replication 1)."""
+    named = grads()
+    named[1][1][0, 0] = float("nan")
+    m = GradMonitor(
+        MonitorConfig(warmup=5, window=20), NAMES, torch.device("cpu"), False, [2, 2, 2, 1]
+    )
+    h = check(m, named)
+    squares = [float(g.double().square().sum()) for _, g in named]
+    assert h.stats.sum_sq[0].item() == pytest.approx(squares[0] / 2, rel=1e-6)
+    assert h.stats.sum_sq[3].item() == pytest.approx(squares[3], rel=1e-6)
+    # half a NaN on this rank is still a NaN: counts round up to at least one
+    assert h.num_nonfinite == 1 and h.anomaly.top_nonfinite == [["blocks.0.attn.weight", 1]]

@@ -29,10 +29,9 @@ from safetensors import safe_open
 from bigtrain.errors import ConfigError
 from bigtrain.model.init import initial_value
 from bigtrain.parallel import zero_ckpt
+from bigtrain.parallel.backend import MOMENTS
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class Source:

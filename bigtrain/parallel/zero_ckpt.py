@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bigtrain.errors import ConfigError
+from bigtrain.parallel.backend import MOMENTS
 
 FORMAT = "bigtrain-zero-1"
 
@@ -80,7 +81,7 @@ def write_rank_file(
     tensors = {}
     for i, flat in enumerate(flats):
         tensors[f"group{i}.fp32"] = flat
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in MOMENTS:
             if moments[i] is not None:
                 tensors[f"group{i}.{key}"] = moments[i][key]
     meta = {

@@ -16,7 +16,6 @@ mixture, position), O(1) amortised, at any position, without replaying the ones 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ import torch
 
 from bigtrain.data.stream import SampleStream
 from bigtrain.errors import ConfigError
+from bigtrain.utils.seeds import derived_seed
 
 BLOCK_SIZE = 1024
 MAX_BLOCK_SIZE = 1 << 20
@@ -89,13 +89,11 @@ class _Phase:
 
 
 def _block_seed(seed: int, block: int) -> int:
-    digest = hashlib.sha256(f"bigtrain-mixture:{seed}:{block}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return derived_seed("bigtrain-mixture", seed, block)
 
 
 def _source_seed(seed: int, index: int) -> int:
-    digest = hashlib.sha256(f"bigtrain-mixture-source:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return derived_seed("bigtrain-mixture-source", seed, index)
 
 
 @dataclass

@@ -11,7 +11,6 @@ the same global batch size, which is what makes runs at different world sizes co
 
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -20,6 +19,7 @@ import torch
 
 from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
+from bigtrain.utils.seeds import derived_seed
 
 
 class Samples(Protocol):
@@ -77,12 +77,7 @@ def split_tokens(
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
-    return (
-        int.from_bytes(
-            hashlib.sha256(f"bigtrain-order:{seed}:{epoch}".encode()).digest()[:8], "little"
-        )
-        >> 1
-    )
+    return derived_seed("bigtrain-order", seed, epoch)
 
 
 class SampleStream:

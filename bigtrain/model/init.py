@@ -14,16 +14,15 @@ train.seed seeds.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
+
+from bigtrain.utils.seeds import derived_seed
 
 
 def param_seed(seed: int, name: str) -> int:
     """The generator seed of parameter `name` (canonical) in a run seeded with `seed`."""
-    digest = hashlib.sha256(f"bigtrain-init:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return derived_seed("bigtrain-init", seed, name)
 
 
 def initial_value(

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from bigtrain.config.schema import Config
@@ -19,7 +17,7 @@ from bigtrain.parallel.backend import (
     fp32_optimizer_state,
     weights_fingerprint,
 )
-from bigtrain.parallel.sources import LocalSource
+from bigtrain.parallel.sources import LocalSource, write_local_layout
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
@@ -70,17 +68,13 @@ class LocalBackend(TorchBackend):
         if ready is not None:
             ready.synchronize()
         tensors = {k: host["params"][v] if isinstance(v, int) else v for k, v in model.items()}
-        save_file(tensors, str(directory / "model.safetensors"))
-        moments, steps = {}, {}
+        states = {}
         for name, i in model.items():
             state = host["optim"][i] if isinstance(i, int) else None
             if state:
                 state = fp32_optimizer_state(self.optimizer, state)
-                steps[name] = float(state["step"])
-                moments.update({f"{name}.{k}": state[k] for k in MOMENTS})
-        meta = {"steps": json.dumps(steps)}
-        save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
-        return ["model.safetensors", "optimizer.safetensors"]
+                states[name] = (float(state["step"]), {k: state[k] for k in MOMENTS})
+        return write_local_layout(directory, tensors, states)
 
     def load(self, directory: Path) -> None:
         self.load_from(LocalSource(directory), optimizer=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from bigtrain.errors import ConfigError
 from bigtrain.model.init import initial_value
@@ -165,6 +166,22 @@ class LocalSource(Source):
 
     def step(self, name: str) -> float:
         return float(self.steps.get(name, 0.0))
+
+
+def write_local_layout(
+    directory: Path,
+    weights: dict[str, torch.Tensor],
+    states: dict[str, tuple[float, dict[str, torch.Tensor]]],
+) -> list[str]:
+    """The `local` checkpoint layout that LocalSource reads: `model.safetensors` (weights and
+    buffers by canonical name) and `optimizer.safetensors` (FP32 moments `<name>.<moment>`, each
+    parameter's step count in its metadata); `states`: name -> (step, moments)."""
+    save_file(weights, str(directory / "model.safetensors"))
+    moments = {f"{name}.{k}": v for name, (_, m) in states.items() for k, v in m.items()}
+    steps = {name: float(step) for name, (step, _) in states.items()}
+    meta = {"steps": json.dumps(steps)}
+    save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
+    return ["model.safetensors", "optimizer.safetensors"]
 
 
 class ZeroSource(Source):

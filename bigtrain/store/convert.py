@@ -16,12 +16,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from bigtrain.config import load_saved_config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.backend import MOMENTS
-from bigtrain.parallel.sources import Source, checkpoint_source
+from bigtrain.parallel.sources import Source, checkpoint_source, write_local_layout
 from bigtrain.store.checkpoint import hash_files, verify, write_manifest
 from bigtrain.utils.files import fsync_dir
 
@@ -71,19 +70,13 @@ def convert_to_local(path: Path, out: Path) -> dict:
 
 
 def _write_tensors(source: Source, directory: Path) -> list[str]:
-    model: dict[str, torch.Tensor] = {}
-    moments: dict[str, torch.Tensor] = {}
-    steps: dict[str, float] = {}
+    weights: dict[str, torch.Tensor] = {}
+    states: dict[str, tuple[float, dict[str, torch.Tensor]]] = {}
     for name in sorted(source.shapes):
-        model[name] = source.full(name).contiguous()
-        step = source.step(name)
-        if step:
-            steps[name] = step
-            for key in MOMENTS:
-                moments[f"{name}.{key}"] = source.full(name, key).contiguous()
+        weights[name] = source.full(name).contiguous()
+        if source.step(name):
+            moments = {k: source.full(name, k).contiguous() for k in MOMENTS}
+            states[name] = (source.step(name), moments)
     for name, value in source.extra_buffers().items():
-        model.setdefault(name, value.contiguous())
-    save_file(model, str(directory / "model.safetensors"))
-    meta = {"steps": json.dumps(steps)}
-    save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
-    return ["model.safetensors", "optimizer.safetensors"]
+        weights.setdefault(name, value.contiguous())
+    return write_local_layout(directory, weights, states)

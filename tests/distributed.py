@@ -89,3 +89,41 @@ def train_run(args: list[str]) -> dict:
         "events": read_jsonl(out / "events.jsonl"),
         "metrics": read_jsonl(out / "metrics.jsonl"),
     }
+
+
+def by_step(result: dict, key: str) -> dict[int, float]:
+    """`key` of each metrics line of a train_run result, by step."""
+    return {m["step"]: m[key] for m in result["metrics"] if key in m}
+
+
+def initial_fingerprint(args: list[str]) -> str:
+    """The weight fingerprint of a run built from `args`, before any step (in a rank)."""
+    from bigtrain.build import build_trainer
+    from bigtrain.config import load_config
+    from bigtrain.parallel.env import read_env, shutdown
+
+    trainer = build_trainer(load_config([], args), read_env())
+    try:
+        return trainer.backend.fingerprint()
+    finally:
+        trainer.callbacks.close()
+        shutdown(clean=False)
+
+
+def resume_copies(
+    root: Path, stopped: str, targets, make_args, straight: dict, steps=(5, 6, 7)
+) -> None:
+    """For each (name, world_size, overrides) in `targets`: copy the stopped run directory
+    root/stopped to root/name, resume it there with make_args(name, *overrides), and check that it
+    resumed and that the losses of `steps` follow the uninterrupted run `straight` (1e-4)."""
+    import shutil
+
+    import pytest
+
+    for name, world, extra in targets:
+        shutil.copytree(root / stopped, root / name)
+        resumed = run_distributed(train_run, world, make_args(name, *extra))[0]
+        assert "resume" in [e["kind"] for e in resumed["events"]], name
+        before, after = by_step(straight, "loss"), by_step(resumed, "loss")
+        for step in steps:
+            assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)

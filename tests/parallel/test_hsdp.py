@@ -4,13 +4,18 @@ DCP checkpoints resume on other meshes."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import micro_overrides
-from tests.distributed import run_distributed, train_run
+from tests.distributed import (
+    by_step,
+    initial_fingerprint,
+    resume_copies,
+    run_distributed,
+    train_run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -28,10 +33,6 @@ def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[st
         "optim.grad_clip=0.05",  # below the micro model's norms: clipping uses the monitor's norm
         *extra,
     ]
-
-
-def by_step(result: dict, key: str) -> dict[int, float]:
-    return {m["step"]: m[key] for m in result["metrics"] if key in m}
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +92,16 @@ def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process_and_back(
         4,
         _args(tmp_path, "h", corpus_files, cache_dir, *common, *hsdp, "train.stop_at_step=4"),
     )
-    for name, world, extra in (
-        ("fsdp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
-        ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
-    ):
-        shutil.copytree(tmp_path / "h", tmp_path / name)
-        resumed = run_distributed(
-            train_run, world, _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
-        )[0]
-        assert "resume" in [e["kind"] for e in resumed["events"]], name
-        before, after = by_step(straight, "loss"), by_step(resumed, "loss")
-        for step in (5, 6, 7):
-            assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)
+    resume_copies(
+        tmp_path,
+        "h",
+        (
+            ("fsdp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
+            ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
+        ),
+        lambda name, *extra: _args(tmp_path, name, corpus_files, cache_dir, *common, *extra),
+        straight,
+    )
     local = ["parallel.backend=local", "train.micro_batch_size=16", "train.stop_at_step=4"]
     run_distributed(train_run, 1, _args(tmp_path, "back", corpus_files, cache_dir, *common, *local))
     resumed = run_distributed(
@@ -112,19 +111,6 @@ def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process_and_back(
     before, after = by_step(straight, "loss"), by_step(resumed, "loss")
     for step in (5, 6, 7):
         assert after[step] == pytest.approx(before[step], rel=1e-4), ("back", step)
-
-
-def initial_fingerprint(args: list[str]) -> str:
-    from bigtrain.build import build_trainer
-    from bigtrain.config import load_config
-    from bigtrain.parallel.env import read_env, shutdown
-
-    trainer = build_trainer(load_config([], args), read_env())
-    try:
-        return trainer.backend.fingerprint()
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=False)
 
 
 def test_hsdp_built_on_meta_starts_from_the_weights_of_one_process(

@@ -16,7 +16,7 @@ from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env, shutdown
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
-from tests.distributed import run_distributed, train_run
+from tests.distributed import initial_fingerprint, run_distributed, train_run
 
 pytestmark = pytest.mark.distributed
 
@@ -306,15 +306,6 @@ def test_zero_steps_on_partitions_clipped_with_the_monitors_norm(
     (norm0, sq0), (norm1, sq1) = run_distributed(zero_clipped_norm, 2, args)
     assert norm0 == norm1 and norm0 > 0.1  # the true norm, well above the threshold
     assert (sq0 + sq1) ** 0.5 == pytest.approx(0.01, rel=1e-3)
-
-
-def initial_fingerprint(args: list[str]) -> str:
-    trainer = build_trainer(load_config([], args), read_env())
-    try:
-        return trainer.backend.fingerprint()
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=False)
 
 
 def test_fingerprint_is_the_same_for_the_same_weights_on_every_backend(

@@ -5,13 +5,17 @@ resumes as shard 4 and on one process."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import micro_overrides
-from tests.distributed import run_distributed, train_run
+from tests.distributed import (
+    by_step,
+    resume_copies,
+    run_distributed,
+    train_run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -40,10 +44,6 @@ def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[st
         "optim.grad_clip=0.05",
         *extra,
     ]
-
-
-def by_step(result: dict, key: str) -> dict[int, float]:
-    return {m["step"]: m[key] for m in result["metrics"] if key in m}
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +128,16 @@ def test_tp2_checkpoint_resumes_on_shard_4_and_one_process(tmp_path, corpus_file
     run_distributed(
         train_run, 4, _args(tmp_path, "t", corpus_files, cache_dir, *common, *TP2, stop)
     )
-    for name, world, extra in (
-        ("dp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
-        ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
-    ):
-        shutil.copytree(tmp_path / "t", tmp_path / name)
-        resumed = run_distributed(
-            train_run, world, _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
-        )[0]
-        assert "resume" in [e["kind"] for e in resumed["events"]], name
-        before, after = by_step(straight, "loss"), by_step(resumed, "loss")
-        for step in (5, 6, 7):
-            assert after[step] == pytest.approx(before[step], rel=1e-4), (name, step)
+    resume_copies(
+        tmp_path,
+        "t",
+        (
+            ("dp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
+            ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
+        ),
+        lambda name, *extra: _args(tmp_path, name, corpus_files, cache_dir, *common, *extra),
+        straight,
+    )
 
 
 def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cache_dir):

@@ -345,9 +345,8 @@ class TorchBackend(Backend):
         return [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
 
     def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        if max_norm > 0:  # as clip_grads_with_norm_, on the local shards
-            coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(self._local_grads(), coef.to(self.device))
+        if max_norm > 0:
+            scale_to_norm(self._local_grads(), max_norm, total_norm.to(self.device))
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -377,6 +376,15 @@ class TorchBackend(Backend):
 
     def master_state(self) -> tuple[list[torch.Tensor], dict]:
         return self._params(), self.optimizer.state
+
+
+def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Clip: scale the local gradient shards in place so that the global norm `total_norm` (the
+    monitor's, over every rank) is at most max_norm (nothing when it is 0). One foreach call, no
+    host sync: the coefficient stays on the device."""
+    grads = [g for g in grads if g.numel()]
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
 
 
 def checkpoint_writer() -> ThreadPoolExecutor:

@@ -44,6 +44,7 @@ from bigtrain.parallel.backend import (
     load_buffers,
     make_adamw,
     persistent_buffers,
+    scale_to_norm,
     set_fp32_optimizer_state,
     weights_fingerprint,
 )
@@ -272,10 +273,7 @@ class ZeroBackend(Backend):
         # a second pass over the gradients for a norm the monitor already has. Scaling the local
         # partitions in place is what DeepSpeed's clip does; the loss scale is unaffected.
         if max_norm > 0:
-            coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-            grads = [g for _, g in self.named_grads() if g.numel()]
-            if grads:
-                torch._foreach_mul_(grads, coef)
+            scale_to_norm([g for _, g in self.named_grads()], max_norm, total_norm)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -84,3 +84,6 @@ def test_resume_on_another_backend_and_world_size(
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     resume = next(e for e in events if e["kind"] == "resume")
     assert resume["identity_changed"] == []  # the global batch is the same at 1 and 2 ranks
+    # derived per world size, not a setting: config.yaml keeps it as given and no change is listed
+    assert "train.grad_accum_steps" not in resume["changed"]
+    assert "grad_accum_steps: 1\n" in (tmp_path / "run" / "config.yaml").read_text()

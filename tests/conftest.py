@@ -118,7 +118,7 @@ def run_cli(
 
 SLOW_WRITER = """
 import os, threading, time
-import bigtrain.parallel.local as local, bigtrain.parallel.zero_ckpt as zero_ckpt
+import bigtrain.parallel.sources as sources, bigtrain.parallel.zero_ckpt as zero_ckpt
 
 def slow(original):
     def write(*args, **kwargs):
@@ -127,7 +127,7 @@ def slow(original):
             time.sleep(float(os.environ["BIGTRAIN_TEST_WRITE_DELAY_S"]))
     return write
 
-local.save_file = slow(local.save_file)
+sources.save_file = slow(sources.save_file)  # the local layout's writer
 zero_ckpt.save_file = slow(zero_ckpt.save_file)
 """
 

@@ -71,7 +71,10 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout = cfg.dropout
         kv_width = self.n_kv_heads * self.head_dim
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_width, bias=cfg.bias)
+        # Separate projections (not one fused [q; k; v]): tensor parallelism splits each by heads.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
+        self.v = nn.Linear(cfg.d_model, kv_width, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled_init = True  # type: ignore[attr-defined]
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -85,26 +88,29 @@ class CausalSelfAttention(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """mask: None (causal), or (batch, 1, seq, seq) booleans, True where attention is
-        allowed (causal within each document, see GPT.document_eos)."""
-        batch, seq, width = x.shape
-        kv_width = self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([width, kv_width, kv_width], dim=-1)
-        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        allowed (causal within each document, see GPT.document_eos).
+
+        Head counts come from the projections' outputs: under tensor parallelism each rank holds
+        its share of the heads (parallel/tensor_parallel.py)."""
+        batch, seq, _ = x.shape
+        q, k, v = (
+            t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for t in (self.q(x), self.k(x), self.v(x))
+        )
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         p = self.dropout if self.training else 0.0
         grouped = self.n_kv_heads != self.n_heads
         if self.fp32_softmax:
             if grouped:  # each key/value head serves n_heads / n_kv_heads query heads
-                groups = self.n_heads // self.n_kv_heads
+                groups = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             y = self._explicit_fp32(q, k, v, p, mask)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=grouped
             )
-        y = y.transpose(1, 2).reshape(batch, seq, width)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.proj(y))
 
     def _explicit_fp32(
@@ -124,20 +130,19 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
         hidden = cfg.d_ff or default_d_ff(cfg)
-        self.up = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        # SwiGLU: silu(gate(x)) * up(x); separate layers, which tensor parallelism splits alike.
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.up = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.down.residual_scaled_init = True  # type: ignore[attr-defined]
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        if self.swiglu:
-            gate, value = h.chunk(2, dim=-1)
-            h = F.silu(gate) * value
+        if self.gate is not None:
+            h = F.silu(self.gate(x)) * self.up(x)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(self.up(x), approximate="tanh")
         return self.dropout(self.down(h))
 
 

@@ -32,11 +32,10 @@ def test_architecture_options_take_effect():
     assert llama.lm_head.weight is not llama.tok_emb.weight
     assert gpt2.pos_emb is not None and llama.pos_emb is None
     assert type(gpt2.norm_f).__name__ == "LayerNorm" and type(llama.norm_f).__name__ == "RMSNorm"
-    assert (
-        llama.blocks[0].mlp.up.out_features == 2 * 192
-    )  # SwiGLU: 8/3 * 64 rounded up to 64, gate + value
-    assert gpt2.blocks[0].mlp.up.out_features == 256
-    assert llama.blocks[0].attn.qkv.bias is None and gpt2.blocks[0].attn.qkv.bias is not None
+    # SwiGLU: 8/3 * 64 rounded up to 64, in a gate and an up layer; GELU: one up layer, 4 x 64
+    assert llama.blocks[0].mlp.up.out_features == llama.blocks[0].mlp.gate.out_features == 192
+    assert gpt2.blocks[0].mlp.up.out_features == 256 and gpt2.blocks[0].mlp.gate is None
+    assert llama.blocks[0].attn.q.bias is None and gpt2.blocks[0].attn.q.bias is not None
 
 
 def test_causal_future_tokens_do_not_change_past_logits():
@@ -61,7 +60,7 @@ def test_master_weights_fp32_while_matmuls_run_bf16():
             m.register_forward_hook(hook)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(torch.randint(0, 100, (2, 16)))
-    assert len(seen) == 2 * 4 + 1  # qkv, proj, up, down per block + lm_head
+    assert len(seen) == 2 * 6 + 1  # q, k, v, proj, up, down per block + lm_head
     assert {w for w, _ in seen} == {torch.float32}
     assert {o for _, o in seen} == {torch.bfloat16}
     assert logits.dtype == torch.bfloat16
@@ -131,7 +130,11 @@ def test_grouped_query_attention_matches_its_explicit_path_and_shrinks_kv():
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2, d_model=64, seq_len=16, vocab_size=50)
     model = GPT(cfg)
-    assert model.blocks[0].attn.qkv.weight.shape == (64 + 2 * 2 * 16, 64)
+    attn = model.blocks[0].attn
+    assert attn.q.weight.shape == (64, 64) and attn.k.weight.shape == attn.v.weight.shape == (
+        32,
+        64,
+    )
     ids = torch.randint(0, 50, (2, 16))
     fused = model(ids)
     model.blocks[0].attn.fp32_softmax = True  # explicit path: K/V heads repeated by hand

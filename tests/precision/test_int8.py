@@ -137,15 +137,21 @@ def test_default_exclusions_keep_attention_output_and_lm_head_in_bf16(micro, mon
     trainer.train_step()
     trainer.callbacks.close()
     int8 = sorted(n for n, m in model.named_modules() if isinstance(m, Int8Linear))
-    assert int8 == [f"blocks.{i}.{n}" for i in (0, 1) for n in ("attn.qkv", "mlp.down", "mlp.up")]
+    assert int8 == [
+        f"blocks.{i}.{n}"
+        for i in (0, 1)
+        for n in ("attn.k", "attn.q", "attn.v", "mlp.down", "mlp.up")
+    ]
     assert isinstance(model.blocks[0].attn.proj, nn.Linear) and isinstance(model.lm_head, nn.Linear)
     assert model.lm_head.weight is model.tok_emb.weight  # the tie is untouched
     assert dtypes["blocks.0.attn.proj"] == dtypes["lm_head"] == torch.bfloat16
     assert all(dtypes[n] == torch.bfloat16 for n in int8)
-    # one INT8 matmul per converted layer: (K, N) of qkv, up and down, twice
-    assert sorted(calls) == sorted([(64, 192), (64, 256), (256, 64)] * 2)
+    # one INT8 matmul per converted layer: (K, N) of q, k, v, up and down, twice
+    assert sorted(calls) == sorted([(64, 64)] * 3 * 2 + [(64, 256), (256, 64)] * 2)
     table = dict((r[0], r[1]) for r in trainer.policy.rows())
-    assert table["int8 forward"] == "blocks.*.attn.qkv, blocks.*.mlp.up, blocks.*.mlp.down"
+    assert table["int8 forward"] == (
+        "blocks.*.attn.q, blocks.*.attn.k, blocks.*.attn.v, blocks.*.mlp.up, blocks.*.mlp.down"
+    )
 
 
 @pytest.mark.unit
@@ -245,7 +251,7 @@ def test_calibration_state_survives_checkpoint_and_resume(micro):
     saved = json.loads(
         (Path(stopped.train.out_dir) / "checkpoints/step_00000005/trainer.json").read_text()
     )["callbacks"]["int8"]
-    assert saved["steps"] == 5 and len(saved["act_amax"]) == 6
+    assert saved["steps"] == 5 and len(saved["act_amax"]) == 10  # q, k, v, up, down x 2
     trainer = build_trainer(micro(*common, out="resumed"), DistEnv())
     cb = next(c for c in trainer.callbacks.items if getattr(c, "state_key", "") == "int8")
     trainer.callbacks.close()
@@ -309,8 +315,8 @@ def test_calibration_of_other_layers_is_refused_with_the_layers_named():
 
     layer = Int8Linear(nn.Linear(8, 4), transposed=False, affine=True)
     calibration = Int8Calibration({"blocks.0.mlp.up": layer}, Int8Config(enabled=True))
-    saved = {"steps": 3, "act_amax": {"blocks.0.attn.qkv": [1.0] * 8}}
-    with pytest.raises(ConfigError, match=r"covers other layers \(blocks\.\*\.attn\.qkv\)"):
+    saved = {"steps": 3, "act_amax": {"blocks.0.attn.q": [1.0] * 8}}
+    with pytest.raises(ConfigError, match=r"covers other layers \(blocks\.\*\.attn\.q\)"):
         calibration.load_state_dict(saved)
     assert calibration.steps == 0 and layer.act_amax.abs().sum() == 0  # nothing half-loaded
 

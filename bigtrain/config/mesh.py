@@ -3,7 +3,7 @@ and the model; the world size is checked at start (parallel/mesh.py)."""
 
 from __future__ import annotations
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import Config, ModelConfig, default_d_ff
 from bigtrain.errors import ConfigError
 
 
@@ -38,15 +38,40 @@ def _check_tensor_parallel(config: Config) -> None:
             f"got parallel.backend={p.backend}"
         )
     if m.kind == "gpt":
-        raise ConfigError(
-            f"key 'parallel.tensor_parallel' ({p.tensor_parallel}) is not supported for "
-            "model.kind=gpt yet (its fused attn.qkv and SwiGLU mlp.up do not split column-wise); "
-            "use model.kind=hf with parallel.tp_plan, or parallel.replicate for a 2D mesh"
-        )
+        if p.tp_plan:
+            raise ConfigError(
+                f"key 'parallel.tp_plan' ({p.tp_plan}) is for model.kind=hf: bigtrain's GPT is "
+                "split by its own plan (q, k, v, gate, up colwise; proj, down rowwise)"
+            )
+        check_gpt_tensor_parallel(m, p.tensor_parallel)
+        return
     if not p.tp_plan:
         raise ConfigError(
             f"key 'parallel.tp_plan' is empty, but parallel.tensor_parallel={p.tensor_parallel} "
             "with model.kind=hf needs one: module name patterns -> colwise/rowwise, e.g. "
             "{'self_attn.[qkv]_proj': colwise, 'self_attn.o_proj': rowwise, "
             "'mlp.gate_proj': colwise, 'mlp.up_proj': colwise, 'mlp.down_proj': rowwise}"
+        )
+
+
+def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """What the built-in GPT's plan splits divides by the tp degree: whole heads (query and
+    key/value) per rank, the MLP's hidden units, the sequence (sequence parallelism) and, once
+    known, the vocabulary (the embedding and lm_head rows)."""
+    if tp == 1:
+        return
+    n_kv = m.n_kv_heads or m.n_heads
+    widths = {
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": n_kv,
+        "model.d_ff": m.d_ff or default_d_ff(m),
+        "model.seq_len": m.seq_len,
+    }
+    if m.vocab_size is not None:
+        widths["vocab size"] = m.vocab_size
+    bad = [f"{key} = {value}" for key, value in widths.items() if value % tp]
+    if bad:
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' ({tp}) must divide {', '.join(bad)}: each tp rank "
+            "holds whole heads, an equal part of the MLP and vocabulary, and of the sequence"
         )

@@ -6,6 +6,7 @@ the config is plain data that OmegaConf merges from YAML files and `key=value` o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,14 @@ class ModelConfig:
     state, data from the start, an `init_from` event with the source and a checksum. Each rank
     reads only the slices it keeps. Only when there is nothing to resume (a restarted job resumes
     its own checkpoints). At setup."""
+
+
+def default_d_ff(cfg: ModelConfig) -> int:
+    """The MLP's hidden width when model.d_ff is not set: 4 x d_model (GELU), or 8/3 x d_model
+    rounded up to a multiple of 64 (SwiGLU, the same parameters in three matrices)."""
+    if cfg.mlp == "swiglu":
+        return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
+    return 4 * cfg.d_model
 
 
 @dataclass

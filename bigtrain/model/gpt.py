@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigtrain.config.schema import ModelConfig
+from bigtrain.config.schema import ModelConfig, default_d_ff
 from bigtrain.model.init import initial_value
 from bigtrain.utils.tensors import autocast_off
 
@@ -144,12 +144,6 @@ class MLP(nn.Module):
         else:
             h = F.gelu(self.up(x), approximate="tanh")
         return self.dropout(self.down(h))
-
-
-def default_d_ff(cfg: ModelConfig) -> int:
-    if cfg.mlp == "swiglu":
-        return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
-    return 4 * cfg.d_model
 
 
 class Block(nn.Module):

@@ -9,6 +9,7 @@ atomic commit and the manifest around `save`/`load`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -152,12 +153,19 @@ class Backend(abc.ABC):
                 value /= dist.get_world_size()
         return value
 
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Entered around the loss and its backward: tensor parallelism's loss over logits split
+        by vocabulary (parallel/fsdp.py); nothing otherwise."""
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Mean loss over this rank's batches and over ranks, without gradients."""
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            total += lm_loss(self.eval_logits(inputs), targets)
+            logits = self.eval_logits(inputs)
+            with self.loss_context():
+                total += local_tensor(lm_loss(logits, targets))
         return self.reduce_mean(total / len(batches))
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -300,10 +308,11 @@ class TorchBackend(Backend):
         self.before_backward(micro_step == num_micro_steps - 1)
         with self.autocast():
             logits = self.model(inputs)
-        loss = lm_loss(logits, targets)
         scale = self.scaler.scale if self.scaler else 1.0
-        (loss * (scale / num_micro_steps)).backward()
-        return loss.detach()
+        with self.loss_context():
+            loss = lm_loss(logits, targets)
+            (loss * (scale / num_micro_steps)).backward()
+        return local_tensor(loss.detach())  # the same value on every tp rank
 
     def loss_scale(self) -> float | None:
         return self.scaler.scale if self.scaler else None

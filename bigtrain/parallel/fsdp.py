@@ -3,6 +3,7 @@ checkpoints through torch.distributed.checkpoint (sharded; resharded on load at 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -14,8 +15,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import Config
+from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
 from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
@@ -70,6 +73,8 @@ class FSDPBackend(TorchBackend):
         on_meta = any(p.is_meta for p in model.parameters())
         if not on_meta:
             model = model.to(device)
+        # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
+        self.loss_parallel = self.mesh_shape.tp > 1 and isinstance(model, GPT)
         if self.mesh_shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
             apply_tensor_parallel(model, self.mesh["tp"], cfg.parallel.tp_plan)
         for block in transformer_blocks(model):
@@ -83,6 +88,11 @@ class FSDPBackend(TorchBackend):
         self._ckpt_group = None  # created on the first async save, by every rank at once
         self._writer = checkpoint_writer()
         super().__init__(model, policy, cfg, device)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """The cross-entropy over logits split by vocabulary: each tp rank reduces its part
+        (max, sum of exponentials, target logit), never gathering the whole vocabulary."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def before_backward(self, last_micro_step: bool) -> None:
         # Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.

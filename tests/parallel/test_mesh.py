@@ -66,7 +66,6 @@ def test_tp_is_the_innermost_axis_and_a_tp_group_reads_one_slice():
             ["parallel.backend=zero", HF, LLAMA, PLAN, "parallel.tensor_parallel=2"],
             "needs parallel.backend",
         ),
-        (["parallel.tensor_parallel=2"], "not supported for model.kind=gpt yet"),
         ([HF, LLAMA, "parallel.tensor_parallel=2"], "key 'parallel.tp_plan' is empty"),
         ([HF, LLAMA, "parallel.tp_plan={q_proj: diagonal}"], "expected colwise or rowwise"),
     ],

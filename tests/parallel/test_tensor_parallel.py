@@ -1,7 +1,8 @@
-"""Tensor parallelism (parallel.tensor_parallel with a tp_plan) on 4 gloo ranks: a transformers
-Llama split tp 2 x shard 2 trains like one process on the same global batch, its monitor counts
-tp-replicated tensors once, a NaN on one tp rank rolls every rank back, and its DCP checkpoint
-resumes as shard 4 and on one process."""
+"""Tensor parallelism for bigtrain's GPT (parallel.tensor_parallel, its own plan with sequence and
+loss parallelism) on 4 gloo ranks, tp 2 x shard 2: it trains like one process on the same global
+batch (Llama style with grouped-query heads and tied embeddings; GPT-2 style with learned
+positions and biases), its monitor's norm is the one-process norm, a NaN on one tp rank rolls
+every rank back, and its DCP checkpoint resumes as shard 4 and on one process."""
 
 from __future__ import annotations
 
@@ -9,41 +10,64 @@ from pathlib import Path
 
 import pytest
 
+from bigtrain.config import load_config
+from bigtrain.errors import ConfigError
 from tests.conftest import micro_overrides
-from tests.distributed import (
-    by_step,
-    resume_copies,
-    run_distributed,
-    train_run,
-)
+from tests.distributed import by_step, resume_copies, run_distributed, train_run
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
 LLAMA = (
-    "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, "
-    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
-    "max_position_embeddings: 32}"
+    "model.position=rope",
+    "model.norm=rmsnorm",
+    "model.mlp=swiglu",
+    "model.bias=false",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.tie_embeddings=true",
 )
-TP_PLAN = (
-    "parallel.tp_plan={'self_attn.[qkv]_proj': colwise, self_attn.o_proj: rowwise, "
-    "mlp.gate_proj: colwise, mlp.up_proj: colwise, mlp.down_proj: rowwise}"
-)
-TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", TP_PLAN, "train.micro_batch_size=8"]
+GPT2 = ("model.position=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true")
+TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=8"]
 
 
 def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
     return micro_overrides(tmp / name, corpus_files, cache_dir) + [
-        "model.kind=hf",
-        LLAMA,
         "train.log_every=1",
         "train.eval_every=0",
         "checkpoint.every=0",
         "precision.compute_dtype=fp32",
         "train.global_batch_size=16",
-        "optim.grad_clip=0.05",
+        "optim.grad_clip=0.05",  # below the micro model's norms: clipping uses the monitor's norm
         *extra,
     ]
+
+
+def placements(args: list[str]) -> dict:
+    """Each rank's view of a few parameters after the split, and its final fingerprint."""
+    from bigtrain.build import build_trainer
+    from bigtrain.parallel.env import read_env, shutdown
+
+    trainer = build_trainer(load_config([], args), read_env())
+    try:
+        model = trainer.backend.model
+        block = model.blocks[0]
+        out = {"tied": model.lm_head.weight is model.tok_emb.weight}
+        for name, module in (
+            ("attn.k", block.attn.k),
+            ("attn.proj", block.attn.proj),
+            ("norm1", block.norm1),
+            ("tok_emb", model.tok_emb),
+        ):
+            w = module.weight
+            out[name] = (w.device_mesh.mesh_dim_names, [repr(p) for p in w.placements])
+            out[name] += (tuple(w.shape), tuple(w.to_local().shape))
+        out["batch"] = trainer.loader.rank, trainer.loader.world
+        out["loss_parallel"] = trainer.backend.loss_parallel
+        return out
+    finally:
+        trainer.callbacks.close()
+        shutdown(clean=False)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +75,11 @@ def local_and_tp(tmp_path_factory, corpus_files, cache_dir):
     tmp = tmp_path_factory.mktemp("tp")
     steps = f"train.max_steps={STEPS}"
     local = train_run(
-        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16")
+        _args(tmp, "local", corpus_files, cache_dir, steps, *LLAMA, "train.micro_batch_size=16")
     )
-    tp = run_distributed(train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *TP2))
+    tp = run_distributed(
+        train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *LLAMA, *TP2)
+    )
     assert len({r["final"]["fingerprint"] for r in tp}) == 1
     return local, tp[0]
 
@@ -66,61 +92,33 @@ def test_tp2_losses_match_one_process(local_and_tp):
     assert tp[STEPS] < tp[1] - 0.3
 
 
-def test_tp2_grad_norm_counts_tp_replicated_tensors_once(local_and_tp):
-    """Norm gains and embeddings are whole on both tp ranks: counted once, not twice."""
+def test_tp2_grad_norm_is_the_one_process_norm(local_and_tp):
+    """Norm gains are replicated over tp (counted once), split layers summed over tp."""
     local, tp = (by_step(r, "grad_norm") for r in local_and_tp)
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-5), step
 
 
-def layouts(args: list[str]) -> dict:
-    from bigtrain.build import build_trainer
-    from bigtrain.config import load_config
-    from bigtrain.parallel.env import read_env, shutdown
-
-    trainer = build_trainer(load_config([], args), read_env())
-    try:
-        layer = trainer.backend.model.hf.model.layers[0]
-        out = {}
-        for name in ("self_attn.k_proj", "self_attn.o_proj", "input_layernorm"):
-            weight = layer.get_submodule(name).weight
-            out[name] = (
-                weight.device_mesh.mesh_dim_names,
-                [repr(p) for p in weight.placements],
-                tuple(weight.shape),
-                tuple(weight.to_local().shape),
-            )
-        out["batch"] = trainer.loader.rank, trainer.loader.world
-        return out
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=False)
+def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(tmp_path, corpus_files, cache_dir):
+    ranks = run_distributed(
+        placements, 4, _args(tmp_path, "p", corpus_files, cache_dir, *LLAMA, *TP2)
+    )
+    r = ranks[0]
+    assert r["tied"] and r["loss_parallel"]
+    # k: 2 kv heads x 16 = 32 rows, one head per tp rank, then halved again by FSDP2
+    assert r["attn.k"][0] == ("shard", "tp") and r["attn.k"][2:] == ((32, 64), (8, 64))
+    assert r["attn.proj"][1][1] == "Shard(dim=1)"  # rowwise: input features over tp
+    assert r["norm1"][1][1] == "Replicate()"  # sequence parallel: whole gains, split tokens
+    assert r["tok_emb"][1][1] == "Shard(dim=0)" and r["tok_emb"][2] == (384, 64)
+    assert [x["batch"] for x in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
-def test_tp_plan_splits_the_matched_layers_and_tp_ranks_read_one_batch(
+def test_gpt2_style_tp2_checkpoint_resumes_on_shard_4_and_one_process(
     tmp_path, corpus_files, cache_dir
 ):
-    ranks = run_distributed(layouts, 4, _args(tmp_path, "l", corpus_files, cache_dir, *TP2))
-    k_proj = ranks[0]["self_attn.k_proj"]  # (2 kv heads x 16) x 64: rows over tp, then shard
-    assert k_proj[0] == ("shard", "tp") and k_proj[1][1] == "Shard(dim=0)"
-    assert k_proj[2] == (32, 64) and k_proj[3] == (8, 64)
-    o_proj = ranks[0]["self_attn.o_proj"]  # rowwise: input features over tp
-    assert o_proj[1] == ["Shard(dim=0)", "Shard(dim=1)"] and o_proj[3] == (32, 32)
-    norm = ranks[0]["input_layernorm"]  # whole on each tp rank, sharded over shard only
-    assert norm[0] == ("shard",) and norm[3] == (32,)
-    assert [r["batch"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-
-
-def test_kv_heads_that_do_not_split_over_tp_are_a_config_error(tmp_path, corpus_files, cache_dir):
-    tp4 = ["parallel.backend=fsdp", "parallel.tensor_parallel=4", TP_PLAN]
-    with pytest.raises(AssertionError, match=r"must divide the model's num_key_value_heads \(2\)"):
-        run_distributed(layouts, 4, _args(tmp_path, "kv", corpus_files, cache_dir, *tp4))
-
-
-def test_tp2_checkpoint_resumes_on_shard_4_and_one_process(tmp_path, corpus_files, cache_dir):
-    """DCP reshards the tp x shard DTensors: the losses after the checkpoint follow the
-    uninterrupted tp run (FP32, same global batch)."""
-    common = ["train.max_steps=7", "checkpoint.every=4"]
+    """Learned positions, biases, LayerNorm, GELU; DCP reshards the tp x shard DTensors: the
+    losses after the checkpoint follow the uninterrupted tp run (FP32, same global batch)."""
+    common = ["train.max_steps=7", "checkpoint.every=4", *GPT2]
     straight = run_distributed(
         train_run, 4, _args(tmp_path, "s", corpus_files, cache_dir, *common, *TP2)
     )[0]
@@ -146,6 +144,7 @@ def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cach
         "nan",
         corpus_files,
         cache_dir,
+        *LLAMA,
         *TP2,
         "train.max_steps=16",
         "train.log_every=5",
@@ -154,6 +153,8 @@ def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cach
         "monitor.every=1",
         "fault.rank=1",  # tp rank 1 of the first tp group
         "fault.nan_grad_step=12",
+        "model.dropout=0.1",  # masks drawn per tp rank in the sequence-parallel region
+        "parallel.activation_checkpointing=block",  # the plan reaches inside the wrapper
     )
     ranks = run_distributed(train_run, 4, args)
     assert len({r["final"]["fingerprint"] for r in ranks}) == 1
@@ -163,3 +164,18 @@ def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cach
         assert (anomaly["step"], anomaly["type"]) == (12, "nonfinite")
         rollback = next(e for e in r["events"] if e["kind"] == "rollback")
         assert (rollback["from_step"], rollback["to_step"]) == (12, 5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.n_heads=4", "model.n_kv_heads=1"], r"must divide model.n_kv_heads = 1"),
+        (["model.n_heads=2", "parallel.tensor_parallel=4"], r"\(4\) must divide model.n_heads = 2"),
+        (["model.seq_len=33"], r"model.seq_len = 33"),
+        (["parallel.tp_plan={attn.q: colwise}"], r"tp_plan.*is for model.kind=hf"),
+    ],
+)
+def test_gpt_shapes_that_do_not_split_over_tp_are_config_errors(overrides, message):
+    base = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "model.d_model=64"]
+    with pytest.raises(ConfigError, match=message):
+        load_config([], [*base, *overrides])

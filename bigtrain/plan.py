@@ -253,7 +253,11 @@ def activation_lines(
     block: int,
     degree: float,
     gpu_memory: int | None,
+    tp_split: int = 1,
 ) -> list[str]:
+    """`tp_split`: the tp degree where tensor parallelism splits every activation (bigtrain's
+    GPT: sequence-parallel stream, heads, MLP units, vocabulary), else 1 (a transformers model
+    under a tp_plan keeps its norms and residual stream whole: counted whole, an upper bound)."""
     from bigtrain.parallel.fsdp import gathers_in_compute_dtype
 
     shape = model_shape(cfg)
@@ -270,13 +274,16 @@ def activation_lines(
     lines = [
         "",
         f"activations per sequence of {shape.seq_len} tokens ({dtype_name(policy.compute_dtype)}, "
-        f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}):",
+        f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}"
+        + (f"; per tp rank, split {tp_split} ways" if tp_split > 1 else "")
+        + "):",
         f"  {'checkpointing':<14} {'kept':>10} {'transient':>10} {'per sequence':>13}",
     ]
     per_sequence = {}
     for mode in CHECKPOINTING:
         a = activation_bytes_per_token(shape, mode, c, residual, policy.fp32_softmax)
-        kept, transient = (a["layers"] + a["head"]) * shape.seq_len, a["transient"] * shape.seq_len
+        kept = (a["layers"] + a["head"]) * shape.seq_len / tp_split
+        transient = a["transient"] * shape.seq_len / tp_split
         per_sequence[mode] = kept + transient
         lines.append(
             f"  {mode:<14} {fmt_bytes(kept):>10} {fmt_bytes(transient):>10} "
@@ -286,7 +293,7 @@ def activation_lines(
         return lines
     layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
     persistent = sum(layout.per_rank_bytes_per_param(degree).values()) * n
-    weights = transient_weight_bytes(cfg, policy, n, block)
+    weights = transient_weight_bytes(cfg, policy, n, block) / tp_split
     fits = {
         mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
         for mode in CHECKPOINTING
@@ -403,5 +410,6 @@ def plan_text(
         lines.append(f"  {label:<15} {b:>7.3f}  {fmt_bytes(b * n):>10}{extra}")
     if cfg.parallel.backend == "fsdp":
         lines += comm_lines(cfg, policy, n, world_size, tp)
-    lines += activation_lines(cfg, policy, n, block, degree, gpu_memory)
+    split = shape.tp if tp.sequence_parallel else 1
+    lines += activation_lines(cfg, policy, n, block, degree, gpu_memory, split)
     return "\n".join(lines)

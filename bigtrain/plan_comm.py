@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from bigtrain.config.schema import Config
+from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.mesh import mesh_shape
-from bigtrain.parallel.tensor_parallel import block_plan
+from bigtrain.parallel.tensor_parallel import GPT_PLAN, block_plan
 
 
 def ring_bytes(elements: float, group: int, itemsize: int, all_reduce: bool = False) -> float:
@@ -40,13 +41,15 @@ class AxisTraffic:
 
 @dataclass(frozen=True)
 class TPLayout:
-    """What tensor parallelism splits: the parameters of the tp_plan's layers (all blocks), and
-    per block the number of colwise and rowwise layers."""
+    """What tensor parallelism splits: the parameters of the split layers (all blocks; for
+    bigtrain's GPT also the vocabulary-parallel embedding and lm_head), per block the number of
+    colwise and rowwise layers, and whether the residual stream is split along the sequence."""
 
     split_params: int = 0
     colwise: int = 0
     rowwise: int = 0
     num_blocks: int = 0
+    sequence_parallel: bool = False
 
     def per_rank_params(self, num_params: int, tp: int) -> float:
         """Parameters a tp rank holds before FSDP2 shards them: its slice of the split layers."""
@@ -54,14 +57,33 @@ class TPLayout:
 
 
 def tp_layout(model: nn.Module, patterns: dict[str, str]) -> TPLayout:
-    """Count what `patterns` split in a (meta-device) model."""
+    """Count what tensor parallelism splits in a (meta-device) model: bigtrain's GPT by its own
+    plan, another model by `patterns` (parallel.tp_plan)."""
+    gpt = isinstance(model, GPT)
     blocks = transformer_blocks(model)
-    plan = block_plan(blocks[0], patterns)
+    plan = block_plan(blocks[0], GPT_PLAN if gpt else patterns)
     split = sum(
         p.numel() for b in blocks for name in plan for p in b.get_submodule(name).parameters()
     )
+    if gpt:  # the vocabulary rows of the embedding and of an untied lm_head
+        split += sum(p.numel() for p in {*model.tok_emb.parameters(), *model.lm_head.parameters()})
     styles = list(plan.values())
-    return TPLayout(split, styles.count("colwise"), styles.count("rowwise"), len(blocks))
+    return TPLayout(split, styles.count("colwise"), styles.count("rowwise"), len(blocks), gpt)
+
+
+def tp_traffic(tp: TPLayout, size: int, accum: int, activation_bytes: float) -> AxisTraffic:
+    """The tp axis per step. Without sequence parallelism each colwise layer all-reduces its
+    input gradient (backward) and each rowwise layer its output (forward). With it (bigtrain's
+    GPT) each block all-gathers its attention and MLP inputs and reduce-scatters their outputs,
+    and backward does the reverse; lm_head's input is gathered once more (the embedding's
+    all-reduce and the loss's per-token scalars are left out)."""
+    if not tp.sequence_parallel:
+        count = accum * tp.num_blocks * (tp.colwise + tp.rowwise)
+        moved = count * ring_bytes(activation_bytes, size, 1, all_reduce=True)
+        return AxisTraffic("tp", size, f"all-reduce x {count}", moved)
+    count = accum * (4 * tp.num_blocks + 1)  # all-gathers, and as many reduce-scatters
+    moved = 2 * count * ring_bytes(activation_bytes, size, 1)
+    return AxisTraffic("tp", size, f"all-gather + reduce-scatter x {count}", moved)
 
 
 def fsdp_traffic(
@@ -75,8 +97,8 @@ def fsdp_traffic(
 ) -> list[AxisTraffic]:
     """Per mesh axis (tp, shard, replicate), what one step moves through each rank.
     `activation_bytes`: one micro-batch's residual stream (micro x seq x d_model, compute dtype),
-    which tensor parallelism all-reduces after each rowwise layer (forward) and before each
-    colwise one (backward); activation recompute adds forward ones, not counted here."""
+    what tensor parallelism moves around each split layer (tp_traffic); activation recompute
+    adds forward ones, not counted here."""
     shape = mesh_shape(cfg.parallel, world_size)
     tp = tp or TPLayout()
     held = tp.per_rank_params(num_params, shape.tp)  # what FSDP2 shards on this tp rank
@@ -84,15 +106,7 @@ def fsdp_traffic(
     gathers = accum * (2 if cfg.parallel.reshard_after_forward else 1)
     out = []
     if shape.tp > 1:
-        count = accum * tp.num_blocks * (tp.colwise + tp.rowwise)
-        out.append(
-            AxisTraffic(
-                "tp",
-                shape.tp,
-                f"all-reduce x {count}",
-                count * ring_bytes(activation_bytes, shape.tp, 1, all_reduce=True),
-            )
-        )
+        out.append(tp_traffic(tp, shape.tp, accum, activation_bytes))
     out += [
         AxisTraffic(
             "shard",

@@ -274,3 +274,49 @@ def test_tensor_parallel_plan_counts_the_split_layers_and_the_tp_all_reduces():
         ("shard", "reduce-scatter x 1"),
     ]
     assert [t.bytes_per_step for t in traffic] == [42 * 1000.0, 6 * held, 2 * held]
+
+
+@pytest.mark.unit
+def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
+    """bigtrain's GPT (2 Llama-style blocks, width 64, 2 of 4 heads for k/v, MLP 192, tied
+    vocabulary of 384) under tp 2 x shard 2: q/k/v, gate/up, proj/down and the shared table are
+    split; per micro-batch each block all-gathers and reduce-scatters its attention and MLP
+    inputs/outputs forward and backward (4 each), lm_head's input once more: 9 per micro-batch,
+    27 over 3; the activations per rank halve."""
+    from bigtrain.plan import meta_model, plan_text
+    from bigtrain.plan_comm import fsdp_traffic, tp_layout
+
+    overrides = [
+        "data.vocab_size=384",
+        "model.position=rope",
+        "model.norm=rmsnorm",
+        "model.mlp=swiglu",
+        "model.bias=false",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.d_model=64",
+        "parallel.backend=fsdp",
+        "train.grad_accum_steps=3",
+    ]
+    cfg = load_config([], [*overrides, "parallel.tensor_parallel=2"])
+    layout = tp_layout(meta_model(cfg), {})
+    per_block = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 192 * 64
+    assert layout.sequence_parallel and (layout.colwise, layout.rowwise) == (5, 2)
+    assert layout.split_params == 2 * per_block + 384 * 64
+    traffic = fsdp_traffic(cfg, 100_000, 4, 2, 4, layout, activation_bytes=1000.0)
+    assert traffic[0].collective == "all-gather + reduce-scatter x 27"
+    assert traffic[0].bytes_per_step == 2 * 27 * 500.0
+    split = plan_text(cfg, 4, CPU)
+    whole = plan_text(load_config([], overrides), 2, CPU)  # the same data-parallel size
+    assert "per tp rank, split 2 ways" in split
+
+    def kept_without_checkpointing(text: str) -> float:
+        row = next(line for line in text.splitlines() if line.strip().startswith("none "))
+        value, unit = row.split()[1:3]
+        return float(value) * {"KiB": 2**10, "MiB": 2**20}[unit]
+
+    assert kept_without_checkpointing(split) == pytest.approx(
+        kept_without_checkpointing(whole) / 2,
+        rel=0.05,  # as printed: 3 digits
+    )

@@ -1,9 +1,9 @@
 """Sharded against single-process training, side by side on the same global batch.
 
 Runs, in one invocation: 1 process (local backend, all cores), then 2 spawned ranks on gloo with
-FSDP2 and with ZeRO-2, then 4 ranks with FSDP2 (shard 4), HSDP (replicate 2 x shard 2) and, for
-a `model.kind=hf` Llama-family config, tensor parallel 2 x shard 2 (configs/parallel/tp2.yaml)
-(one thread each, so the cores are split the same way). Each trains the
+FSDP2 and with ZeRO-2, then 4 ranks with FSDP2 (shard 4), HSDP (replicate 2 x shard 2) and
+tensor parallel 2 x shard 2 (configs/parallel/tp2.yaml; for a `model.kind=hf` Llama-family config
+configs/parallel/tp2-hf-llama.yaml) (one thread each, so the cores are split the same way). Each trains the
 same model on the same data for the same steps after a warm-up; the timed part is the training
 steps only. Prints tokens/s, the ratios to the single process, and how far the FP32 losses of the
 sharded runs are from the single process's (a correctness check alongside the speed).
@@ -79,13 +79,10 @@ def main() -> None:
         ("fsdp4", 4, ["parallel.backend=fsdp"], 4),
         ("hsdp2x2", 4, ["parallel.backend=fsdp", "parallel.replicate=2"], 4),
     ]
-    if loaded.model.kind == "hf":  # the tp plan names transformers Llama-family layers
-        tp2 = str(ROOT / "configs" / "parallel" / "tp2.yaml")
-        runs.append(("tp2xdp2", 4, [], 2))  # 2 data-parallel ranks split the batch
-        files_for = {"tp2xdp2": [*files, tp2]}
-    else:
-        print("tp2xdp2: skipped (tensor parallelism needs model.kind=hf, e.g. a Llama config)")
-        files_for = {}
+    # a transformers model is split by its layer names (Llama-family ones in this preset)
+    preset = "tp2-hf-llama.yaml" if loaded.model.kind == "hf" else "tp2.yaml"
+    runs.append(("tp2xdp2", 4, [], 2))  # 2 data-parallel ranks split the batch
+    files_for = {"tp2xdp2": [*files, str(ROOT / "configs" / "parallel" / preset)]}
     results = {}
     for dtype in ("bf16", "fp32"):
         single = timed(

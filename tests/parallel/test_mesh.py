@@ -94,7 +94,7 @@ def test_a_mesh_that_does_not_divide_the_launched_world_exits_2_with_the_numbers
 
 @pytest.mark.unit
 def test_the_tp2_preset_names_llamas_layers():
-    cfg = load_config(["configs/parallel/tp2.yaml"], [HF, LLAMA])
+    cfg = load_config(["configs/parallel/tp2-hf-llama.yaml"], [HF, LLAMA])
     assert cfg.parallel.tensor_parallel == 2
     assert cfg.parallel.tp_plan == {
         "self_attn.[qkv]_proj": "colwise",
@@ -110,7 +110,7 @@ def test_under_tp_the_global_batch_counts_data_parallel_ranks():
     from bigtrain.config import for_world_size
 
     cfg = load_config(
-        ["configs/parallel/tp2.yaml"],
+        ["configs/parallel/tp2-hf-llama.yaml"],
         [HF, LLAMA, "train.global_batch_size=16", "train.micro_batch_size=4"],
     )
     dp_size = mesh_shape(cfg.parallel, 8).dp_size  # 8 ranks, tp 2: 4 read the data

@@ -13,7 +13,13 @@ import pytest
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from tests.conftest import micro_overrides
-from tests.distributed import by_step, resume_copies, run_distributed, train_run
+from tests.distributed import (
+    by_step,
+    initial_fingerprint,
+    resume_copies,
+    run_distributed,
+    train_run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -64,6 +70,7 @@ def placements(args: list[str]) -> dict:
             out[name] += (tuple(w.shape), tuple(w.to_local().shape))
         out["batch"] = trainer.loader.rank, trainer.loader.world
         out["loss_parallel"] = trainer.backend.loss_parallel
+        out["fingerprint"] = trainer.backend.fingerprint()
         return out
     finally:
         trainer.callbacks.close()
@@ -100,9 +107,16 @@ def test_tp2_grad_norm_is_the_one_process_norm(local_and_tp):
 
 
 def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(tmp_path, corpus_files, cache_dir):
+    """Built on the meta device (parallel.meta_init): each rank draws only its tp x shard block,
+    and the weights are one process's."""
+    local = run_distributed(
+        initial_fingerprint, 1, _args(tmp_path, "l", corpus_files, cache_dir, *LLAMA)
+    )[0]
+    meta = "parallel.meta_init=true"
     ranks = run_distributed(
-        placements, 4, _args(tmp_path, "p", corpus_files, cache_dir, *LLAMA, *TP2)
+        placements, 4, _args(tmp_path, "p", corpus_files, cache_dir, *LLAMA, *TP2, meta)
     )
+    assert {x["fingerprint"] for x in ranks} == {local}
     r = ranks[0]
     assert r["tied"] and r["loss_parallel"]
     # k: 2 kv heads x 16 = 32 rows, one head per tp rank, then halved again by FSDP2
@@ -116,9 +130,10 @@ def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(tmp_path, corpus_fil
 def test_gpt2_style_tp2_checkpoint_resumes_on_shard_4_and_one_process(
     tmp_path, corpus_files, cache_dir
 ):
-    """Learned positions, biases, LayerNorm, GELU; DCP reshards the tp x shard DTensors: the
-    losses after the checkpoint follow the uninterrupted tp run (FP32, same global batch)."""
-    common = ["train.max_steps=7", "checkpoint.every=4", *GPT2]
+    """Learned positions, biases, LayerNorm, GELU, document masks (per-token positions and
+    masks pass the plan untouched); DCP reshards the tp x shard DTensors: the losses after the
+    checkpoint follow the uninterrupted tp run (FP32, same global batch)."""
+    common = ["train.max_steps=7", "checkpoint.every=4", "data.document_mask=true", *GPT2]
     straight = run_distributed(
         train_run, 4, _args(tmp_path, "s", corpus_files, cache_dir, *common, *TP2)
     )[0]

@@ -1,0 +1,144 @@
+"""INT8 layers under tensor parallelism on 2 gloo ranks: an INT8 colwise layer then an INT8
+rowwise one, split by torch's ColwiseParallel/RowwiseParallel, give the single-process output and
+gradients (the same quantization grid: the scales that span ranks are MAX-reduced), for both
+activation schemes, with SmoothQuant on, and under BF16 autocast; the calibration maxima come out
+whole after the MAX across ranks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from bigtrain.precision.int8 import Int8Linear
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+# (name, affine, smoothing, dtype, scales reduced over tp)
+CASES = [
+    ("affine", True, False, torch.float32, True),
+    ("symmetric", False, False, torch.float32, True),
+    ("affine-smooth", True, True, torch.float32, True),
+    ("symmetric-smooth", False, True, torch.float32, True),
+    ("affine-smooth-bf16", True, True, torch.bfloat16, True),
+    ("symmetric-unreduced", False, False, torch.float32, False),
+    ("affine-smooth-unreduced", True, True, torch.float32, False),
+]
+
+
+def int8_pair(affine: bool, smoothing: bool) -> nn.Sequential:
+    """up (32 -> 48, colwise) and down (48 -> 16, rowwise: rank 0 holds input columns 0-23)."""
+    torch.manual_seed(0)
+    up, down = nn.Linear(32, 48), nn.Linear(48, 16)
+    with torch.no_grad():
+        down.weight[:, 24:] *= 8.0  # every row's max |W| lies in rank 1's columns
+    model = nn.Sequential(
+        OrderedDict(
+            up=Int8Linear(up, affine=affine), act=nn.GELU(), down=Int8Linear(down, affine=affine)
+        )
+    )
+    g = torch.Generator().manual_seed(1)
+    for layer in (model.up, model.down):
+        layer.act_amax.copy_(torch.rand(layer.in_features, generator=g) * 4 + 0.5)
+        layer.smoothing = smoothing
+    return model
+
+
+def step(model: nn.Sequential, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Output, input and parameter gradients (whole tensors) and the observed max |x|."""
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        y = model(x)
+    y.backward(dy.to(y.dtype))
+    whole = {"y": y.detach().float(), "dx": x.grad.float()}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        whole[f"d{name}"] = grad.float()
+    for name in ("up", "down"):
+        amax = model.get_submodule(name).step_amax
+        amax = amax.to_local().clone() if hasattr(amax, "to_local") else amax.clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        whole[f"{name}.step_amax"] = amax
+    return whole
+
+
+def compare_on_tp2() -> dict[str, dict[str, float]]:
+    """Per case and quantity: max |TP - single process| / max |single process|."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import bigtrain.precision.int8 as int8
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    int8.int_mm_available(torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    x, dy = torch.randn(3, 20, 32, generator=g), torch.randn(3, 20, 16, generator=g)
+    x[..., :3] *= 20.0  # outlier channels
+    results, reduce = {}, int8.all_reduce_max
+    for name, affine, smoothing, dtype, reduced in CASES:
+        reference = step(int8_pair(affine, smoothing), x, dy, dtype)
+        model = int8_pair(affine, smoothing)
+        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        assert model.down.weight.to_local().shape == (16, 24)
+        if not reduced:
+            int8.all_reduce_max = lambda t, mesh: t
+        try:
+            got = step(model, x, dy, dtype)
+        finally:
+            int8.all_reduce_max = reduce
+        results[name] = {
+            key: float((got[key] - ref).abs().max() / ref.abs().max())
+            for key, ref in reference.items()
+        }
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict[str, dict[str, float]]:
+    rank0, rank1 = run_distributed(compare_on_tp2, 2)
+    assert rank0 == rank1  # the output and the whole gradients agree across the tp ranks
+    return rank0
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[4] and c[3] == torch.float32])
+def test_tp2_int8_equals_one_process_in_fp32(errors, case):
+    """Same grid as one process: only the order of FP32 sums differs."""
+    assert max(errors[case].values()) < 1e-5, errors[case]
+
+
+def test_tp2_int8_under_bf16_autocast_is_one_process_up_to_bf16_rounding(errors):
+    """The rowwise partial sums are rounded to BF16 before the all-reduce: within a few BF16
+    ulps of the output's largest value; the calibration maxima are exact."""
+    case = errors["affine-smooth-bf16"]
+    assert max(case.values()) < 2e-2, case
+    assert case["up.step_amax"] == case["down.step_amax"] == 0.0
+
+
+def test_without_the_max_over_tp_the_grid_differs(errors):
+    """The fp32 check can fail: without the MAX, each rank's columns alone set the rowwise
+    layer's weight and per-token scales, and the output is off by far more than 1e-5; each
+    rank's rows alone set the colwise layer's smoothing (its weight gradient, against x_hat s,
+    is then off while the other case's, without smoothing, is exact)."""
+    case = errors["symmetric-unreduced"]
+    assert case["y"] > 1e-3 and case["ddown.weight"] > 1e-3, case
+    assert case["dup.weight"] == 0.0
+    assert errors["affine-smooth-unreduced"]["dup.weight"] > 1e-3, errors["affine-smooth-unreduced"]
+
+
+def test_calibration_maxima_are_whole_after_the_max_across_ranks(errors):
+    """The rowwise layer observes its own input columns; the MAX across ranks completes them."""
+    for name, *_, reduced in CASES:
+        if reduced:
+            case = errors[name]
+            assert case["up.step_amax"] == case["down.step_amax"] == 0.0, name

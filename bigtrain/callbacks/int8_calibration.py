@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
-from bigtrain.precision.int8 import Int8Linear
+from bigtrain.precision.int8 import Int8Layer
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.utils.names import compress_names
+from bigtrain.utils.tensors import local_tensor
 
 
 class Int8Calibration(Callback):
@@ -25,7 +26,7 @@ class Int8Calibration(Callback):
     priority = 5  # before snapshots and checkpoints read the trainer state
     state_key = "int8"
 
-    def __init__(self, layers: dict[str, Int8Linear], cfg: Int8Config) -> None:
+    def __init__(self, layers: dict[str, Int8Layer], cfg: Int8Config) -> None:
         self.layers, self.cfg = layers, cfg
         self.steps = 0  # optimizer steps folded into the calibration
         self.smoothing_on = False  # whether the layers use the calibrated scales
@@ -47,20 +48,22 @@ class Int8Calibration(Callback):
         if self.calibrated and self.cfg.calibration == "fixed":
             return
         layers = list(self.layers.values())
+        # Whole vectors on every rank (replicated DTensors under tensor parallelism, whose
+        # rowwise layers fill their own input columns: the MAX across ranks completes them).
+        act_amax = [local_tensor(layer.act_amax) for layer in layers]
+        step_amaxes = [local_tensor(layer.step_amax) for layer in layers]
         if not result.skipped:  # a skipped step's activations may be the anomaly's
-            step_amax = torch.cat([layer.step_amax for layer in layers])
+            step_amax = torch.cat(step_amaxes)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(step_amax, op=dist.ReduceOp.MAX)
-            current = torch.cat([layer.act_amax for layer in layers])
+            current = torch.cat(act_amax)
             if self.calibrated:  # EMA after calibration
                 d = self.cfg.ema_decay
                 folded = d * current + (1 - d) * step_amax
             else:
                 folded = torch.maximum(current, step_amax)
-            for layer, part in zip(
-                layers, folded.split([x.in_features for x in layers]), strict=True
-            ):
-                layer.act_amax.copy_(part)
+            for amax, part in zip(act_amax, folded.split([len(a) for a in act_amax]), strict=True):
+                amax.copy_(part)
             self.steps += 1
             if self.calibrated and not self.smoothing_on:
                 trainer.event(
@@ -69,8 +72,8 @@ class Int8Calibration(Callback):
                     mode=self.cfg.calibration,
                     layers=len(layers),
                 )
-        for layer in layers:
-            layer.step_amax.zero_()
+        for amax in step_amaxes:
+            amax.zero_()
         self._apply()
 
     def _apply(self) -> None:
@@ -84,7 +87,9 @@ class Int8Calibration(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
-            "act_amax": {n: layer.act_amax.float().tolist() for n, layer in self.layers.items()},
+            "act_amax": {
+                n: local_tensor(layer.act_amax).float().tolist() for n, layer in self.layers.items()
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

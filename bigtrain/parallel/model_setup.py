@@ -23,7 +23,7 @@ from bigtrain.errors import ConfigError
 from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.parallel.meta_init import uses_meta_init
 from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
-from bigtrain.precision.int8 import Int8Linear, convert_to_int8, int_mm_available
+from bigtrain.precision.int8 import Int8Layer, convert_to_int8, int_mm_available
 from bigtrain.utils.names import canonical_name
 
 
@@ -58,7 +58,7 @@ def build(
 
 def apply_int8(
     cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
-) -> dict[str, Int8Linear]:
+) -> dict[str, Int8Layer]:
     """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
     record their names in the policy's table."""
     if not policy.int8:

@@ -152,16 +152,36 @@ TP_PLAN = (
 )
 
 
-def test_llama_int8_at_tp2_trains_like_one_process(tmp_path, corpus_files, cache_dir):
-    """A transformers Llama with INT8 q, k, v, gate, up and down (o_proj stays in the compute
-    dtype) split tp 2 by parallel.tp_plan: the losses follow one process's, also after the
-    calibration (3 steps) switched smoothing on; the checkpointed calibration holds the same
-    whole vectors per layer as one process's."""
+GPT_LLAMA_STYLE = (
+    "model.position=rope",
+    "model.norm=rmsnorm",
+    "model.mlp=swiglu",
+    "model.bias=false",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "plan", "down", "width"),
+    [
+        (("model.kind=hf", LLAMA), (TP_PLAN,), "hf.model.layers.0.mlp.down_proj", 128),
+        (GPT_LLAMA_STYLE, (), "blocks.0.mlp.down", 192),  # its own plan, sequence parallel
+    ],
+    ids=["hf-llama", "gpt"],
+)
+def test_int8_at_tp2_trains_like_one_process(
+    tmp_path, corpus_files, cache_dir, model, plan, down, width
+):
+    """A transformers Llama split by parallel.tp_plan, and bigtrain's GPT by its own plan, with
+    INT8 q, k, v, gate, up and down (the attention output projection stays in the compute dtype)
+    at tp 2: the losses follow one process's, also after the calibration (3 steps) switched
+    smoothing on; the checkpointed calibration holds the same whole vectors per layer as one
+    process's."""
 
     def args(name: str, *extra: str) -> list[str]:
         return micro_overrides(tmp_path / name, corpus_files, cache_dir) + [
-            "model.kind=hf",
-            LLAMA,
+            *model,
             "train.log_every=1",
             "train.eval_every=0",
             "checkpoint.every=8",
@@ -175,7 +195,7 @@ def test_llama_int8_at_tp2_trains_like_one_process(tmp_path, corpus_files, cache
 
     local = train_run(args("local"))
     tp = run_distributed(
-        train_run, 2, args("tp", "parallel.backend=fsdp", "parallel.tensor_parallel=2", TP_PLAN)
+        train_run, 2, args("tp", "parallel.backend=fsdp", "parallel.tensor_parallel=2", *plan)
     )
     assert tp[0]["final"]["fingerprint"] == tp[1]["final"]["fingerprint"]
     assert "int8_calibrated" in [e["kind"] for e in tp[0]["events"]]
@@ -195,4 +215,4 @@ def test_llama_int8_at_tp2_trains_like_one_process(tmp_path, corpus_files, cache
     assert sorted(saved[0]["act_amax"]) == sorted(saved[1]["act_amax"])
     for name, amax in saved[0]["act_amax"].items():
         assert saved[1]["act_amax"][name] == pytest.approx(amax, rel=1e-5), name
-    assert len(saved[1]["act_amax"]["hf.model.layers.0.mlp.down_proj"]) == 128
+    assert len(saved[1]["act_amax"][down]) == width

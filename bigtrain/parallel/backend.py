@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
@@ -31,7 +29,7 @@ from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import full_shape, local_tensor, to_cpu
+from bigtrain.utils.tensors import full_shape, local_block, local_tensor, to_cpu
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, in checkpoints always FP32
 
@@ -78,7 +76,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's logits in its compute precision, in eval mode and without gradients."""
+        """The model's logits in its compute precision, in eval mode and without gradients (under
+        the GPT's tensor parallelism a DTensor split by vocabulary: reduce it in loss_context)."""
 
     @abc.abstractmethod
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
@@ -425,14 +424,6 @@ def set_fp32_optimizer_state(
     state["step"].fill_(step)
     for key, value in moments.items():
         local_tensor(state[key]).copy_(value)
-
-
-def local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, shape) of this rank's block of a parameter: its DTensor shard, or all of it."""
-    if isinstance(p, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        return tuple(offset), tuple(shape)
-    return (0,) * p.dim(), tuple(p.shape)
 
 
 @torch.no_grad()

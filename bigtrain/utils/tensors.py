@@ -38,6 +38,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's block of a parameter: its DTensor shard, or all of it."""
+    if hasattr(p, "device_mesh"):  # a DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(shape)
+    return (0,) * p.dim(), tuple(p.shape)
+
+
 def full_shape(t: torch.Tensor) -> torch.Size:
     """A parameter's whole shape, also where ZeRO-3 has partitioned it (its own shape is then
     (0,): `ds_shape` keeps the real one)."""

@@ -139,7 +139,7 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
             "nor a Hugging Face model directory (no config.json)"
         )
     if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
-        parts = {n: [Part(n.removeprefix("hf."), s[0] if s else 1)] for n, s in shapes.items()}
+        parts = {n: Part(n.removeprefix("hf."), s[0] if s else 1) for n, s in shapes.items()}
     else:
         from transformers import AutoConfig
 

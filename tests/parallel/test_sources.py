@@ -38,11 +38,11 @@ def test_a_source_that_does_not_fit_names_the_tensors(tmp_path):
     _, params, layout, _ = export_gpt(CONFIGS["llama-gqa-untied"], tmp_path / "hf")
     source = HFSource(tmp_path / "hf", layout.parts)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    shapes["blocks.9.attn.qkv.weight"] = (64, 32)
+    shapes["blocks.9.attn.q.weight"] = (32, 32)
     shapes["tok_emb.weight"] = (100, 32)
     with pytest.raises(
         ConfigError,
-        match=r"missing \['blocks.9.attn.qkv.weight'\].*tok_emb.weight \[96, 32\] there, \[100, 32\]",
+        match=r"missing \['blocks.9.attn.q.weight'\].*tok_emb.weight \[96, 32\] there, \[100, 32\]",
     ):
         source.check_covers(shapes)
 

@@ -12,6 +12,8 @@ at any world size without a process ever holding the whole model:
   without a process group, so this holds one parameter at a time.
 - `HFSource`: a transformers directory (safetensors, sharded or not) through the name and layout
   mapping of model/hf_layout.py (GPT-2's q/k/v in one c_attn, transposed Conv1D weights), sliced.
+- `UnfusedSource`: a checkpoint from before the GPT split its fused qkv and SwiGLU layers
+  (model/fused.py), read under today's names.
 - `InitialValues`: a model's exact FP32 initial values, made one parameter at a time.
 """
 
@@ -28,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.fused import fused_rows, is_fused, unfused_shapes
 from bigtrain.model.hf_layout import Part, hf_rows
 from bigtrain.model.init import initial_value
 from bigtrain.parallel import zero_ckpt
@@ -365,6 +368,42 @@ class HFSource(Source):
         return rows.float().reshape(-1)[start - first * row : stop - first * row]
 
 
+class UnfusedSource(Source):
+    """A checkpoint from before the GPT split its fused layers, under today's names: each read of
+    `attn.q`, `attn.k`, `attn.v` (or SwiGLU's `mlp.gate`, `mlp.up`) is a read of its rows of the
+    fused `attn.qkv` (`mlp.up`), weights and moments alike (model/fused.py)."""
+
+    def __init__(self, fused: Source) -> None:
+        self.fused, self.origin, self.has_optimizer = fused, fused.origin, fused.has_optimizer
+        self.rows = fused_rows(fused.shapes)
+        self.shapes = unfused_shapes(fused.shapes)
+
+    def _fused(self, name: str, start: int) -> tuple[str, int]:
+        """The fused tensor holding `name`, and the element offset of `name`'s first row."""
+        if name not in self.rows:
+            return name, start
+        old, first_row, _ = self.rows[name]
+        return old, start + first_row * math.prod(self.shapes[name][1:])
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        old, at = self._fused(name, start)
+        return self.fused.read(old, key, at, at + stop - start)
+
+    def step(self, name: str) -> float:
+        return self.fused.step(self._fused(name, 0)[0])
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        return self.fused.buffer(name)
+
+    def extra_buffers(self) -> dict[str, torch.Tensor]:
+        return self.fused.extra_buffers()
+
+    def loss_scale(self) -> float | None:
+        return self.fused.loss_scale()
+
+
 def checkpoint_source(directory: Path, backend: str) -> Source:
-    """The source of a bigtrain checkpoint written by `backend` (its manifest's)."""
-    return {"local": LocalSource, "zero": ZeroSource, "fsdp": DCPSource}[backend](directory)
+    """The source of a bigtrain checkpoint written by `backend` (its manifest's), under today's
+    names also when it was written before the GPT's fused layers were split."""
+    source = {"local": LocalSource, "zero": ZeroSource, "fsdp": DCPSource}[backend](directory)
+    return UnfusedSource(source) if is_fused(source.shapes) else source

@@ -2,7 +2,8 @@
 `mlp.up`) keep loading: a resume continues the run bit for bit, init_from, convert and export
 read them under today's names. The old files are made from a new checkpoint by fusing its
 tensors back, weights and AdamW moments alike. Only the `local` layout is rewritten: the
-renaming wraps any backend's source (parallel/sources.py UnfusedSource) in the same way."""
+renaming wraps any backend's source (parallel/sources.py UnfusedSource) in the same way, and
+tests/parallel/test_sources.py reads a fused `fsdp` (DCP) checkpoint through it."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_meta_init_is_the_same_at_any_world_size_and_follows_the_init_rules(
     full = one["full"]
     assert torch.equal(full["blocks.0.norm1.weight"], torch.ones(64))
     # init_std 0.02; residual projections scaled by 1/sqrt(2 x 4 layers)
-    assert full["blocks.0.attn.qkv.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert full["blocks.0.attn.q.weight"].std().item() == pytest.approx(0.02, rel=0.05)
     assert full["blocks.1.mlp.down.weight"].std().item() == pytest.approx(
         0.02 / math.sqrt(8), rel=0.05
     )

@@ -39,14 +39,8 @@ def fused_rows(shapes: dict[str, Shape]) -> dict[str, tuple[str, int, int]]:
         _add(out, shapes, f"{block}.attn.qkv", f"{block}.attn", splits)
         up, down = shapes.get(f"{block}.mlp.up.weight"), shapes.get(f"{block}.mlp.down.weight")
         if up is not None and down is not None and up[0] == 2 * down[1]:
-            hidden = down[1]
-            _add(
-                out,
-                shapes,
-                f"{block}.mlp.up",
-                f"{block}.mlp",
-                [("gate", 0, hidden), ("up", hidden, hidden)],
-            )
+            gate_up = [("gate", 0, down[1]), ("up", down[1], down[1])]
+            _add(out, shapes, f"{block}.mlp.up", f"{block}.mlp", gate_up)
     return out
 
 

@@ -169,17 +169,17 @@ def activation_bytes_per_token(
     (autocast over FP32 weights), the compute dtype's size when the weights are cast (FSDP2, ZeRO).
     """
     h, f, kv, c, r = shape.d_model, shape.d_ff, shape.kv_width, compute_bytes, residual_bytes
-    up = 2 * f if shape.swiglu else f  # width of the up projection's output
+    up = 2 * f if shape.swiglu else f  # width of the up projection's output (SwiGLU: + gate's)
     mlp = (up + 2 * f) * c if shape.swiglu else 2 * f * c  # up out (+ silu out), down input
     # Norms compute in FP32: LayerNorm keeps its FP32 input, RMSNorm also its normalised value.
     # (Rotary positions keep nothing: only the constant tables.)
     norm = 8 * h if shape.rmsnorm else 4 * h
-    # two norms; qkv input, q/k/v, attention output (also proj's input: the transpose back of
+    # two norms; the q/k/v projections' input, q/k/v, attention output (also proj's input: the transpose back of
     # SDPA's output is a view), up input; the MLP
     full = 2 * norm + c * (h + (h + 2 * kv) + h + h) + mlp
     if fp32_softmax:
         full += shape.n_heads * shape.seq_len * (4 + c)
-    matmul_outputs = c * ((h + 2 * kv) + h + h + up + h)  # qkv, attention, proj, up, down
+    matmul_outputs = c * ((h + 2 * kv) + h + h + up + h)  # q/k/v, attention, proj, up, down
     if fp32_softmax:
         matmul_outputs += shape.n_heads * shape.seq_len * 4  # the FP32 scores
     kept = {"none": full, "block": r * h, "selective": r * h + matmul_outputs}[mode]

@@ -22,6 +22,7 @@ from typing import Any
 
 from bigtrain.config import Config, ModelConfig, config_changes
 from bigtrain.errors import ConfigError
+from bigtrain.model.fused import is_fused, unfused_shapes
 from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
 from bigtrain.parallel.sources import HFSource, checkpoint_source
 from bigtrain.store.checkpoint import (
@@ -74,7 +75,14 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
         "changes": changed,
         "identity_changed": changes,
         **restarts,
+        **_fused_note(manifest),
     }
+
+
+def _fused_note(manifest: dict[str, Any]) -> dict[str, Any]:
+    """For the event: the checkpoint holds the GPT's fused qkv (and SwiGLU up) tensors of before
+    the split, read under today's names."""
+    return {"fused_layout": True} if is_fused(manifest.get("shapes") or {}) else {}
 
 
 def _resume_target(
@@ -95,8 +103,12 @@ def _resume_target(
 
 
 def _check_shapes(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
-    """The same parameter shapes: nothing else can be loaded."""
-    reshaped = shape_changes(manifest.get("shapes"), trainer.context["shapes"])
+    """The same parameter shapes: nothing else can be loaded. A checkpoint from before the GPT
+    split its fused layers is compared under today's names (model/fused.py), as it loads."""
+    saved = manifest.get("shapes")
+    if saved is not None:
+        saved = {name: list(shape) for name, shape in unfused_shapes(saved).items()}
+    reshaped = shape_changes(saved, trainer.context["shapes"])
     if reshaped:
         shown = "; ".join(reshaped[:6])
         if len(reshaped) > 6:
@@ -120,7 +132,10 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
         _check_shapes(path, manifest, trainer)
         source = checkpoint_source(path, manifest["backend"])
         details.update(
-            source="checkpoint", backend=manifest["backend"], source_step=manifest["step"]
+            source="checkpoint",
+            backend=manifest["backend"],
+            source_step=manifest["step"],
+            **_fused_note(manifest),
         )
     else:
         source = hf_source(path, cfg.model, trainer.context["shapes"])
@@ -139,7 +154,7 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
             "nor a Hugging Face model directory (no config.json)"
         )
     if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
-        parts = {n: [Part(n.removeprefix("hf."), s[0] if s else 1)] for n, s in shapes.items()}
+        parts = {n: Part(n.removeprefix("hf."), s[0] if s else 1) for n, s in shapes.items()}
     else:
         from transformers import AutoConfig
 

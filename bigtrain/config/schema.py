@@ -161,7 +161,7 @@ class PrecisionConfig:
     """Compute the attention softmax in FP32 through the explicit attention path. None: auto
     (on for models of 7B parameters and more)."""
     fp32_modules: list[str] = field(default_factory=list)
-    """Module name patterns (fnmatch, e.g. `lm_head`, `*.attn.qkv`) kept entirely in FP32."""
+    """Module name patterns (fnmatch, e.g. `lm_head`, `*.attn.q`) kept entirely in FP32."""
     allow_tf32: bool = True
     """Allow TF32 for FP32 matmuls on CUDA (sm80+)."""
     adaptive_clip: bool | None = None

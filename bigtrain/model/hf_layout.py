@@ -1,7 +1,8 @@
 """The one mapping between bigtrain's tensors and a transformers model's: names, splits, layout.
 
-A `Layout` says which transformers (HF) tensors each bigtrain parameter is made of, so that the
-same table serves both directions: exporting bigtrain weights to a transformers directory
+A `Layout` says where each bigtrain parameter lies in a transformers (HF) tensor (the whole of
+one, or a row range of GPT-2's c_attn, which holds q, k and v), so that the same table serves both
+directions: exporting bigtrain weights to a transformers directory
 (`bigtrain.store.export`) and reading a transformers checkpoint into bigtrain's GPT. Two layouts
 exist for the built-in GPT (`layout_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
 (`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class by identity
@@ -11,7 +12,7 @@ exist for the built-in GPT (`layout_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,22 +30,28 @@ LLAMA_NEEDS = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
 
 @dataclass(frozen=True)
 class Part:
-    """One HF tensor that forms `rows` consecutive rows (dim 0) of a bigtrain tensor."""
+    """Where a bigtrain tensor lies in an HF tensor: `rows` consecutive rows from `offset`, in
+    bigtrain orientation (the columns of a transposed Conv1D weight)."""
 
     hf_name: str
     """The tensor's name in the transformers state dict (and in the safetensors files)."""
     rows: int
-    """Rows of the bigtrain tensor this part covers (the element count for 1-D tensors)."""
+    """Rows of the bigtrain tensor (the element count for 1-D tensors)."""
     transpose: bool = False
-    """The HF tensor is the transpose of the bigtrain piece (GPT-2's Conv1D stores (in, out))."""
+    """The HF tensor is the transpose of the bigtrain orientation (GPT-2's Conv1D stores
+    (in, out))."""
+    offset: int = 0
+    """Rows of the HF tensor before this part's: GPT-2's `c_attn` holds q, k and v at 0, d_model
+    and d_model + kv width; every other part covers its HF tensor whole."""
 
 
 @dataclass
 class Layout:
     """How a bigtrain model's tensors map onto a transformers model's.
 
-    For every bigtrain name: `tensor == torch.cat([hf[p.hf_name].T if p.transpose else
-    hf[p.hf_name] for p in parts[name]], dim=0)` (see `join`; `split` is the inverse)."""
+    For every bigtrain name, with `p = parts[name]` and `t = hf[p.hf_name].T if p.transpose else
+    hf[p.hf_name]`: `tensor == t[p.offset : p.offset + p.rows]` (see `join`; `split` is the
+    inverse). The bigtrain tensors of one HF tensor come one after another, in row order."""
 
     architecture: str
     """transformers class the weights are for, e.g. `GPT2LMHeadModel`, `LlamaForCausalLM`."""
@@ -53,46 +60,73 @@ class Layout:
     it back. Token ids (bos/eos/pad) are None here; the export fills them from the tokenizer."""
     shapes: dict[str, Shape]
     """Shape of each bigtrain tensor, by canonical name, in the order tensors are written."""
-    parts: dict[str, list[Part]]
-    """Bigtrain canonical name -> the HF tensors it is made of, in row order."""
+    parts: dict[str, Part]
+    """Bigtrain canonical name -> where it lies in an HF tensor."""
     extra: dict[str, Shape] = field(default_factory=dict)
     """HF tensors with no bigtrain counterpart, written as zeros (GPT-2's biases when
     model.bias=false); a reader ignores them."""
 
     def hf_shapes(self) -> dict[str, Shape]:
         """Every HF tensor written, with its shape, in the order `split` produces them."""
+        rows = hf_rows(self.parts)
         out: dict[str, Shape] = {}
         for name, shape in self.shapes.items():
-            for part in self.parts[name]:
-                piece = (part.rows, *shape[1:]) if shape else ()
-                out[part.hf_name] = piece[::-1] if part.transpose else piece
+            part = self.parts[name]
+            whole = (rows[part.hf_name], *shape[1:]) if shape else ()
+            out[part.hf_name] = whole[::-1] if part.transpose else whole
         out.update(self.extra)
         return out
 
-    def split(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """The HF tensors of bigtrain tensor `name`, each contiguous with its own storage
-        (safetensors refuses tensors that share memory)."""
-        if tuple(tensor.shape) != self.shapes[name]:
-            raise ConfigError(
-                f"tensor '{name}' was read with shape {tuple(tensor.shape)}, the layout was made "
-                f"for {self.shapes[name]}"
-            )
-        parts = self.parts[name]
-        if len(parts) == 1 and not parts[0].transpose:  # also 0-d tensors, which cannot split
-            yield parts[0].hf_name, tensor.clone(memory_format=torch.contiguous_format)
-            return
-        pieces = tensor.split([p.rows for p in parts], dim=0)
-        for part, piece in zip(parts, pieces, strict=True):
-            piece = piece.T if part.transpose else piece
-            yield part.hf_name, piece.clone(memory_format=torch.contiguous_format)
+    def split(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The HF tensors made of bigtrain tensors `(name, tensor)`, given in `shapes` order (one
+        at a time: an iterator streams), each contiguous with its own storage (safetensors
+        refuses tensors that share memory). An HF tensor of several bigtrain tensors (GPT-2's
+        c_attn) is assembled and comes once its last part is given; `extra` is not produced."""
+        rows = hf_rows(self.parts)
+        assembling: tuple[str, torch.Tensor, int] | None = None  # (HF name, tensor, rows filled)
+        for name, tensor in tensors:
+            if tuple(tensor.shape) != self.shapes[name]:
+                raise ConfigError(
+                    f"tensor '{name}' was read with shape {tuple(tensor.shape)}, the layout was "
+                    f"made for {self.shapes[name]}"
+                )
+            part = self.parts[name]
+            if part.rows == rows[part.hf_name]:  # the whole HF tensor (also 0-d ones)
+                piece = tensor.T if part.transpose else tensor
+                yield part.hf_name, piece.clone(memory_format=torch.contiguous_format)
+                continue
+            if assembling is None:
+                whole = torch.empty((rows[part.hf_name], *tensor.shape[1:]), dtype=tensor.dtype)
+                assembling = (part.hf_name, whole, 0)
+            hf_name, whole, filled = assembling
+            assert (hf_name, filled) == (part.hf_name, part.offset), "parts come in row order"
+            whole[filled : filled + part.rows] = tensor
+            assembling = (hf_name, whole, filled + part.rows)
+            if filled + part.rows == rows[hf_name]:
+                yield hf_name, (whole.T if part.transpose else whole).contiguous()
+                assembling = None
+        assert assembling is None, f"'{assembling and assembling[0]}' lacks its last rows"
 
     def join(self, name: str, read_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """Bigtrain tensor `name` rebuilt from HF tensors (`read_hf(hf_name)`)."""
-        pieces = []
-        for part in self.parts[name]:
-            t = read_hf(part.hf_name)
-            pieces.append(t.T if part.transpose else t)
-        return torch.cat(pieces, dim=0)
+        """Bigtrain tensor `name` rebuilt from its HF tensor (`read_hf(hf_name)`)."""
+        part = self.parts[name]
+        t = read_hf(part.hf_name)
+        t = t.T if part.transpose else t
+        if t.dim():  # 0-d tensors are whole
+            t = t[part.offset : part.offset + part.rows]
+        return t.clone(memory_format=torch.contiguous_format)
+
+
+def hf_rows(parts: dict[str, Part]) -> dict[str, int]:
+    """Rows of each HF tensor (in bigtrain orientation): the parts in it, which tile it in
+    order."""
+    rows: dict[str, int] = {}
+    for part in parts.values():
+        assert rows.get(part.hf_name, 0) == part.offset, f"parts of '{part.hf_name}' tile it"
+        rows[part.hf_name] = part.offset + part.rows
+    return rows
 
 
 def layout_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> Layout:
@@ -143,7 +177,7 @@ def _no_layout_message(cfg: ModelConfig) -> str:
     )
 
 
-def _check_covers(parts: dict[str, list[Part]], shapes: dict[str, Shape]) -> None:
+def _check_covers(parts: dict[str, Part], shapes: dict[str, Shape]) -> None:
     """Every given tensor is mapped, every mapped tensor is given, and the rows add up."""
     missing = [n for n in parts if n not in shapes]
     unexpected = [n for n in shapes if n not in parts]
@@ -153,7 +187,7 @@ def _check_covers(parts: dict[str, list[Part]], shapes: dict[str, Shape]) -> Non
             f"unexpected {unexpected[:5]}"
         )
     for name, shape in shapes.items():
-        rows = sum(p.rows for p in parts[name])
+        rows = parts[name].rows
         if rows != shape[0]:
             raise ConfigError(
                 f"tensor '{name}' has shape {shape}, the model config gives {rows} rows: the "
@@ -167,39 +201,42 @@ def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
     return head_dim, (cfg.n_kv_heads or cfg.n_heads) * head_dim, cfg.d_ff or default_d_ff(cfg)
 
 
-def _gpt2_parts(
-    cfg: ModelConfig, vocab_size: int
-) -> tuple[dict[str, list[Part]], dict[str, Shape]]:
+def _gpt2_parts(cfg: ModelConfig, vocab_size: int) -> tuple[dict[str, Part], dict[str, Shape]]:
     d, (_, kv_width, hidden) = cfg.d_model, _widths(cfg)
-    parts: dict[str, list[Part]] = {
-        "tok_emb.weight": [Part("transformer.wte.weight", vocab_size)],
-        "pos_emb.weight": [Part("transformer.wpe.weight", cfg.seq_len)],
+    parts: dict[str, Part] = {
+        "tok_emb.weight": Part("transformer.wte.weight", vocab_size),
+        "pos_emb.weight": Part("transformer.wpe.weight", cfg.seq_len),
     }
     extra: dict[str, Shape] = {}
-    # (bigtrain module, HF module, output rows, Conv1D); GPT-2's Conv1D weights are (in, out).
+    # (HF module, its bigtrain modules with their rows, Conv1D); GPT-2's Conv1D weights are
+    # (in, out), and its c_attn holds q, k and v as columns [q | k | v].
     modules = []
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}", f"transformer.h.{i}"
+        qkv = [(f"{b}.attn.q", d), (f"{b}.attn.k", kv_width), (f"{b}.attn.v", kv_width)]
         modules += [
-            (f"{b}.norm1", f"{h}.ln_1", d, False),
-            (f"{b}.attn.qkv", f"{h}.attn.c_attn", d + 2 * kv_width, True),
-            (f"{b}.attn.proj", f"{h}.attn.c_proj", d, True),
-            (f"{b}.norm2", f"{h}.ln_2", d, False),
-            (f"{b}.mlp.up", f"{h}.mlp.c_fc", hidden, True),
-            (f"{b}.mlp.down", f"{h}.mlp.c_proj", d, True),
+            (f"{h}.ln_1", [(f"{b}.norm1", d)], False),
+            (f"{h}.attn.c_attn", qkv, True),
+            (f"{h}.attn.c_proj", [(f"{b}.attn.proj", d)], True),
+            (f"{h}.ln_2", [(f"{b}.norm2", d)], False),
+            (f"{h}.mlp.c_fc", [(f"{b}.mlp.up", hidden)], True),
+            (f"{h}.mlp.c_proj", [(f"{b}.mlp.down", d)], True),
         ]
-    modules.append(("norm_f", "transformer.ln_f", d, False))
-    for ours, theirs, rows, conv in modules:
-        parts[f"{ours}.weight"] = [Part(f"{theirs}.weight", rows, transpose=conv)]
-        if cfg.bias:
-            parts[f"{ours}.bias"] = [Part(f"{theirs}.bias", rows)]
-        else:
+    modules.append(("transformer.ln_f", [("norm_f", d)], False))
+    for theirs, ours, conv in modules:
+        params = [("weight", conv), ("bias", False)] if cfg.bias else [("weight", conv)]
+        for param, transpose in params:  # each HF tensor's parts one after another
+            offset = 0
+            for module, rows in ours:
+                parts[f"{module}.{param}"] = Part(f"{theirs}.{param}", rows, transpose, offset)
+                offset += rows
+        if not cfg.bias:
             # GPT-2 always has biases (no config switch). Zeros compute what no bias does;
             # left out, transformers reports them MISSING ("newly initialized") on every load
             # (it happens to zero them) and stricter readers refuse the checkpoint.
-            extra[f"{theirs}.bias"] = (rows,)
+            extra[f"{theirs}.bias"] = (offset,)
     if not cfg.tie_embeddings:
-        parts["lm_head.weight"] = [Part("lm_head.weight", vocab_size)]
+        parts["lm_head.weight"] = Part("lm_head.weight", vocab_size)
     return parts, extra
 
 
@@ -228,33 +265,26 @@ def _gpt2_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     ).to_dict()
 
 
-def _llama_parts(cfg: ModelConfig, vocab_size: int) -> dict[str, list[Part]]:
+def _llama_parts(cfg: ModelConfig, vocab_size: int) -> dict[str, Part]:
     d, (_, kv_width, hidden) = cfg.d_model, _widths(cfg)
-    parts: dict[str, list[Part]] = {
-        "tok_emb.weight": [Part("model.embed_tokens.weight", vocab_size)]
-    }
+    parts: dict[str, Part] = {"tok_emb.weight": Part("model.embed_tokens.weight", vocab_size)}
     params = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}", f"model.layers.{i}"
-        parts[f"{b}.norm1.weight"] = [Part(f"{h}.input_layernorm.weight", d)]
+        parts[f"{b}.norm1.weight"] = Part(f"{h}.input_layernorm.weight", d)
         for p in params:
-            # fused qkv rows are [q ; k ; v]; SwiGLU's up rows are [gate ; value]
-            parts[f"{b}.attn.qkv.{p}"] = [
-                Part(f"{h}.self_attn.q_proj.{p}", d),
-                Part(f"{h}.self_attn.k_proj.{p}", kv_width),
-                Part(f"{h}.self_attn.v_proj.{p}", kv_width),
-            ]
-            parts[f"{b}.attn.proj.{p}"] = [Part(f"{h}.self_attn.o_proj.{p}", d)]
-        parts[f"{b}.norm2.weight"] = [Part(f"{h}.post_attention_layernorm.weight", d)]
+            parts[f"{b}.attn.q.{p}"] = Part(f"{h}.self_attn.q_proj.{p}", d)
+            parts[f"{b}.attn.k.{p}"] = Part(f"{h}.self_attn.k_proj.{p}", kv_width)
+            parts[f"{b}.attn.v.{p}"] = Part(f"{h}.self_attn.v_proj.{p}", kv_width)
+            parts[f"{b}.attn.proj.{p}"] = Part(f"{h}.self_attn.o_proj.{p}", d)
+        parts[f"{b}.norm2.weight"] = Part(f"{h}.post_attention_layernorm.weight", d)
         for p in params:
-            parts[f"{b}.mlp.up.{p}"] = [
-                Part(f"{h}.mlp.gate_proj.{p}", hidden),
-                Part(f"{h}.mlp.up_proj.{p}", hidden),
-            ]
-            parts[f"{b}.mlp.down.{p}"] = [Part(f"{h}.mlp.down_proj.{p}", d)]
-    parts["norm_f.weight"] = [Part("model.norm.weight", d)]
+            parts[f"{b}.mlp.gate.{p}"] = Part(f"{h}.mlp.gate_proj.{p}", hidden)
+            parts[f"{b}.mlp.up.{p}"] = Part(f"{h}.mlp.up_proj.{p}", hidden)
+            parts[f"{b}.mlp.down.{p}"] = Part(f"{h}.mlp.down_proj.{p}", d)
+    parts["norm_f.weight"] = Part("model.norm.weight", d)
     if not cfg.tie_embeddings:
-        parts["lm_head.weight"] = [Part("lm_head.weight", vocab_size)]
+        parts["lm_head.weight"] = Part("lm_head.weight", vocab_size)
     return parts
 
 
@@ -319,7 +349,7 @@ def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
         architecture,
         config,
         {f"hf.{n}": s for n, s in names.items()},
-        {f"hf.{n}": [Part(n, s[0] if s else 1)] for n, s in names.items()},
+        {f"hf.{n}": Part(n, s[0] if s else 1) for n, s in names.items()},
     )
 
 

@@ -152,7 +152,7 @@ _BLOCK = re.compile(r"^(.*?\b(?:blocks|layers|h)\.\d+)\.")
 
 
 def layer_of(name: str) -> str:
-    """The layer a parameter belongs to: `blocks.3` for `blocks.3.attn.qkv.weight`, else the
+    """The layer a parameter belongs to: `blocks.3` for `blocks.3.attn.q.weight`, else the
     first name component (`tok_emb`, `norm_f`, `lm_head`)."""
     match = _BLOCK.match(name)
     return match.group(1) if match else name.split(".")[0]

@@ -11,7 +11,9 @@ at any world size without a process ever holding the whole model:
 - `DCPSource`: an `fsdp` checkpoint (torch.distributed.checkpoint); DCP reads whole tensors
   without a process group, so this holds one parameter at a time.
 - `HFSource`: a transformers directory (safetensors, sharded or not) through the name and layout
-  mapping of model/hf_layout.py (split q/k/v, transposed Conv1D weights), sliced.
+  mapping of model/hf_layout.py (GPT-2's q/k/v in one c_attn, transposed Conv1D weights), sliced.
+- `UnfusedSource`: a checkpoint from before the GPT split its fused qkv and SwiGLU layers
+  (model/fused.py), read under today's names.
 - `InitialValues`: a model's exact FP32 initial values, made one parameter at a time.
 """
 
@@ -28,6 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.fused import fused_rows, is_fused, unfused_shapes
+from bigtrain.model.hf_layout import Part, hf_rows
 from bigtrain.model.init import initial_value
 from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import MOMENTS
@@ -288,19 +292,20 @@ class DCPSource(Source):
 class HFSource(Source):
     """A transformers model directory, read through a layout's parts (model/hf_layout.py)."""
 
-    def __init__(self, directory: Path, parts: dict[str, list]) -> None:
+    def __init__(self, directory: Path, parts: dict[str, Part]) -> None:
         self.origin = f"Hugging Face directory '{directory}'"
         self._handles: dict[Path, Any] = {}
         self.files = self._weight_files(directory)
+        rows = hf_rows(parts)
         self.parts, self.shapes = {}, {}
-        for name, plist in parts.items():
+        for name, part in parts.items():
             # Hub directories of some models (GPT-2) drop the base model's prefix
             # (`transformer.`), which transformers adds back on load: accept both spellings.
-            plist = [dataclasses.replace(p, hf_name=self._spelling(p.hf_name)) for p in plist]
-            if any(p.hf_name not in self.files for p in plist):
+            part = dataclasses.replace(part, hf_name=self._spelling(part.hf_name))
+            if part.hf_name not in self.files:
                 continue  # reported by check_covers when this model needs the tensor
-            self.parts[name] = plist
-            self.shapes[name] = self._shape(plist)
+            self.parts[name] = part
+            self.shapes[name] = self._shape(part, rows[parts[name].hf_name])
 
     def _weight_files(self, directory: Path) -> dict[str, Path]:
         """Tensor name -> the safetensors file that holds it."""
@@ -339,38 +344,66 @@ class HFSource(Source):
         bare = hf_name.split(".", 1)[1]
         return bare if bare in self.files else hf_name
 
-    def _shape(self, parts) -> tuple[int, ...]:
-        """The bigtrain tensor's shape as the files give it; a part whose row count is not the
-        layout's (another model config) gives -1 rows, so check_covers names the tensor."""
-        shapes = [tuple(self._handle(p.hf_name).get_slice(p.hf_name).get_shape()) for p in parts]
-        shapes = [s[::-1] if p.transpose else s for p, s in zip(parts, shapes, strict=True)]
-        if any((s[0] if s else 1) != p.rows for p, s in zip(parts, shapes, strict=True)):
-            return (-1, *shapes[0][1:])
-        if not shapes[0]:
-            return ()
-        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    def _shape(self, part: Part, whole_rows: int) -> tuple[int, ...]:
+        """The bigtrain tensor's shape as the file gives it; an HF tensor whose row count is not
+        the layout's (another model config) gives -1 rows, so check_covers names the tensor."""
+        shape = tuple(self._handle(part.hf_name).get_slice(part.hf_name).get_shape())
+        shape = shape[::-1] if part.transpose else shape
+        if (shape[0] if shape else 1) != whole_rows:
+            return (-1, *shape[1:])
+        return (part.rows, *shape[1:]) if shape else ()
 
     def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
         assert key == "param", "a Hugging Face directory holds no optimizer state"
         if start == stop:  # an empty shard (fewer rows than ranks)
             return torch.empty(0)
-        shape = self.shapes[name]
+        shape, part = self.shapes[name], self.parts[name]
+        if not shape:
+            return self._handle(part.hf_name).get_tensor(part.hf_name).float().reshape(-1)
+        piece = self._handle(part.hf_name).get_slice(part.hf_name)
         row = math.prod(shape[1:])
         first, last = start // row, -(-stop // row)
-        pieces, at = [], 0
-        for part in self.parts[name]:
-            lo, hi = max(first, at), min(last, at + part.rows)
-            if lo < hi:
-                piece = self._handle(part.hf_name).get_slice(part.hf_name)
-                if part.transpose:  # a Conv1D weight (in, out): our rows are its columns
-                    pieces.append(piece[:, lo - at : hi - at].t())
-                else:
-                    pieces.append(piece[lo - at : hi - at])
-            at += part.rows
-        rows = torch.cat([p.float().reshape(-1) for p in pieces])
-        return rows[start - first * row : stop - first * row]
+        lo, hi = part.offset + first, part.offset + last  # rows of the HF tensor
+        rows = piece[:, lo:hi].t() if part.transpose else piece[lo:hi]  # Conv1D: (in, out)
+        return rows.float().reshape(-1)[start - first * row : stop - first * row]
+
+
+class UnfusedSource(Source):
+    """A checkpoint from before the GPT split its fused layers, under today's names: each read of
+    `attn.q`, `attn.k`, `attn.v` (or SwiGLU's `mlp.gate`, `mlp.up`) is a read of its rows of the
+    fused `attn.qkv` (`mlp.up`), weights and moments alike (model/fused.py)."""
+
+    def __init__(self, fused: Source) -> None:
+        self.fused, self.origin, self.has_optimizer = fused, fused.origin, fused.has_optimizer
+        self.rows = fused_rows(fused.shapes)
+        self.shapes = unfused_shapes(fused.shapes)
+
+    def _fused(self, name: str, start: int) -> tuple[str, int]:
+        """The fused tensor holding `name`, and the element offset of `name`'s first row."""
+        if name not in self.rows:
+            return name, start
+        old, first_row, _ = self.rows[name]
+        return old, start + first_row * math.prod(self.shapes[name][1:])
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        old, at = self._fused(name, start)
+        return self.fused.read(old, key, at, at + stop - start)
+
+    def step(self, name: str) -> float:
+        return self.fused.step(self._fused(name, 0)[0])
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        return self.fused.buffer(name)
+
+    def extra_buffers(self) -> dict[str, torch.Tensor]:
+        return self.fused.extra_buffers()
+
+    def loss_scale(self) -> float | None:
+        return self.fused.loss_scale()
 
 
 def checkpoint_source(directory: Path, backend: str) -> Source:
-    """The source of a bigtrain checkpoint written by `backend` (its manifest's)."""
-    return {"local": LocalSource, "zero": ZeroSource, "fsdp": DCPSource}[backend](directory)
+    """The source of a bigtrain checkpoint written by `backend` (its manifest's), under today's
+    names also when it was written before the GPT's fused layers were split."""
+    source = {"local": LocalSource, "zero": ZeroSource, "fsdp": DCPSource}[backend](directory)
+    return UnfusedSource(source) if is_fused(source.shapes) else source

@@ -19,6 +19,7 @@ import torch
 
 from bigtrain.config import load_saved_config
 from bigtrain.errors import ConfigError
+from bigtrain.model.fused import unfused_shapes
 from bigtrain.parallel.backend import MOMENTS
 from bigtrain.parallel.sources import Source, checkpoint_source, write_local_layout
 from bigtrain.store.checkpoint import hash_files, verify, write_manifest
@@ -54,13 +55,14 @@ def convert_to_local(path: Path, out: Path) -> dict:
     if (path / "tokenizer").is_dir():
         shutil.copytree(path / "tokenizer", tmp / "tokenizer")
         names += [f"tokenizer/{f.name}" for f in sorted((tmp / "tokenizer").iterdir())]
+    shapes = manifest.get("shapes")
     converted = {
         "step": manifest["step"],
         "backend": "local",
         "world_size": 1,
         "data": manifest["data"],
         "identity": manifest["identity"],
-        "shapes": manifest.get("shapes"),
+        "shapes": unfused_shapes(shapes) if shapes is not None else None,  # as written
         "converted_from": {"backend": manifest["backend"], "world_size": manifest["world_size"]},
     }
     write_manifest(tmp, converted, hash_files(tmp, names))

@@ -3,7 +3,8 @@
 The directory holds what `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer` read:
 config.json, generation_config.json, model.safetensors (or shards model-0000i-of-0000n.safetensors
 and model.safetensors.index.json) and the tokenizer's files. Weights are FP32. Tensors are read
-one at a time and written shard by shard, so memory holds at most one shard plus one tensor.
+one at a time and written shard by shard, so memory holds at most one shard plus one tensor (plus
+the HF tensor it is a part of: GPT-2's c_attn holds q, k and v).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def export_hf(
     non-empty one is refused: never overwrite a user's files).
 
     `read(name)` returns the full FP32 tensor of bigtrain canonical name `name`; it is called
-    once per tensor, in `layout.shapes` order. `tokenizer_dir`: a transformers tokenizer directory
+    once per tensor, in `layout.shapes` order, once the shards before its HF tensor's are
+    written. `tokenizer_dir`: a transformers tokenizer directory
     (or hub name) whose files are copied and whose bos/eos/pad ids go into config.json and
     generation_config.json. `max_shard_bytes`: the largest safetensors file (a tensor larger than
     that gets a shard of its own). `generation`: more generation_config.json fields (e.g.
@@ -131,11 +133,9 @@ def _hf_tensors(
     layout: Layout, read: Callable[[str], torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, FP32 CPU tensor) in `layout.hf_shapes()` order, one bigtrain tensor read at a
-    time."""
-    for name in layout.shapes:
-        tensor = read(name).detach().to("cpu", torch.float32)
-        yield from layout.split(name, tensor)
-        del tensor
+    time (the few of one HF tensor, GPT-2's q, k and v, before it is written)."""
+    read_in_order = ((name, read(name).detach().to("cpu", torch.float32)) for name in layout.shapes)
+    yield from layout.split(read_in_order)
     for hf_name, shape in layout.extra.items():
         yield hf_name, torch.zeros(shape, dtype=torch.float32)
 

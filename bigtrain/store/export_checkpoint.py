@@ -23,6 +23,7 @@ from bigtrain.config import Config, load_saved_config
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import architecture_only, build_model
+from bigtrain.model.fused import unfused_shapes
 from bigtrain.model.hf_layout import Layout, layout_for, layout_for_hf
 from bigtrain.parallel.sources import Source, checkpoint_source
 from bigtrain.store.checkpoint import verify
@@ -40,7 +41,7 @@ def export_checkpoint(
     source = checkpoint_source(path, manifest["backend"])
     cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
     tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else None
-    shapes = {k: tuple(v) for k, v in (manifest.get("shapes") or source.shapes).items()}
+    shapes = unfused_shapes(manifest.get("shapes") or source.shapes)  # as the source reads
     vocab_size = vocab_size_of(cfg, shapes, tokenizer_dir)
     layout = checkpoint_layout(cfg, shapes, vocab_size)
     files = export_hf(layout, source.full, out_dir, tokenizer_dir, max_shard_bytes)

@@ -30,9 +30,8 @@ def test_split_and_join_are_inverse(cfg):
     params = dict(GPT(cfg).named_parameters())
     layout = layout_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
     assert list(layout.shapes) == list(layout.parts)  # read and written in one order
-    hf = {}
-    for name, param in params.items():
-        hf.update(layout.split(name, param.detach()))
+    hf = dict(layout.split((name, params[name].detach()) for name in layout.shapes))
+    assert list(hf) == [n for n in layout.hf_shapes() if n not in layout.extra]  # in order
     assert {n: tuple(t.shape) for n, t in hf.items()} == {
         n: s for n, s in layout.hf_shapes().items() if n not in layout.extra
     }
@@ -40,28 +39,45 @@ def test_split_and_join_are_inverse(cfg):
         assert torch.equal(layout.join(name, hf.__getitem__), param)
 
 
-def test_llama_splits_fused_qkv_and_gate_value():
+def test_llama_maps_each_projection_to_its_own_tensor():
     layout = layout_for(LLAMA, shapes_of(LLAMA))
-    qkv = layout.parts["blocks.0.attn.qkv.weight"]
-    assert [(p.hf_name.rsplit(".", 2)[1], p.rows) for p in qkv] == [
-        ("q_proj", 32),
-        ("k_proj", 16),  # 2 key/value heads of 8
-        ("v_proj", 16),
+    assert [(n, p.hf_name, p.rows) for n, p in layout.parts.items() if ".0.attn." in n] == [
+        ("blocks.0.attn.q.weight", "model.layers.0.self_attn.q_proj.weight", 32),
+        ("blocks.0.attn.k.weight", "model.layers.0.self_attn.k_proj.weight", 16),  # 2 heads of 8
+        ("blocks.0.attn.v.weight", "model.layers.0.self_attn.v_proj.weight", 16),
+        ("blocks.0.attn.proj.weight", "model.layers.0.self_attn.o_proj.weight", 32),
     ]
-    up = layout.parts["blocks.0.mlp.up.weight"]
-    assert [p.hf_name for p in up] == [
-        "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.0.mlp.up_proj.weight",
-    ]
+    assert layout.parts["blocks.0.mlp.gate.weight"].hf_name == "model.layers.0.mlp.gate_proj.weight"
+    assert layout.parts["blocks.0.mlp.up.weight"].hf_name == "model.layers.0.mlp.up_proj.weight"
+    assert all(p.offset == 0 and not p.transpose for p in layout.parts.values())
     assert "lm_head.weight" not in layout.parts  # tied: the embedding is written once
+
+
+def test_gpt2_c_attn_holds_q_k_v_as_column_ranges():
+    layout = layout_for(GPT2, shapes_of(GPT2))
+    rows = [
+        (n.rsplit(".", 2)[1], p.offset, p.rows, p.transpose)
+        for n, p in layout.parts.items()
+        if p.hf_name == "transformer.h.1.attn.c_attn.weight"
+    ]
+    assert rows == [("q", 0, 32, True), ("k", 32, 32, True), ("v", 64, 32, True)]
+    assert layout.hf_shapes()["transformer.h.1.attn.c_attn.weight"] == (32, 96)  # (in, out)
+    assert layout.hf_shapes()["transformer.h.1.attn.c_attn.bias"] == (96,)
+    assert layout.parts["blocks.1.attn.v.bias"].offset == 64
+    torch.manual_seed(0)
+    q, k, v = torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32)
+    names = [f"blocks.1.attn.{x}.weight" for x in "qkv"]
+    ((hf_name, c_attn),) = layout.split(zip(names, (q, k, v), strict=True))
+    assert hf_name == "transformer.h.1.attn.c_attn.weight"
+    assert torch.equal(c_attn, torch.cat([q, k, v]).T)  # Conv1D's columns are [q | k | v]
 
 
 def test_gpt2_conv1d_weights_are_transposed_and_missing_biases_are_zeros():
     cfg = dataclasses.replace(GPT2, bias=False)
     layout = layout_for(cfg, shapes_of(cfg))
-    assert layout.parts["blocks.1.mlp.up.weight"][0].transpose
+    assert layout.parts["blocks.1.mlp.up.weight"].transpose
     assert layout.hf_shapes()["transformer.h.1.mlp.c_fc.weight"] == (32, 128)  # (in, out)
-    assert not layout.parts["blocks.1.norm1.weight"][0].transpose
+    assert not layout.parts["blocks.1.norm1.weight"].transpose
     assert layout.extra["transformer.h.1.attn.c_attn.bias"] == (96,)
     assert len(layout.extra) == 2 * 6 + 1  # six per block and ln_f
 
@@ -102,7 +118,7 @@ def test_unmappable_config_names_the_keys_and_both_layouts():
 
 def test_tensors_of_another_model_config_are_refused():
     shapes = shapes_of(LLAMA)
-    with pytest.raises(ConfigError, match="blocks.0.mlp.up.weight"):
+    with pytest.raises(ConfigError, match="blocks.0.mlp.gate.weight"):
         layout_for(dataclasses.replace(LLAMA, d_ff=64), shapes)
     learned = dataclasses.replace(LLAMA, position="learned", norm="layernorm", mlp="gelu")
     with pytest.raises(ConfigError, match="missing \\['pos_emb.weight'\\]"):
@@ -110,4 +126,4 @@ def test_tensors_of_another_model_config_are_refused():
     with pytest.raises(
         ConfigError, match="read with shape \\(96, 16\\), the layout was made for \\(96, 32\\)"
     ):
-        next(layout_for(LLAMA, shapes).split("tok_emb.weight", torch.zeros(96, 16)))
+        next(layout_for(LLAMA, shapes).split([("tok_emb.weight", torch.zeros(96, 16))]))

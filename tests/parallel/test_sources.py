@@ -38,11 +38,11 @@ def test_a_source_that_does_not_fit_names_the_tensors(tmp_path):
     _, params, layout, _ = export_gpt(CONFIGS["llama-gqa-untied"], tmp_path / "hf")
     source = HFSource(tmp_path / "hf", layout.parts)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    shapes["blocks.9.attn.qkv.weight"] = (64, 32)
+    shapes["blocks.9.attn.q.weight"] = (32, 32)
     shapes["tok_emb.weight"] = (100, 32)
     with pytest.raises(
         ConfigError,
-        match=r"missing \['blocks.9.attn.qkv.weight'\].*tok_emb.weight \[96, 32\] there, \[100, 32\]",
+        match=r"missing \['blocks.9.attn.q.weight'\].*tok_emb.weight \[96, 32\] there, \[100, 32\]",
     ):
         source.check_covers(shapes)
 
@@ -121,3 +121,35 @@ def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
         ConfigError, match=r"tie_word_embeddings True there, False here \(model.tie_embeddings\)"
     ):
         check_hf_config(layout, tied, "dir")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group says so
+def test_a_fused_fsdp_checkpoint_reads_under_todays_names(tmp_path):
+    """An `fsdp` (DCP) checkpoint of before the q/k/v split: the wrapper maps each read to the
+    fused tensor's rows, moments and step counts included (as for `local`, tests/store)."""
+    import torch.distributed.checkpoint as dcp
+
+    from bigtrain.parallel.sources import UnfusedSource, checkpoint_source
+
+    qkv, up = torch.arange(64 * 32.0).view(64, 32), torch.randn(96, 32)  # GQA: k, v of 16 rows
+    state = {
+        "model.blocks.0.attn.qkv.weight": qkv,
+        "optim.state.blocks.0.attn.qkv.weight.exp_avg": qkv * 2,
+        "optim.state.blocks.0.attn.qkv.weight.step": torch.tensor(5.0),
+        "model.blocks.0.mlp.up.weight": up,  # SwiGLU: [gate; up], twice down's input width
+        "model.blocks.0.mlp.down.weight": torch.zeros(32, 48),
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    source = checkpoint_source(tmp_path, "fsdp")
+    assert isinstance(source, UnfusedSource)
+    assert source.shapes["blocks.0.attn.k.weight"] == (16, 32)
+    assert torch.equal(source.full("blocks.0.attn.v.weight"), qkv[48:])
+    assert torch.equal(source.full("blocks.0.attn.k.weight", "exp_avg"), 2 * qkv[32:48])
+    assert torch.equal(
+        source.read("blocks.0.attn.k.weight", "param", 5, 40), qkv[32:48].reshape(-1)[5:40]
+    )
+    assert (
+        source.step("blocks.0.attn.q.weight") == 5.0 and source.step("blocks.0.mlp.up.weight") == 0
+    )
+    assert torch.equal(source.full("blocks.0.mlp.gate.weight"), up[:48])
+    assert torch.equal(source.full("blocks.0.mlp.up.weight"), up[48:])

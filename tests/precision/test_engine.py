@@ -79,12 +79,13 @@ def test_fp32_modules_run_in_fp32(tmp_path, corpus_files, cache_dir, backend, wo
     args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
         f"parallel.backend={backend}",
         "precision.compute_dtype=bf16",
-        "precision.fp32_modules=[lm_head,'*.attn.qkv']",
+        "precision.fp32_modules=[lm_head,'*.attn.q']",
         "train.eval_every=0",
     ]
     for seen in run_distributed(islands_dtypes, world, args):
         assert seen["lm_head"] == ["torch.float32"]
-        assert seen["blocks.0.attn.qkv"] == seen["blocks.1.attn.qkv"] == ["torch.float32"]
+        assert seen["blocks.0.attn.q"] == seen["blocks.1.attn.q"] == ["torch.float32"]
+        assert seen["blocks.0.attn.k"] == ["torch.bfloat16"]  # *.attn.q selects q alone
         assert seen["blocks.0.mlp.up"] == ["torch.bfloat16"]
 
 

@@ -107,11 +107,12 @@ def test_small_shards_get_an_index_that_transformers_loads(tmp_path):
     assert check_export(model, tmp_path / "out", VOCAB, LLAMA.seq_len)["ok"]
 
 
-def test_weights_stream_shard_by_shard(tmp_path):
-    """Each tensor is read only once the shards before its own are on disk: memory holds one
-    shard plus one tensor, not the model."""
-    params = {n: p for n, p in GPT(LLAMA).named_parameters()}
-    layout = layout_for(LLAMA, {n: tuple(p.shape) for n, p in params.items()})
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_weights_stream_shard_by_shard(tmp_path, cfg):
+    """Each tensor is read only once the shards before its own HF tensor's are on disk: memory
+    holds one shard plus one tensor (GPT-2: q, k, v and their c_attn), not the model."""
+    params = {n: p for n, p in GPT(cfg).named_parameters()}
+    layout = layout_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
     shards = plan_shards(layout.hf_shapes(), 20_000)
     shard_of = {hf: i for i, names in enumerate(shards) for hf in names}
     on_disk = []
@@ -119,7 +120,7 @@ def test_weights_stream_shard_by_shard(tmp_path):
     def read(name: str) -> torch.Tensor:
         written = [f for d in tmp_path.glob(".out.tmp-export-*") for f in d.glob("*.safetensors")]
         on_disk.append(len(written))
-        assert len(written) == shard_of[layout.parts[name][0].hf_name]
+        assert len(written) == shard_of[layout.parts[name].hf_name], name
         return params[name]
 
     export_hf(layout, read, tmp_path / "out", None, max_shard_bytes=20_000)
@@ -131,11 +132,9 @@ def test_a_wrong_layout_fails_the_check(tmp_path):
     model = GPT(LLAMA)
     params = trained_like(model)
     layout = layout_for(LLAMA, {n: tuple(p.shape) for n, p in params.items()})
-    gate, up = layout.parts["blocks.1.mlp.up.weight"]  # write SwiGLU's gate as its value
-    layout.parts["blocks.1.mlp.up.weight"] = [
-        Part(up.hf_name, up.rows),
-        Part(gate.hf_name, gate.rows),
-    ]
+    gate, up = layout.parts["blocks.1.mlp.gate.weight"], layout.parts["blocks.1.mlp.up.weight"]
+    layout.parts["blocks.1.mlp.gate.weight"] = Part(up.hf_name, up.rows)  # gate as the value
+    layout.parts["blocks.1.mlp.up.weight"] = Part(gate.hf_name, gate.rows)
     export_hf(layout, params.__getitem__, tmp_path / "out", None)
     result = check_export(model, tmp_path / "out", VOCAB, LLAMA.seq_len)
     assert not result["ok"] and result["max_rel_diff"] > 1e-2
@@ -157,7 +156,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path):
     layout = layout_for(GPT2, {n: tuple(p.shape) for n, p in params.items()})
 
     def read(name: str) -> torch.Tensor:
-        if name == "blocks.1.attn.qkv.weight":
+        if name == "blocks.1.attn.k.weight":  # mid-way through c_attn's parts
             raise OSError("checkpoint shard unreadable")
         return params[name]
 

@@ -71,7 +71,11 @@ def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
         widths["vocab size"] = m.vocab_size
     bad = [f"{key} = {value}" for key, value in widths.items() if value % tp]
     if bad:
+        hint = ""
+        if "vocab size" in widths and widths["vocab size"] % tp:
+            padded = -(-widths["vocab size"] // (64 * tp)) * 64 * tp
+            hint = f" (pad the table: model.vocab_size={padded}, unused rows are never targets)"
         raise ConfigError(
             f"key 'parallel.tensor_parallel' ({tp}) must divide {', '.join(bad)}: each tp rank "
-            "holds whole heads, an equal part of the MLP and vocabulary, and of the sequence"
+            f"holds whole heads, an equal part of the MLP and vocabulary, and of the sequence{hint}"
         )

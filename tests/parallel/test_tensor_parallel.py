@@ -194,3 +194,13 @@ def test_gpt_shapes_that_do_not_split_over_tp_are_config_errors(overrides, messa
     base = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "model.d_model=64"]
     with pytest.raises(ConfigError, match=message):
         load_config([], [*base, *overrides])
+
+
+def test_a_vocabulary_that_does_not_split_names_a_padded_size():
+    from bigtrain.config.mesh import check_gpt_tensor_parallel
+    from bigtrain.config.schema import ModelConfig
+
+    m = ModelConfig(n_heads=4, d_model=64, seq_len=32, vocab_size=50257)
+    with pytest.raises(ConfigError, match=r"vocab size = 50257.*model.vocab_size=50304"):
+        check_gpt_tensor_parallel(m, 2)
+    check_gpt_tensor_parallel(ModelConfig(n_heads=4, d_model=64, seq_len=32, vocab_size=50304), 2)

@@ -73,7 +73,8 @@ def test_tp2_grad_norm_counts_the_replicated_c_attn_once(runs):
 
 def test_tp2_checkpoint_resumes_on_one_process(runs):
     local, _, resumed = runs
-    assert "resume" in [e["kind"] for e in resumed["events"]]
+    assert [e["step"] for e in resumed["events"] if e["kind"] == "resume"] == [STOP]
+    assert [m["step"] for m in resumed["metrics"] if "loss" in m] == list(range(1, STEPS + 1))
     before = by_step(local, "loss")
     after = {step: loss for step, loss in by_step(resumed, "loss").items() if step > STOP}
     assert sorted(after) == list(range(STOP + 1, STEPS + 1))

@@ -104,9 +104,9 @@ def check_styles(block: nn.Module, plan: dict[str, str], patterns: dict[str, str
     if "rowwise" not in styles or not styles & {"colwise", "colwise_qkv"}:
         names = [n for n, m in layers.items() if splittable(m)]
         raise ConfigError(
-            f"key 'parallel.tp_plan' ({patterns}) matched {plan or 'no Linear layers'} in "
-            f"{type(unwrapped(block)).__name__}; it needs colwise layers and the rowwise ones "
-            f"after them (names in a block: {names})"
+            f"key 'parallel.tp_plan' ({patterns}) matched {plan or 'no Linear or Conv1D layers'} "
+            f"in {type(unwrapped(block)).__name__}; it needs colwise layers and the rowwise "
+            f"ones after them (names in a block: {names})"
         )
 
 
@@ -120,7 +120,8 @@ def check_dropout(model: nn.Module) -> None:
             raise ConfigError(
                 f"key 'parallel.tensor_parallel' needs the model's {key} = 0 (got {value}): the "
                 "residual stream is whole on every tp rank, which draw different dropout masks; "
-                f"set model.hf_config's {key}: 0 (attention dropout may stay)"
+                f"set {key}: 0 in model.hf_config or the model's config.json (attention "
+                "dropout may stay)"
             )
 
 

@@ -62,12 +62,16 @@ def tp_layout(model: nn.Module, patterns: dict[str, str]) -> TPLayout:
     gpt = isinstance(model, GPT)
     blocks = transformer_blocks(model)
     plan = block_plan(blocks[0], GPT_PLAN if gpt else patterns)
-    split = sum(
-        p.numel() for b in blocks for name in plan for p in b.get_submodule(name).parameters()
+    split = sum(  # colwise_qkv (GPT-2's c_attn) keeps its weights whole on every tp rank
+        p.numel()
+        for b in blocks
+        for name, style in plan.items()
+        if style != "colwise_qkv"
+        for p in b.get_submodule(name).parameters()
     )
     if gpt:  # the vocabulary rows of the embedding and of an untied lm_head
         split += sum(p.numel() for p in {*model.tok_emb.parameters(), *model.lm_head.parameters()})
-    styles = list(plan.values())
+    styles = [s.removesuffix("_qkv") for s in plan.values()]  # all-reduce as a colwise layer
     return TPLayout(split, styles.count("colwise"), styles.count("rowwise"), len(blocks), gpt)
 
 

@@ -277,6 +277,27 @@ def test_tensor_parallel_plan_counts_the_split_layers_and_the_tp_all_reduces():
 
 
 @pytest.mark.unit
+def test_the_gpt2_preset_splits_all_but_the_fused_qkv_layer():
+    """configs/parallel/tp2-hf-gpt2.yaml on a 2-block transformers GPT-2 (width 64, MLP 256):
+    c_fc, attn.c_proj and mlp.c_proj are split over tp; c_attn (colwise_qkv) stays whole but
+    all-reduces its input gradient like a colwise layer."""
+    from bigtrain.plan import meta_model
+    from bigtrain.plan_comm import tp_layout
+
+    cfg = load_config(
+        ["configs/parallel/tp2-hf-gpt2.yaml"],
+        [
+            "model.kind=hf",
+            "model.hf_config={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4}",
+            "data.vocab_size=384",
+        ],
+    )
+    layout = tp_layout(meta_model(cfg), cfg.parallel.tp_plan)
+    per_block = (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+    assert (layout.split_params, layout.colwise, layout.rowwise) == (2 * per_block, 2, 2)
+
+
+@pytest.mark.unit
 def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
     """bigtrain's GPT (2 Llama-style blocks, width 64, 2 of 4 heads for k/v, MLP 192, tied
     vocabulary of 384) under tp 2 x shard 2: q/k/v, gate/up, proj/down and the shared table are

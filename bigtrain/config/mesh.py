@@ -27,9 +27,11 @@ def _check_tensor_parallel(config: Config) -> None:
         raise ConfigError(
             f"key 'parallel.tensor_parallel' got {p.tensor_parallel}, expected a positive integer"
         )
-    bad = {k: v for k, v in p.tp_plan.items() if v not in ("colwise", "rowwise")}
+    bad = {k: v for k, v in p.tp_plan.items() if v not in ("colwise", "rowwise", "colwise_qkv")}
     if bad:
-        raise ConfigError(f"key 'parallel.tp_plan' got {bad}, expected colwise or rowwise")
+        raise ConfigError(
+            f"key 'parallel.tp_plan' got {bad}, expected colwise, rowwise or colwise_qkv"
+        )
     if p.tensor_parallel == 1:
         return
     if p.backend != "fsdp":

@@ -393,7 +393,10 @@ class ParallelConfig:
     """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
     each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
     v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
-    projections). A colwise layer's output must feed the next rowwise one. At start."""
+    projections), for nn.Linear and transformers Conv1D layers alike; `colwise_qkv` for GPT-2's
+    fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
+    stay whole on every tp rank, see parallel/tp_conv1d.py). A colwise layer's output must feed
+    the next rowwise one. At start."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 

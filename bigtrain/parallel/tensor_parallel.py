@@ -21,7 +21,9 @@ dropout masks (seeded per rank at build).
 
 For `kind=hf` models everything outside the matched layers (embeddings, norms, lm_head) stays
 whole on every tp rank; transformers' attention reshapes to `(-1, head_dim)`, so a q/k/v layer
-split by heads needs no change; the kv heads must divide by the tp degree.
+split by heads needs no change; the kv heads must divide by the tp degree. GPT-2's layers are
+transformers `Conv1D`s, split by bigtrain's own layer (tp_conv1d.py), its fused q/k/v by the
+`colwise_qkv` style.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from bigtrain.config.mesh import check_gpt_tensor_parallel
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
+from bigtrain.parallel.tp_conv1d import is_conv1d, parallelize_conv1d
+from bigtrain.precision.int8 import Int8Layer
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
@@ -63,14 +67,62 @@ def unwrapped(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
+def splittable(module: nn.Module) -> bool:
+    """An nn.Linear (torch's styles) or a transformers Conv1D (tp_conv1d)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
 def block_plan(block: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
-    """The block's Linear layers that match a pattern, by name -> style (first match wins)."""
+    """The block's Linear and Conv1D layers that match a pattern, by name -> style (first match
+    wins)."""
     plan = {}
     for name, module in unwrapped(block).named_modules():
         style = next((s for p, s in patterns.items() if fnmatch.fnmatchcase(name, p)), None)
-        if style is not None and isinstance(module, nn.Linear):
+        if style is None:
+            continue
+        if isinstance(module, Int8Layer) and not isinstance(module, nn.Linear):
+            raise ConfigError(
+                f"key 'parallel.tp_plan' matched {name}, a transformers Conv1D converted to INT8 "
+                "(precision.int8): tensor parallelism splits INT8 nn.Linear layers only; leave "
+                "it out of precision.int8's modules or set parallel.tensor_parallel=1"
+            )
+        if splittable(module):
             plan[name] = style
     return plan
+
+
+def check_styles(block: nn.Module, plan: dict[str, str], patterns: dict[str, str]) -> None:
+    """Colwise layers and the rowwise ones after them; colwise_qkv only on a Conv1D."""
+    layers = dict(unwrapped(block).named_modules())
+    fused = [n for n, s in plan.items() if s == "colwise_qkv" and not is_conv1d(layers[n])]
+    if fused:
+        raise ConfigError(
+            f"key 'parallel.tp_plan': colwise_qkv is for a fused q/k/v Conv1D (GPT-2's "
+            f"attn.c_attn); {fused} are nn.Linear layers: use colwise"
+        )
+    styles = set(plan.values())
+    if "rowwise" not in styles or not styles & {"colwise", "colwise_qkv"}:
+        names = [n for n, m in layers.items() if splittable(m)]
+        raise ConfigError(
+            f"key 'parallel.tp_plan' ({patterns}) matched {plan or 'no Linear or Conv1D layers'} "
+            f"in {type(unwrapped(block)).__name__}; it needs colwise layers and the rowwise "
+            f"ones after them (names in a block: {names})"
+        )
+
+
+def check_dropout(model: nn.Module) -> None:
+    """The residual stream is whole on every tp rank, but each tp rank draws its own dropout
+    masks (build.py): dropout on it would make the ranks' copies differ."""
+    config = getattr(getattr(model, "hf", None), "config", None)
+    for key in ("resid_pdrop", "embd_pdrop", "hidden_dropout", "hidden_dropout_prob"):
+        value = getattr(config, key, 0.0) or 0.0
+        if value > 0:
+            raise ConfigError(
+                f"key 'parallel.tensor_parallel' needs the model's {key} = 0 (got {value}): the "
+                "residual stream is whole on every tp rank, which draw different dropout masks; "
+                f"set {key}: 0 in model.hf_config or the model's config.json (attention "
+                "dropout may stay)"
+            )
 
 
 def check_divisible(model: nn.Module, tp: int) -> None:
@@ -92,18 +144,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[
         apply_gpt_plan(model, tp_mesh)
         return
     check_divisible(model, tp_mesh.size())
+    check_dropout(model)
     blocks = transformer_blocks(model)
     plan = block_plan(blocks[0], patterns)
-    styles = set(plan.values())
-    if styles != {"colwise", "rowwise"}:
-        names = [n for n, m in unwrapped(blocks[0]).named_modules() if isinstance(m, nn.Linear)]
-        raise ConfigError(
-            f"key 'parallel.tp_plan' ({patterns}) matched {plan or 'no Linear layers'} in "
-            f"{type(blocks[0]).__name__}; it needs colwise layers and the rowwise ones after them "
-            f"(names in a block: {names})"
-        )
+    check_styles(blocks[0], plan, patterns)
     for block in blocks:
-        parallelize_module(unwrapped(block), tp_mesh, {n: STYLES[s]() for n, s in plan.items()})
+        block = unwrapped(block)
+        conv1d = {n: s for n, s in plan.items() if is_conv1d(block.get_submodule(n))}
+        for name, style in conv1d.items():
+            parallelize_conv1d(block, name, style, tp_mesh)
+        linear = {n: STYLES[s]() for n, s in plan.items() if n not in conv1d}
+        if linear:
+            parallelize_module(block, tp_mesh, linear)
 
 
 def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:

@@ -67,7 +67,10 @@ def test_tp_is_the_innermost_axis_and_a_tp_group_reads_one_slice():
             "needs parallel.backend",
         ),
         ([HF, LLAMA, "parallel.tensor_parallel=2"], "key 'parallel.tp_plan' is empty"),
-        ([HF, LLAMA, "parallel.tp_plan={q_proj: diagonal}"], "expected colwise or rowwise"),
+        (
+            [HF, LLAMA, "parallel.tp_plan={q_proj: diagonal}"],
+            "expected colwise, rowwise or colwise_qkv",
+        ),
     ],
 )
 def test_bad_replicate_settings_are_config_errors(overrides, message):

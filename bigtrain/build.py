@@ -50,6 +50,7 @@ from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.mesh import mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
+from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import PrecisionPolicy, dtype_name
 from bigtrain.resume import run_identity, start_state
 from bigtrain.store.checkpoint import CheckpointManager
@@ -60,7 +61,6 @@ from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.utils.dist import all_gather_objects, barrier
 from bigtrain.utils.logs import add_rank_file, remove_handler
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.seeds import derived_seed
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +246,8 @@ def _build_trainer(
     model, learned = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
     manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
     backend = make_backend(cfg, model, learned["policy"], device)
-    if cfg.parallel.tensor_parallel > 1:
-        # Past the embedding every tp rank holds other tokens or heads: its own dropout masks.
-        torch.manual_seed(derived_seed("dropout", cfg.train.seed, env.rank))
+    if cfg.parallel.tensor_parallel > 1 and uses_gpt_plan(model):
+        torch.manual_seed(dropout_seed(cfg.train.seed, env.rank))
     peak_flops, peak_source = resolve_peak_flops(
         device,
         dtype_name(learned["policy"].compute_dtype),

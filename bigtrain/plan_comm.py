@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from bigtrain.config.schema import Config
-from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.mesh import mesh_shape
-from bigtrain.parallel.tensor_parallel import GPT_PLAN, block_plan
+from bigtrain.parallel.tensor_parallel import GPT_PLAN, block_plan, uses_gpt_plan
 
 
 def ring_bytes(elements: float, group: int, itemsize: int, all_reduce: bool = False) -> float:
@@ -59,7 +58,7 @@ class TPLayout:
 def tp_layout(model: nn.Module, patterns: dict[str, str]) -> TPLayout:
     """Count what tensor parallelism splits in a (meta-device) model: bigtrain's GPT by its own
     plan, another model by `patterns` (parallel.tp_plan)."""
-    gpt = isinstance(model, GPT)
+    gpt = uses_gpt_plan(model)
     blocks = transformer_blocks(model)
     plan = block_plan(blocks[0], GPT_PLAN if gpt else patterns)
     split = sum(  # colwise_qkv (GPT-2's c_attn) keeps its weights whole on every tp rank

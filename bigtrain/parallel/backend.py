@@ -134,6 +134,10 @@ class Backend(abc.ABC):
     def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)
         """Continue from the loss scale of a checkpoint written by another backend."""
 
+    def borrowed_rng(self, step: int) -> None:  # noqa: B027 (nothing by default)
+        """This rank resumed with rank 0's RNG state (the world grew at `step`): re-derive what
+        must differ per rank (the GPT's dropout masks under tensor parallelism)."""
+
     def after_load_local_state(self) -> None:  # noqa: B027 (optional: nothing by default)
         """What must follow new master values (ZeRO: refresh the compute-dtype copies)."""
 

@@ -18,12 +18,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import Config
-from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
 from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
 from bigtrain.parallel.meta_init import materialize
-from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
+from bigtrain.parallel.tensor_parallel import apply_tensor_parallel, dropout_seed, uses_gpt_plan
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 
@@ -74,7 +73,8 @@ class FSDPBackend(TorchBackend):
         if not on_meta:
             model = model.to(device)
         # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
-        self.loss_parallel = self.mesh_shape.tp > 1 and isinstance(model, GPT)
+        self.logits_split_by_vocab = self.mesh_shape.tp > 1 and uses_gpt_plan(model)
+        self.seed = cfg.train.seed
         if self.mesh_shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
             apply_tensor_parallel(model, self.mesh["tp"], cfg.parallel.tp_plan)
         for block in transformer_blocks(model):
@@ -89,10 +89,14 @@ class FSDPBackend(TorchBackend):
         self._writer = checkpoint_writer()
         super().__init__(model, policy, cfg, device)
 
+    def borrowed_rng(self, step: int) -> None:
+        if self.logits_split_by_vocab:  # the GPT plan: each tp rank its own dropout masks
+            torch.manual_seed(dropout_seed(self.seed, dist.get_rank(), step))
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """The cross-entropy over logits split by vocabulary: each tp rank reduces its part
         (max, sum of exponentials, target logit), never gathering the whole vocabulary."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+        return loss_parallel() if self.logits_split_by_vocab else contextlib.nullcontext()
 
     def before_backward(self, last_micro_step: bool) -> None:
         # Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.

@@ -12,7 +12,9 @@ The GPT plan, between the two matmul regions of each block, keeps the residual s
 along the sequence (sequence parallelism): norms, dropout and residual adds run on each rank's
 `seq / tp` tokens; the attention and MLP inputs are all-gathered, their outputs reduce-scattered
 (the bytes of one all-reduce, but no rank holds the whole stream between blocks). The vocabulary
-is split too: the token embedding by rows (each rank looks up its part of the table), and
+is split too: the token embedding by rows (each rank looks up its part of the table; the sums
+are reduce-scattered into sequence shards, or with learned positions all-reduced and split once
+the positions are added), and
 `lm_head` column-wise with its logits left split over the vocabulary, so the loss is computed
 without any rank holding all the logits (`loss_parallel`, entered by the fsdp backend around the
 loss and its backward). A tied `lm_head` shares the embedding's table, split the same way.
@@ -47,6 +49,7 @@ from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.tp_conv1d import is_conv1d, parallelize_conv1d
 from bigtrain.precision.int8 import Int8Layer
+from bigtrain.utils.seeds import derived_seed
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
@@ -110,19 +113,19 @@ def check_styles(block: nn.Module, plan: dict[str, str], patterns: dict[str, str
         )
 
 
-def check_dropout(model: nn.Module) -> None:
-    """The residual stream is whole on every tp rank, but each tp rank draws its own dropout
-    masks (build.py): dropout on it would make the ranks' copies differ."""
-    config = getattr(getattr(model, "hf", None), "config", None)
-    for key in ("resid_pdrop", "embd_pdrop", "hidden_dropout", "hidden_dropout_prob"):
-        value = getattr(config, key, 0.0) or 0.0
-        if value > 0:
-            raise ConfigError(
-                f"key 'parallel.tensor_parallel' needs the model's {key} = 0 (got {value}): the "
-                "residual stream is whole on every tp rank, which draw different dropout masks; "
-                f"set {key}: 0 in model.hf_config or the model's config.json (attention "
-                "dropout may stay)"
-            )
+def uses_gpt_plan(model: nn.Module) -> bool:
+    """Whether tensor parallelism splits `model` by bigtrain's GPT plan: its logits come out split
+    by vocabulary (the loss runs under loss_parallel) and every tp rank holds other tokens or
+    heads past the embedding (so each draws its own dropout masks). Other models keep their
+    residual stream whole on every tp rank: their tp ranks share one dropout seed, and since each
+    holds the same number of heads, their random draws stay in step."""
+    return isinstance(model, GPT)
+
+
+def dropout_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of a rank's own dropout masks under the GPT plan (at start, or when a resume at
+    `step` has no RNG state saved for this rank)."""
+    return derived_seed("dropout", seed, rank, step)
 
 
 def check_divisible(model: nn.Module, tp: int) -> None:
@@ -140,11 +143,10 @@ def check_divisible(model: nn.Module, tp: int) -> None:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[str, str]) -> None:
     """Split the model over `tp_mesh` (in place): bigtrain's GPT by its own plan, another model
     by `patterns` (parallel.tp_plan)."""
-    if isinstance(model, GPT):
-        apply_gpt_plan(model, tp_mesh)
+    if uses_gpt_plan(model):
+        apply_gpt_plan(model, tp_mesh)  # type: ignore[arg-type]
         return
     check_divisible(model, tp_mesh.size())
-    check_dropout(model)
     blocks = transformer_blocks(model)
     plan = block_plan(blocks[0], patterns)
     check_styles(blocks[0], plan, patterns)
@@ -190,16 +192,20 @@ def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:
             },
         )
     tied = model.lm_head.weight is model.tok_emb.weight
+    if model.pos_emb is None:  # the looked-up vectors are reduce-scattered into sequence shards
+        embedding = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
+    else:  # summed whole, learned positions added, then split along the sequence at `drop`
+        embedding = {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "drop": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
+            ),
+        }
     parallelize_module(
         model,
         tp_mesh,
         {
-            # vocabulary rows split; the looked-up vectors summed over the tp ranks
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            # the whole stream (embedding, learned positions) splits into sequence shards here
-            "drop": PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
-            ),
+            **embedding,  # vocabulary rows split over the tp ranks
             "norm_f": SequenceParallel(),
             "lm_head": ColwiseParallel(
                 input_layouts=seq, output_layouts=Shard(-1), use_local_output=False

@@ -320,6 +320,8 @@ class CheckpointManager:
         set_rng_state(
             torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=True)
         )
+        if not rng_file.exists():
+            backend.borrowed_rng(int(manifest["step"]))
         return trainer_state
 
 

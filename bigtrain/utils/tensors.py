@@ -6,6 +6,8 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
@@ -40,9 +42,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offset, shape) of this rank's block of a parameter: its DTensor shard, or all of it."""
-    if hasattr(p, "device_mesh"):  # a DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return tuple(offset), tuple(shape)
     return (0,) * p.dim(), tuple(p.shape)

@@ -47,3 +47,21 @@ def test_a_gelu_up_and_todays_names_stay_as_they_are():
     assert not is_fused(today) and fused_rows(today) == {}
     assert unfused_shapes({"w": [2, 3]}) == {"w": (2, 3)}  # manifests hold lists
     assert is_fused(SWIGLU)
+
+
+def test_an_int8_calibration_from_before_the_split_serves_todays_layers():
+    from bigtrain.model.fused import unfused_calibration
+
+    old = {"blocks.0.attn.qkv": [1.0, 2.0], "blocks.0.mlp.up": [3.0], "blocks.0.mlp.down": [4.0]}
+    layers = ["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.mlp.gate"]
+    layers += ["blocks.0.mlp.up", "blocks.0.mlp.down"]
+    assert unfused_calibration(old, layers) == {
+        "blocks.0.attn.q": [1.0, 2.0],  # q, k and v read the fused layer's input
+        "blocks.0.attn.k": [1.0, 2.0],
+        "blocks.0.attn.v": [1.0, 2.0],
+        "blocks.0.mlp.gate": [3.0],  # so do gate and up
+        "blocks.0.mlp.up": [3.0],
+        "blocks.0.mlp.down": [4.0],
+    }
+    today = {"blocks.0.attn.q": [1.0]}
+    assert unfused_calibration(today, layers) is today

@@ -69,7 +69,7 @@ def placements(args: list[str]) -> dict:
             out[name] = (w.device_mesh.mesh_dim_names, [repr(p) for p in w.placements])
             out[name] += (tuple(w.shape), tuple(w.to_local().shape))
         out["batch"] = trainer.loader.rank, trainer.loader.world
-        out["loss_parallel"] = trainer.backend.loss_parallel
+        out["split_logits"] = trainer.backend.logits_split_by_vocab
         out["fingerprint"] = trainer.backend.fingerprint()
         return out
     finally:
@@ -84,8 +84,10 @@ def local_and_tp(tmp_path_factory, corpus_files, cache_dir):
     local = train_run(
         _args(tmp, "local", corpus_files, cache_dir, steps, *LLAMA, "train.micro_batch_size=16")
     )
+    # selective checkpointing recomputes the sequence-parallel collectives in backward
+    selective = "parallel.activation_checkpointing=selective"
     tp = run_distributed(
-        train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *LLAMA, *TP2)
+        train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *LLAMA, *TP2, selective)
     )
     assert len({r["final"]["fingerprint"] for r in tp}) == 1
     return local, tp[0]
@@ -118,7 +120,7 @@ def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(tmp_path, corpus_fil
     )
     assert {x["fingerprint"] for x in ranks} == {local}
     r = ranks[0]
-    assert r["tied"] and r["loss_parallel"]
+    assert r["tied"] and r["split_logits"]
     # k: 2 kv heads x 16 = 32 rows, one head per tp rank, then halved again by FSDP2
     assert r["attn.k"][0] == ("shard", "tp") and r["attn.k"][2:] == ((32, 64), (8, 64))
     assert r["attn.proj"][1][1] == "Shard(dim=1)"  # rowwise: input features over tp
@@ -131,8 +133,9 @@ def test_gpt2_style_tp2_checkpoint_resumes_on_shard_4_and_one_process(
     tmp_path, corpus_files, cache_dir
 ):
     """Learned positions, biases, LayerNorm, GELU, document masks (per-token positions and
-    masks pass the plan untouched); DCP reshards the tp x shard DTensors: the losses after the
-    checkpoint follow the uninterrupted tp run (FP32, same global batch)."""
+    masks pass the plan untouched); DCP reshards the tp x shard DTensors, and a local checkpoint
+    loads into them: the losses after the checkpoint follow the uninterrupted tp run (FP32, same
+    global batch)."""
     common = ["train.max_steps=7", "checkpoint.every=4", "data.document_mask=true", *GPT2]
     straight = run_distributed(
         train_run, 4, _args(tmp_path, "s", corpus_files, cache_dir, *common, *TP2)
@@ -141,16 +144,16 @@ def test_gpt2_style_tp2_checkpoint_resumes_on_shard_4_and_one_process(
     run_distributed(
         train_run, 4, _args(tmp_path, "t", corpus_files, cache_dir, *common, *TP2, stop)
     )
-    resume_copies(
-        tmp_path,
-        "t",
-        (
-            ("dp4", 4, ["parallel.backend=fsdp", "train.micro_batch_size=4"]),
-            ("local", 1, ["parallel.backend=local", "train.micro_batch_size=16"]),
-        ),
-        lambda name, *extra: _args(tmp_path, name, corpus_files, cache_dir, *common, *extra),
-        straight,
-    )
+    local = ["parallel.backend=local", "train.micro_batch_size=16"]
+    train_run(_args(tmp_path, "l", corpus_files, cache_dir, *common, *local, stop))
+
+    def make_args(name: str, *extra: str) -> list[str]:
+        return _args(tmp_path, name, corpus_files, cache_dir, *common, *extra)
+
+    dp4 = ["parallel.backend=fsdp", "train.micro_batch_size=4"]
+    resume_copies(tmp_path, "t", (("dp4", 4, dp4), ("local", 1, local)), make_args, straight)
+    # and back: a local checkpoint read into the tp x shard blocks (through its source)
+    resume_copies(tmp_path, "l", (("tp-from-local", 4, TP2),), make_args, straight)
 
 
 def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cache_dir):

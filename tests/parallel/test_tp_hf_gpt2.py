@@ -1,7 +1,7 @@
 """A transformers GPT-2 (Conv1D layers, fused q/k/v) under tensor parallelism on 4 gloo ranks,
 split by configs/parallel/tp2-hf-gpt2.yaml's plan: tp 2 x shard 2 trains like one process on the
 same global batch, its monitor counts the tp-replicated c_attn once, and its DCP checkpoint
-resumes on one process. FP32, dropout 0 (see tensor_parallel.check_dropout)."""
+resumes on one process. FP32; dropout 0 except where the test says."""
 
 from __future__ import annotations
 
@@ -82,19 +82,17 @@ def test_tp2_checkpoint_resumes_on_one_process(runs):
         assert after[step] == pytest.approx(before[step], rel=1e-4), step
 
 
-def test_dropout_on_the_whole_residual_stream_is_a_config_error():
-    """Each tp rank draws its own dropout masks; GPT-2's default resid_pdrop would make the tp
-    ranks' copies of the residual stream differ."""
-    from types import SimpleNamespace
-
-    from bigtrain.errors import ConfigError
-    from bigtrain.parallel.tensor_parallel import check_dropout
-
-    config = SimpleNamespace(resid_pdrop=0.0, embd_pdrop=0.1, attn_pdrop=0.1)
-    with pytest.raises(ConfigError, match=r"embd_pdrop = 0 \(got 0.1\)"):
-        check_dropout(SimpleNamespace(hf=SimpleNamespace(config=config)))
-    config.embd_pdrop = 0.0  # attention dropout acts on each rank's own heads
-    check_dropout(SimpleNamespace(hf=SimpleNamespace(config=config)))
+def test_with_dropout_the_tp_ranks_keep_one_residual_stream(tmp_path, corpus_files, cache_dir):
+    """GPT-2's dropout on the residual stream, which every tp rank holds whole: the tp ranks share
+    one seed and draw in step (their attention dropout covers as many heads each), so their
+    copies of c_attn, the norms and embeddings stay equal (each rank fingerprints its own)."""
+    dropout = GPT2.replace(
+        "resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0",
+        "resid_pdrop: 0.1, embd_pdrop: 0.1, attn_pdrop: 0.1",
+    )
+    args = _args(tmp_path, "drop", corpus_files, cache_dir, *TP2, "train.max_steps=4", dropout)
+    ranks = run_distributed(train_run, 4, args)
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1
 
 
 def test_colwise_qkv_on_a_linear_and_an_int8_conv1d_are_config_errors():

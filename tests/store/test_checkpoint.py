@@ -240,3 +240,28 @@ def test_a_checkpoint_of_another_backend_loads_through_its_source_with_the_loss_
     assert (kind, source, optimizer) == ("load_from", "LocalSource", True)
     assert torch.equal(exp_avg, torch.arange(6.0).view(2, 3) + 1)
     assert adopt == ("adopt_loss_scale", 512.0)  # the scale a torch backend kept in trainer.json
+
+
+def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
+    """When the world grew, rank 1 gets rank 0's RNG state; its backend is told (the GPT under
+    tensor parallelism re-derives its own dropout seed from it)."""
+    cfg = micro("train.max_steps=4", "checkpoint.every=4")
+    run(cfg, ENV)
+    path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000004"
+
+    class Recorder:
+        name = "local"
+
+        def __init__(self) -> None:
+            self.told: list[int] = []
+
+        def load(self, directory: Path) -> None:
+            pass
+
+        def borrowed_rng(self, step: int) -> None:
+            self.told.append(step)
+
+    own, borrowing = Recorder(), Recorder()
+    CheckpointManager(path.parent, 2, rank=0, world_size=2).load(path, own)
+    CheckpointManager(path.parent, 2, rank=1, world_size=2).load(path, borrowing)
+    assert own.told == [] and borrowing.told == [4]

@@ -311,6 +311,11 @@ class MonitorConfig:
     tensor_min_factor: float = 20.0
     """The same floor for each tensor's max |g|: one value of one tensor is more heavy-tailed still
     (a healthy FP32 run of configs/tiny.yaml had a 7x jump of one qkv weight's max |g|)."""
+    tensor_floor: float = 1e-3
+    """A tensor whose max |g| is below this fraction of the step's largest never spikes: its
+    gradient is rounding noise (attention's key bias has an exact gradient of zero, softmax being
+    shift-invariant; its max |g| of ~1e-7 swung 60x in a healthy run of the micro test model and
+    rolled it back). 0 turns the floor off."""
     on_spike: str = "rollback"
     """What a spike does: `rollback` (see resilience.*), `skip` the optimizer step, or `warn`
     (anomaly event only; the step is applied)."""

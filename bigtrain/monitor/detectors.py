@@ -53,13 +53,18 @@ class SpikeDetector:
         warmup: int = 20,
         min_factor: float = 1.0,
         warmup_factor: float = 20.0,
+        relative_floor: float = 0.0,
     ) -> None:
+        """relative_floor: columns below this fraction of the step's largest value never spike
+        (per-tensor max |g|: a tensor whose gradient is rounding noise, like attention's key
+        bias, whose exact gradient is zero, swings by orders of magnitude without meaning)."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if warmup > window:
             raise ValueError(f"warmup ({warmup}) cannot exceed the window ({window})")
         self.metric, self.names, self.k, self.method, self.warmup = metric, names, k, method, warmup
         self.min_factor, self.warmup_factor = min_factor, warmup_factor
+        self.relative_floor = relative_floor
         self.values: deque[np.ndarray] = deque(maxlen=window)
 
     def bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -91,6 +96,9 @@ class SpikeDetector:
         # layer's max |g| often does) drifts past its long-window mean without any spike.
         recent = np.median(np.stack(list(self.values)[-RECENT:]), axis=0)
         floor = self.min_factor * np.maximum(baseline, recent)
+        finite = x[np.isfinite(x)]
+        if self.relative_floor > 0 and finite.size:
+            floor = np.maximum(floor, self.relative_floor * finite.max())
         spikes = [
             Spike(
                 self.metric,

@@ -114,7 +114,12 @@ class GradMonitor:
         for metric in cfg.spikes:
             if metric == "tensor_max":
                 self.detectors[metric] = SpikeDetector(
-                    metric, names, k=cfg.tensor_k, min_factor=cfg.tensor_min_factor, **common
+                    metric,
+                    names,
+                    k=cfg.tensor_k,
+                    min_factor=cfg.tensor_min_factor,
+                    relative_floor=cfg.tensor_floor,
+                    **common,
                 )
             elif metric == "grad_norm":
                 self.detectors[metric] = SpikeDetector(

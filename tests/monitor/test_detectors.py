@@ -84,3 +84,21 @@ def test_during_warmup_only_a_value_far_above_the_median_is_a_spike():
     assert d.check([10.0, 1e9]) == []  # 10x is warm-up noise; a column at 0 has no baseline
     (spike,) = d.check([25.0, 1e9])
     assert (spike.tensor, spike.baseline, spike.threshold) == ("a", 1.0, 20.0)
+
+
+def test_a_tensor_of_rounding_noise_does_not_spike_under_the_relative_floor():
+    """Attention's key bias has an exact gradient of zero: its max |g| is noise of ~1e-7 that
+    swings 60x. Below 1e-3 of the step's largest max |g| it is ignored; above, it still fires."""
+    names = ["emb", "k_bias"]
+    base = np.array([3e-2, 2e-7])
+    plain = SpikeDetector("tensor_max", names, window=50, k=6.0, warmup=10)
+    floored = SpikeDetector("tensor_max", names, window=50, k=6.0, warmup=10, relative_floor=1e-3)
+    rng = np.random.default_rng(0)
+    for d in (plain, floored):
+        for _ in range(20):
+            d.add(base * (1 + 0.05 * rng.standard_normal(2)))
+    noise = base * np.array([1.0, 60.0])  # 1.2e-5: a 60x swing, 4e-4 of the largest
+    assert [s.tensor for s in plain.check(noise)] == ["k_bias"]
+    assert floored.check(noise) == []
+    real = base * np.array([1.0, 1000.0])  # 2e-4 = 7e-3 of the largest: a spike after all
+    assert [s.tensor for s in floored.check(real)] == ["k_bias"]

@@ -91,6 +91,27 @@ def train_run(args: list[str]) -> dict:
     }
 
 
+def train_run_probed(args: list[str], probe) -> dict:
+    """train_run, plus `probe(trainer)` (a module-level function: it travels to spawned ranks by
+    name) called on the trainer once it is built, before the first step: its result is
+    `result["probe"]`. One run serves both the layout checks and the training checks."""
+    import bigtrain.build as build
+
+    seen: dict = {}
+    build_trainer = build.build_trainer
+
+    def probed(cfg, env):
+        trainer = build_trainer(cfg, env)
+        seen.update(probe(trainer))
+        return trainer
+
+    build.build_trainer = probed
+    try:
+        return {**train_run(args), "probe": seen}
+    finally:
+        build.build_trainer = build_trainer
+
+
 def by_step(result: dict, key: str) -> dict[int, float]:
     """`key` of each metrics line of a train_run result, by step."""
     return {m["step"]: m[key] for m in result["metrics"] if key in m}

@@ -11,10 +11,10 @@ import pytest
 from tests.conftest import micro_overrides
 from tests.distributed import (
     by_step,
-    initial_fingerprint,
     resume_copies,
     run_distributed,
     train_run,
+    train_run_probed,
 )
 
 pytestmark = pytest.mark.distributed
@@ -39,11 +39,11 @@ def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[st
 def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
     tmp = tmp_path_factory.mktemp("hsdp")
     steps = f"train.max_steps={STEPS}"
-    local = train_run(
-        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16")
+    local = train_run_probed(
+        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16"), initial
     )
     hsdp = run_distributed(
-        train_run,
+        train_run_probed,
         4,
         _args(
             tmp,
@@ -53,15 +53,21 @@ def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
             steps,
             "parallel.backend=fsdp",
             "parallel.replicate=2",
+            "parallel.meta_init=true",  # each rank draws and keeps only its (replicated) shard
             "train.micro_batch_size=2",  # 2 micro-batches: replicas sync on the last one only
         ),
+        initial,
     )
     assert len({r["final"]["fingerprint"] for r in hsdp}) == 1  # replicas hold the same weights
-    return local, hsdp[0]
+    return local, hsdp[0], [r["probe"]["fingerprint"] for r in hsdp]
+
+
+def initial(trainer) -> dict:
+    return {"fingerprint": trainer.backend.fingerprint()}
 
 
 def test_hsdp_losses_match_one_process(local_and_hsdp):
-    local, hsdp = (by_step(r, "loss") for r in local_and_hsdp)
+    local, hsdp = (by_step(r, "loss") for r in local_and_hsdp[:2])
     assert sorted(hsdp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert hsdp[step] == pytest.approx(reference, rel=1e-4), step
@@ -71,7 +77,7 @@ def test_hsdp_losses_match_one_process(local_and_hsdp):
 def test_hsdp_grad_norm_counts_each_replicated_shard_once(local_and_hsdp):
     """Each replica holds the same shards: summed over all 4 ranks unweighted, the norm would be
     sqrt(2) too large (and clipping too strong)."""
-    local, hsdp = (by_step(r, "grad_norm") for r in local_and_hsdp)
+    local, hsdp = (by_step(r, "grad_norm") for r in local_and_hsdp[:2])
     for step, reference in local.items():
         assert hsdp[step] == pytest.approx(reference, rel=1e-5), step
 
@@ -113,21 +119,11 @@ def test_hsdp_checkpoint_resumes_on_fsdp_and_one_process_and_back(
         assert after[step] == pytest.approx(before[step], rel=1e-4), ("back", step)
 
 
-def test_hsdp_built_on_meta_starts_from_the_weights_of_one_process(
-    tmp_path, corpus_files, cache_dir
-):
-    """parallel.meta_init on the 2D mesh: each rank draws and keeps only its (replicated) shard."""
-    local = run_distributed(initial_fingerprint, 1, _args(tmp_path, "l", corpus_files, cache_dir))
-    hsdp = [
-        "parallel.backend=fsdp",
-        "parallel.replicate=2",
-        "parallel.meta_init=true",
-        "train.micro_batch_size=4",
-    ]
-    ranks = run_distributed(
-        initial_fingerprint, 4, _args(tmp_path, "m", corpus_files, cache_dir, *hsdp)
-    )
-    assert set(ranks) == set(local)
+def test_hsdp_built_on_meta_starts_from_the_weights_of_one_process(local_and_hsdp):
+    """parallel.meta_init on the 2D mesh (the fixture's run): each rank draws and keeps only its
+    (replicated) shard, and the step-0 weights are one process's."""
+    local, _, ranks = local_and_hsdp
+    assert set(ranks) == {local["probe"]["fingerprint"]}
 
 
 def test_a_nan_on_one_replica_rolls_every_rank_back_together(tmp_path, corpus_files, cache_dir):

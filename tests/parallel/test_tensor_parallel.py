@@ -13,13 +13,7 @@ import pytest
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from tests.conftest import micro_overrides
-from tests.distributed import (
-    by_step,
-    initial_fingerprint,
-    resume_copies,
-    run_distributed,
-    train_run,
-)
+from tests.distributed import by_step, resume_copies, run_distributed, train_run, train_run_probed
 
 pytestmark = pytest.mark.distributed
 
@@ -49,52 +43,51 @@ def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[st
     ]
 
 
-def placements(args: list[str]) -> dict:
-    """Each rank's view of a few parameters after the split, and its final fingerprint."""
-    from bigtrain.build import build_trainer
-    from bigtrain.parallel.env import read_env, shutdown
+def placements(trainer) -> dict:
+    """A rank's view of a few parameters after the split, and its step-0 fingerprint."""
+    model = trainer.backend.model
+    block = model.blocks[0]
+    out = {"tied": model.lm_head.weight is model.tok_emb.weight}
+    for name, module in (
+        ("attn.k", block.attn.k),
+        ("attn.proj", block.attn.proj),
+        ("norm1", block.norm1),
+        ("tok_emb", model.tok_emb),
+    ):
+        w = module.weight
+        out[name] = (w.device_mesh.mesh_dim_names, [repr(p) for p in w.placements])
+        out[name] += (tuple(w.shape), tuple(w.to_local().shape))
+    out["batch"] = trainer.loader.rank, trainer.loader.world
+    out["split_logits"] = trainer.backend.logits_split_by_vocab
+    return {**out, **initial(trainer)}
 
-    trainer = build_trainer(load_config([], args), read_env())
-    try:
-        model = trainer.backend.model
-        block = model.blocks[0]
-        out = {"tied": model.lm_head.weight is model.tok_emb.weight}
-        for name, module in (
-            ("attn.k", block.attn.k),
-            ("attn.proj", block.attn.proj),
-            ("norm1", block.norm1),
-            ("tok_emb", model.tok_emb),
-        ):
-            w = module.weight
-            out[name] = (w.device_mesh.mesh_dim_names, [repr(p) for p in w.placements])
-            out[name] += (tuple(w.shape), tuple(w.to_local().shape))
-        out["batch"] = trainer.loader.rank, trainer.loader.world
-        out["split_logits"] = trainer.backend.logits_split_by_vocab
-        out["fingerprint"] = trainer.backend.fingerprint()
-        return out
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=False)
+
+def initial(trainer) -> dict:
+    return {"fingerprint": trainer.backend.fingerprint()}
 
 
 @pytest.fixture(scope="module")
 def local_and_tp(tmp_path_factory, corpus_files, cache_dir):
+    """One process, and tp 2 x shard 2 built on the meta device (each rank draws only its tp x
+    shard block) with selective checkpointing (which recomputes the sequence-parallel
+    collectives in backward); each probed before its first step."""
     tmp = tmp_path_factory.mktemp("tp")
     steps = f"train.max_steps={STEPS}"
-    local = train_run(
-        _args(tmp, "local", corpus_files, cache_dir, steps, *LLAMA, "train.micro_batch_size=16")
+    local = train_run_probed(
+        _args(tmp, "local", corpus_files, cache_dir, steps, *LLAMA, "train.micro_batch_size=16"),
+        initial,
     )
-    # selective checkpointing recomputes the sequence-parallel collectives in backward
-    selective = "parallel.activation_checkpointing=selective"
+    tp_args = [*LLAMA, *TP2, "parallel.activation_checkpointing=selective"]
+    tp_args.append("parallel.meta_init=true")
     tp = run_distributed(
-        train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *LLAMA, *TP2, selective)
+        train_run_probed, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *tp_args), placements
     )
     assert len({r["final"]["fingerprint"] for r in tp}) == 1
-    return local, tp[0]
+    return local, tp
 
 
 def test_tp2_losses_match_one_process(local_and_tp):
-    local, tp = (by_step(r, "loss") for r in local_and_tp)
+    local, tp = by_step(local_and_tp[0], "loss"), by_step(local_and_tp[1][0], "loss")
     assert sorted(tp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-4), step
@@ -103,22 +96,15 @@ def test_tp2_losses_match_one_process(local_and_tp):
 
 def test_tp2_grad_norm_is_the_one_process_norm(local_and_tp):
     """Norm gains are replicated over tp (counted once), split layers summed over tp."""
-    local, tp = (by_step(r, "grad_norm") for r in local_and_tp)
+    local, tp = by_step(local_and_tp[0], "grad_norm"), by_step(local_and_tp[1][0], "grad_norm")
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-5), step
 
 
-def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(tmp_path, corpus_files, cache_dir):
-    """Built on the meta device (parallel.meta_init): each rank draws only its tp x shard block,
-    and the weights are one process's."""
-    local = run_distributed(
-        initial_fingerprint, 1, _args(tmp_path, "l", corpus_files, cache_dir, *LLAMA)
-    )[0]
-    meta = "parallel.meta_init=true"
-    ranks = run_distributed(
-        placements, 4, _args(tmp_path, "p", corpus_files, cache_dir, *LLAMA, *TP2, meta)
-    )
-    assert {x["fingerprint"] for x in ranks} == {local}
+def test_the_plan_splits_heads_vocabulary_and_keeps_the_tie(local_and_tp):
+    """Built on meta, the step-0 weights are one process's; the layers are split as planned."""
+    local, ranks = local_and_tp[0], [r["probe"] for r in local_and_tp[1]]
+    assert {x["fingerprint"] for x in ranks} == {local["probe"]["fingerprint"]}
     r = ranks[0]
     assert r["tied"] and r["split_logits"]
     # k: 2 kv heads x 16 = 32 rows, one head per tp rank, then halved again by FSDP2

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import micro_overrides
-from tests.distributed import by_step, run_distributed, train_run
+from tests.distributed import by_step, run_distributed, train_run, train_run_probed
 
 pytestmark = pytest.mark.distributed
 
@@ -48,13 +48,15 @@ def local_and_tp(tmp_path_factory, corpus_files, cache_dir):
     local = train_run(
         _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16")
     )
-    tp = run_distributed(train_run, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *TP2))
+    tp = run_distributed(
+        train_run_probed, 4, _args(tmp, "tp", corpus_files, cache_dir, steps, *TP2), layouts
+    )
     assert len({r["final"]["fingerprint"] for r in tp}) == 1
-    return local, tp[0]
+    return local, tp[0], [r["probe"] for r in tp]
 
 
 def test_tp2_losses_match_one_process(local_and_tp):
-    local, tp = (by_step(r, "loss") for r in local_and_tp)
+    local, tp = (by_step(r, "loss") for r in local_and_tp[:2])
     assert sorted(tp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-4), step
@@ -63,39 +65,28 @@ def test_tp2_losses_match_one_process(local_and_tp):
 
 def test_tp2_grad_norm_counts_tp_replicated_tensors_once(local_and_tp):
     """Norm gains and embeddings are whole on both tp ranks: counted once, not twice."""
-    local, tp = (by_step(r, "grad_norm") for r in local_and_tp)
+    local, tp = (by_step(r, "grad_norm") for r in local_and_tp[:2])
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-5), step
 
 
-def layouts(args: list[str]) -> dict:
-    from bigtrain.build import build_trainer
-    from bigtrain.config import load_config
-    from bigtrain.parallel.env import read_env, shutdown
-
-    trainer = build_trainer(load_config([], args), read_env())
-    try:
-        layer = trainer.backend.model.hf.model.layers[0]
-        out = {}
-        for name in ("self_attn.k_proj", "self_attn.o_proj", "input_layernorm"):
-            weight = layer.get_submodule(name).weight
-            out[name] = (
-                weight.device_mesh.mesh_dim_names,
-                [repr(p) for p in weight.placements],
-                tuple(weight.shape),
-                tuple(weight.to_local().shape),
-            )
-        out["batch"] = trainer.loader.rank, trainer.loader.world
-        return out
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=False)
+def layouts(trainer) -> dict:
+    layer = trainer.backend.model.hf.model.layers[0]
+    out = {}
+    for name in ("self_attn.k_proj", "self_attn.o_proj", "input_layernorm"):
+        weight = layer.get_submodule(name).weight
+        out[name] = (
+            weight.device_mesh.mesh_dim_names,
+            [repr(p) for p in weight.placements],
+            tuple(weight.shape),
+            tuple(weight.to_local().shape),
+        )
+    out["batch"] = trainer.loader.rank, trainer.loader.world
+    return out
 
 
-def test_tp_plan_splits_the_matched_layers_and_tp_ranks_read_one_batch(
-    tmp_path, corpus_files, cache_dir
-):
-    ranks = run_distributed(layouts, 4, _args(tmp_path, "l", corpus_files, cache_dir, *TP2))
+def test_tp_plan_splits_the_matched_layers_and_tp_ranks_read_one_batch(local_and_tp):
+    ranks = local_and_tp[2]
     k_proj = ranks[0]["self_attn.k_proj"]  # (2 kv heads x 16) x 64: rows over tp, then shard
     assert k_proj[0] == ("shard", "tp") and k_proj[1][1] == "Shard(dim=0)"
     assert k_proj[2] == (32, 64) and k_proj[3] == (8, 64)
@@ -106,7 +97,14 @@ def test_tp_plan_splits_the_matched_layers_and_tp_ranks_read_one_batch(
     assert [r["batch"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
-def test_kv_heads_that_do_not_split_over_tp_are_a_config_error(tmp_path, corpus_files, cache_dir):
-    tp4 = ["parallel.backend=fsdp", "parallel.tensor_parallel=4", TP_PLAN]
-    with pytest.raises(AssertionError, match=r"must divide the model's num_key_value_heads \(2\)"):
-        run_distributed(layouts, 4, _args(tmp_path, "kv", corpus_files, cache_dir, *tp4))
+def test_kv_heads_that_do_not_split_over_tp_are_a_config_error():
+    from types import SimpleNamespace
+
+    from bigtrain.errors import ConfigError
+    from bigtrain.parallel.tensor_parallel import check_divisible
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    model = SimpleNamespace(hf=SimpleNamespace(config=config))
+    check_divisible(model, 2)
+    with pytest.raises(ConfigError, match=r"must divide the model's num_key_value_heads \(2\)"):
+        check_divisible(model, 4)

@@ -14,19 +14,12 @@ from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from tests.conftest import micro_overrides
 from tests.distributed import by_step, resume_copies, run_distributed, train_run, train_run_probed
+from tests.models import GPT_LLAMA_STYLE
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
-LLAMA = (
-    "model.position=rope",
-    "model.norm=rmsnorm",
-    "model.mlp=swiglu",
-    "model.bias=false",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.tie_embeddings=true",
-)
+LLAMA = (*GPT_LLAMA_STYLE, "model.tie_embeddings=true")
 GPT2 = ("model.position=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true")
 TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=8"]
 

@@ -11,19 +11,12 @@ import pytest
 
 from tests.conftest import micro_overrides
 from tests.distributed import by_step, run_distributed, train_run, train_run_probed
+from tests.models import HF_LLAMA, HF_LLAMA_TP_PLAN
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
-LLAMA = (
-    "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, "
-    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
-    "max_position_embeddings: 32}"
-)
-TP_PLAN = (
-    "parallel.tp_plan={'self_attn.[qkv]_proj': colwise, self_attn.o_proj: rowwise, "
-    "mlp.gate_proj: colwise, mlp.up_proj: colwise, mlp.down_proj: rowwise}"
-)
+LLAMA, TP_PLAN = HF_LLAMA, HF_LLAMA_TP_PLAN
 TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", TP_PLAN, "train.micro_batch_size=8"]
 
 

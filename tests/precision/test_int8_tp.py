@@ -21,6 +21,7 @@ import bigtrain.precision.int8 as int8
 from bigtrain.precision.int8 import Int8Linear
 from tests.conftest import micro_overrides
 from tests.distributed import by_step, run_distributed, train_run
+from tests.models import GPT_LLAMA_STYLE, HF_LLAMA, HF_LLAMA_TP_PLAN
 
 pytestmark = pytest.mark.distributed
 
@@ -141,25 +142,7 @@ def test_calibration_maxima_are_whole_after_the_max_across_ranks(errors):
             assert case["up.step_amax"] == case["down.step_amax"] == 0.0, name
 
 
-LLAMA = (
-    "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, "
-    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
-    "max_position_embeddings: 32}"
-)
-TP_PLAN = (
-    "parallel.tp_plan={'self_attn.[qkv]_proj': colwise, self_attn.o_proj: rowwise, "
-    "mlp.gate_proj: colwise, mlp.up_proj: colwise, mlp.down_proj: rowwise}"
-)
-
-
-GPT_LLAMA_STYLE = (
-    "model.position=rope",
-    "model.norm=rmsnorm",
-    "model.mlp=swiglu",
-    "model.bias=false",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-)
+LLAMA, TP_PLAN = HF_LLAMA, HF_LLAMA_TP_PLAN
 
 
 @pytest.mark.parametrize(

@@ -17,20 +17,13 @@ from bigtrain.store.export_checkpoint import export_checkpoint
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
+from tests.models import GPT_LLAMA_STYLE
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
     "gpt2": ["model.tie_embeddings=true"],
-    "llama": [
-        "model.position=rope",
-        "model.norm=rmsnorm",
-        "model.mlp=swiglu",
-        "model.bias=false",
-        "model.n_heads=4",
-        "model.n_kv_heads=2",
-        "model.tie_embeddings=false",
-    ],
+    "llama": [*GPT_LLAMA_STYLE, "model.tie_embeddings=false"],
 }
 BACKENDS = {
     "local": ["parallel.backend=local"],

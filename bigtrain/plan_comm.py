@@ -79,7 +79,8 @@ def tp_traffic(tp: TPLayout, size: int, accum: int, activation_bytes: float) -> 
     input gradient (backward) and each rowwise layer its output (forward). With it (bigtrain's
     GPT) each block all-gathers its attention and MLP inputs and reduce-scatters their outputs,
     and backward does the reverse; lm_head's input is gathered once more (the embedding's
-    all-reduce and the loss's per-token scalars are left out)."""
+    reduce-scatter, or all-reduce with learned positions, and the loss's per-token scalars are
+    left out)."""
     if not tp.sequence_parallel:
         count = accum * tp.num_blocks * (tp.colwise + tp.rowwise)
         moved = count * ring_bytes(activation_bytes, size, 1, all_reduce=True)

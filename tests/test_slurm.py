@@ -42,7 +42,10 @@ def slurm():
 
 def submit(env, out: Path, cache_dir: Path, extra: str = "") -> str:
     overrides = (
+        # configs/tiny.yaml's corpus and tokenizer, a narrower model: the jobs test the launch,
+        # the signals and the requeue, not the model
         f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=30 "
+        "model.n_layers=2 model.d_model=64 "
         "train.micro_batch_size=8 train.eval_every=10 checkpoint.every=10 wandb.mode=disabled "
         + extra
     )

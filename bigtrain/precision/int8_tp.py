@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from bigtrain.utils.tensors import local_block
+
 Split = Literal["colwise", "rowwise"]
 
 
@@ -55,12 +57,9 @@ def local_output(y: torch.Tensor, mesh: DeviceMesh, split: Split) -> DTensor:
 
 
 def input_columns(weight: DTensor) -> slice:
-    """The input features a rowwise weight holds here (torch.chunk's split, as Shard's)."""
-    in_features = weight.shape[1]
-    rank = weight.device_mesh.get_local_rank()
-    chunk = -(-in_features // weight.device_mesh.size())
-    start = min(rank * chunk, in_features)
-    return slice(start, start + weight.to_local().shape[1])
+    """The input features a rowwise weight holds here (its DTensor block's columns)."""
+    offset, shape = local_block(weight)
+    return slice(offset[1], offset[1] + shape[1])
 
 
 def all_reduce_max(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

@@ -87,17 +87,16 @@ def local_grad_stats(
 
 
 def reduce_grad_stats(
-    stats: GradStats, local_loss: torch.Tensor, flag: float | torch.Tensor = 0.0
+    stats: GradStats, local_loss: torch.Tensor, flags: torch.Tensor
 ) -> tuple[GradStats, torch.Tensor, torch.Tensor]:
     """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
-    and the flags, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
+    and `flags`, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
     Returns the reduced stats, the mean loss over ranks and the flags summed over ranks (a
-    preemption request, replica differences: they ride along at no extra cost), a scalar for a
-    float `flag`; identical on every rank."""
-    scalar = not isinstance(flag, torch.Tensor)
-    flags = torch.as_tensor(flag, dtype=torch.float32, device=stats.sum_sq.device).reshape(-1)
+    preemption request, replica differences: they ride along at no extra cost); identical on
+    every rank."""
+    flags = flags.float().reshape(-1)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return stats, local_loss.float().reshape(()), flags[0] if scalar else flags
+        return stats, local_loss.float().reshape(()), flags
     n = len(stats.names)
     packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1), flags])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
@@ -107,12 +106,7 @@ def reduce_grad_stats(
         max_abs = torch.where(max_abs.isnan(), float("inf"), max_abs)
         dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
     reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    summed_flags = packed[2 * n + 1 :]
-    return (
-        reduced,
-        packed[2 * n] / dist.get_world_size(),
-        summed_flags[0] if scalar else summed_flags,
-    )
+    return reduced, packed[2 * n] / dist.get_world_size(), packed[2 * n + 1 :]
 
 
 def replica_differences(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -75,7 +75,7 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     stats, loss, flags = reduce_grad_stats(
         local_grad_stats(named, torch.device("cpu"), use_kernel=False),
         torch.tensor(float(rank + 1)),
-        flag=float(rank == 1),  # a preemption request on rank 1 only
+        torch.tensor([float(rank == 1)]),  # a preemption request on rank 1 only
     )
     dist.destroy_process_group()
     return (
@@ -83,7 +83,7 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
         stats.sum_sq.tolist(),
         stats.nonfinite.tolist(),
         loss.item(),
-        flags.item(),
+        flags.tolist(),
     )
 
 
@@ -99,7 +99,7 @@ def test_sharded_stats_reduce_to_the_full_tensors_on_every_rank():
     assert r0[2] == [0.0, 1.0, 0.0]  # the NaN in rank 0's half of t1 is seen by both ranks
     assert r0[0][1] == float("inf")
     assert r0[3] == 1.5  # mean of the ranks' losses 1 and 2
-    assert r0[4] == r1[4] == 1.0  # both ranks know that one rank raised the flag
+    assert r0[4] == r1[4] == [1.0]  # both ranks know that one rank raised the flag
 
 
 @pytest.mark.unit

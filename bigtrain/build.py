@@ -28,7 +28,7 @@ from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
-from bigtrain.config import Config, for_world_size, to_dict, to_yaml
+from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import (
     BatchLoader,
     SampleStream,
@@ -48,7 +48,7 @@ from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.parallel.mesh import mesh_shape, replication
+from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import PrecisionPolicy, dtype_name
@@ -108,9 +108,7 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
     # A mesh that does not divide the world: exit 2 before any work. tp ranks share a batch.
-    dp_size = mesh_shape(cfg.parallel, env.world_size).dp_size
-    label = "world size" if dp_size == env.world_size else "data-parallel size"
-    cfg = for_world_size(cfg, dp_size, label)  # train.global_batch_size -> grad_accum_steps
+    cfg = for_mesh(cfg, env.world_size)  # train.global_batch_size -> grad_accum_steps
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "

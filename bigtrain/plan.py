@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bigtrain.config.load import for_world_size
 from bigtrain.config.schema import Config
 from bigtrain.data.prepared import PreparedData
 from bigtrain.model import build_model, num_params
-from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.parallel.mesh import for_mesh, mesh_shape
 from bigtrain.plan_comm import TPLayout, fsdp_traffic, tp_layout
 from bigtrain.precision.policy import Hardware, PrecisionPolicy, dtype_name, resolve_policy
 from bigtrain.utils.sizes import parse_size
@@ -356,8 +355,7 @@ def plan_text(
     cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
 ) -> str:
     shape = mesh_shape(cfg.parallel, world_size)
-    label = "world size" if shape.dp_size == world_size else "data-parallel size"
-    cfg = for_world_size(cfg, shape.dp_size, label)  # the ranks of a tp group share a batch
+    cfg = for_mesh(cfg, world_size)  # the ranks of a tp group share a batch
     model = meta_model(cfg)
     n, block = count_params(cfg, model)
     tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()

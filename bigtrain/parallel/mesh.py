@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from bigtrain.config.schema import ParallelConfig
+from bigtrain.config.load import for_world_size
+from bigtrain.config.schema import Config, ParallelConfig
 from bigtrain.errors import ConfigError
 
 
@@ -69,6 +70,15 @@ def mesh_shape(cfg: ParallelConfig, world_size: int) -> MeshShape:
             f"{world_size} / {model_copies}, not an integer"
         )
     return MeshShape(cfg.replicate, world_size // model_copies, cfg.tensor_parallel)
+
+
+def for_mesh(cfg: Config, world_size: int) -> Config:
+    """`cfg` with train.global_batch_size turned into grad_accum_steps for the data-parallel ranks
+    of its mesh at `world_size` (the ranks of a tp group share a batch); ConfigError with the
+    numbers when the mesh or the batch does not divide."""
+    dp_size = mesh_shape(cfg.parallel, world_size).dp_size
+    label = "world size" if dp_size == world_size else "data-parallel size"
+    return for_world_size(cfg, dp_size, label)
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:

@@ -112,6 +112,29 @@ def train_run_probed(args: list[str], probe) -> dict:
         build.build_trainer = build_trainer
 
 
+def mesh_run_args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
+    """Overrides of a micro-model run under tmp/name that is compared across meshes: FP32, a
+    global batch of 16 at any world size, loss and norm logged every step, no evaluation or
+    checkpoints unless `extra` asks, and clipping below the micro model's norms (so every step
+    clips with the monitor's norm)."""
+    from tests.conftest import micro_overrides
+
+    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "precision.compute_dtype=fp32",
+        "train.global_batch_size=16",
+        "optim.grad_clip=0.05",
+        *extra,
+    ]
+
+
+def step0_fingerprint(trainer) -> dict:
+    """A train_run_probed probe: the weights' fingerprint before the first step."""
+    return {"fingerprint": trainer.backend.fingerprint()}
+
+
 def by_step(result: dict, key: str) -> dict[int, float]:
     """`key` of each metrics line of a train_run result, by step."""
     return {m["step"]: m[key] for m in result["metrics"] if key in m}

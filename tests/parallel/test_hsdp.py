@@ -4,15 +4,14 @@ DCP checkpoints resume on other meshes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import micro_overrides
 from tests.distributed import (
     by_step,
+    mesh_run_args,
     resume_copies,
     run_distributed,
+    step0_fingerprint,
     train_run,
     train_run_probed,
 )
@@ -20,19 +19,9 @@ from tests.distributed import (
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
-GLOBAL_BATCH = 16
 
 
-def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
-    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "precision.compute_dtype=fp32",
-        f"train.global_batch_size={GLOBAL_BATCH}",
-        "optim.grad_clip=0.05",  # below the micro model's norms: clipping uses the monitor's norm
-        *extra,
-    ]
+_args = mesh_run_args
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +29,8 @@ def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
     tmp = tmp_path_factory.mktemp("hsdp")
     steps = f"train.max_steps={STEPS}"
     local = train_run_probed(
-        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16"), initial
+        _args(tmp, "local", corpus_files, cache_dir, steps, "train.micro_batch_size=16"),
+        step0_fingerprint,
     )
     hsdp = run_distributed(
         train_run_probed,
@@ -56,14 +46,10 @@ def local_and_hsdp(tmp_path_factory, corpus_files, cache_dir):
             "parallel.meta_init=true",  # each rank draws and keeps only its (replicated) shard
             "train.micro_batch_size=2",  # 2 micro-batches: replicas sync on the last one only
         ),
-        initial,
+        step0_fingerprint,
     )
     assert len({r["final"]["fingerprint"] for r in hsdp}) == 1  # replicas hold the same weights
     return local, hsdp[0], [r["probe"]["fingerprint"] for r in hsdp]
-
-
-def initial(trainer) -> dict:
-    return {"fingerprint": trainer.backend.fingerprint()}
 
 
 def test_hsdp_losses_match_one_process(local_and_hsdp):

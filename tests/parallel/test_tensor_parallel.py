@@ -6,14 +6,19 @@ every rank back, and its DCP checkpoint resumes as shard 4 and on one process.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
-from tests.conftest import micro_overrides
-from tests.distributed import by_step, resume_copies, run_distributed, train_run, train_run_probed
+from tests.distributed import (
+    by_step,
+    mesh_run_args,
+    resume_copies,
+    run_distributed,
+    step0_fingerprint,
+    train_run,
+    train_run_probed,
+)
 from tests.models import GPT_LLAMA_STYLE
 
 pytestmark = pytest.mark.distributed
@@ -24,16 +29,7 @@ GPT2 = ("model.position=learned", "model.norm=layernorm", "model.mlp=gelu", "mod
 TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=8"]
 
 
-def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
-    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "precision.compute_dtype=fp32",
-        "train.global_batch_size=16",
-        "optim.grad_clip=0.05",  # below the micro model's norms: clipping uses the monitor's norm
-        *extra,
-    ]
+_args = mesh_run_args
 
 
 def placements(trainer) -> dict:
@@ -52,11 +48,7 @@ def placements(trainer) -> dict:
         out[name] += (tuple(w.shape), tuple(w.to_local().shape))
     out["batch"] = trainer.loader.rank, trainer.loader.world
     out["split_logits"] = trainer.backend.logits_split_by_vocab
-    return {**out, **initial(trainer)}
-
-
-def initial(trainer) -> dict:
-    return {"fingerprint": trainer.backend.fingerprint()}
+    return {**out, **step0_fingerprint(trainer)}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def local_and_tp(tmp_path_factory, corpus_files, cache_dir):
     steps = f"train.max_steps={STEPS}"
     local = train_run_probed(
         _args(tmp, "local", corpus_files, cache_dir, steps, *LLAMA, "train.micro_batch_size=16"),
-        initial,
+        step0_fingerprint,
     )
     tp_args = [*LLAMA, *TP2, "parallel.activation_checkpointing=selective"]
     tp_args.append("parallel.meta_init=true")

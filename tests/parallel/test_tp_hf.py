@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import micro_overrides
-from tests.distributed import by_step, run_distributed, train_run, train_run_probed
+from tests.distributed import by_step, mesh_run_args, run_distributed, train_run, train_run_probed
 from tests.models import HF_LLAMA, HF_LLAMA_TP_PLAN
 
 pytestmark = pytest.mark.distributed
@@ -21,17 +20,7 @@ TP2 = ["parallel.backend=fsdp", "parallel.tensor_parallel=2", TP_PLAN, "train.mi
 
 
 def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
-    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
-        "model.kind=hf",
-        LLAMA,
-        "train.log_every=1",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "precision.compute_dtype=fp32",
-        "train.global_batch_size=16",
-        "optim.grad_clip=0.05",
-        *extra,
-    ]
+    return mesh_run_args(tmp, name, corpus_files, cache_dir, "model.kind=hf", LLAMA, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import micro_overrides
-from tests.distributed import by_step, run_distributed, train_run
+from tests.distributed import by_step, mesh_run_args, run_distributed, train_run
 
 pytestmark = pytest.mark.distributed
 
@@ -29,18 +28,17 @@ LOCAL = ["parallel.backend=local", "train.micro_batch_size=16"]
 
 
 def _args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:
-    return micro_overrides(tmp / name, corpus_files, cache_dir) + [
+    return mesh_run_args(
+        tmp,
+        name,
+        corpus_files,
+        cache_dir,
         "model.kind=hf",
         GPT2,
         f"train.max_steps={STEPS}",
-        "train.log_every=1",
-        "train.eval_every=0",
         f"checkpoint.every={STOP}",
-        "precision.compute_dtype=fp32",
-        "train.global_batch_size=16",
-        "optim.grad_clip=0.05",
         *extra,
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -291,6 +291,8 @@ class TorchBackend(Backend):
             if policy.loss_scaling != "none"
             else None
         )
+        for p in self._params():  # materialised now: see fresh_optimizer_state
+            fresh_optimizer_state(self.optimizer, p)
         self.islands = FP32Islands(model, device.type)
         for phase in policy.phases:  # a later phase's misspelt pattern fails now, not at its switch
             self.islands.check(phase.fp32_modules)
@@ -382,8 +384,8 @@ class TorchBackend(Backend):
             if optimizer and p.requires_grad and source.step(name):
                 moments = {k: source.block(name, k, offset, shape) for k in MOMENTS}
                 set_fp32_optimizer_state(self.optimizer, p, source.step(name), moments)
-            elif p in self.optimizer.state:
-                del self.optimizer.state[p]
+            elif p.requires_grad:
+                fresh_optimizer_state(self.optimizer, p)
         load_buffers(self.model, source)
 
     def master_state(self) -> tuple[list[torch.Tensor], dict]:
@@ -420,14 +422,29 @@ def set_fp32_optimizer_state(
         return
     state = optimizer.state[param]
     if not state:
-        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
-        device = param.device if on_device else torch.device("cpu")
-        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        for key in moments:
-            state[key] = torch.zeros_like(param)
+        fresh_optimizer_state(optimizer, param)
     state["step"].fill_(step)
     for key, value in moments.items():
         local_tensor(state[key]).copy_(value)
+
+
+@torch.no_grad()
+def fresh_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """AdamW's state of a parameter before its first step, materialised as the optimizer itself
+    creates it (step 0, zero moments), so the first update is bit for bit the same. An optimizer
+    never holds *no* state: DCP's get_state_dict fills a stateless one by running a zero-lr step,
+    which leaves step 1 behind and shifts every later bias correction (FSDP2 diverged from local
+    after a rollback to the starting state, whose checkpoint was written right after it)."""
+    optimizer.state.pop(param, None)
+    if isinstance(optimizer, LowPrecisionAdamW):
+        optimizer.fresh_state(param)
+        return
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    state = optimizer.state[param]
+    device = param.device if on_device else torch.device("cpu")
+    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+    for key in MOMENTS:
+        state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 @torch.no_grad()

@@ -89,6 +89,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     # --- state ------------------------------------------------------------------------------------
 
+    def fresh_state(self, p: torch.Tensor) -> None:
+        """Materialise `p`'s state as its first step would (step 0, zero moments)."""
+        self.state.pop(p, None)
+        self._init_state(p)
+
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         local = local_tensor(p)
         state = self.state[p]

@@ -19,11 +19,9 @@ from torch import nn
 from bigtrain.callbacks.checkpointing import CheckpointCallback
 from bigtrain.callbacks.evaluate import EvalCallback
 from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
-from bigtrain.callbacks.guard import AnomalyGuard
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.preempt import PreemptionHandler
-from bigtrain.callbacks.rollback import Rollback
 from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
@@ -52,7 +50,8 @@ from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import PrecisionPolicy, dtype_name
-from bigtrain.resume import run_identity, start_state
+from bigtrain.resilience import Healer
+from bigtrain.resume import run_identity, start_state, start_weights
 from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.store.rundir import RunDir, check_out_dir
 from bigtrain.store.runlock import RunLock, lock_run_dir
@@ -209,9 +208,7 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callbac
         HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
         StragglerReport(cfg.monitor.straggler_factor),
         FaultInjector(cfg.fault, env.rank),
-        AnomalyGuard(cfg.monitor),
         EvalCallback(val, cfg.train.eval_every),
-        Rollback(cfg.resilience, manager),
         CheckpointCallback(manager, cfg.checkpoint),
         MetricsLogger(),
         ConsoleProgress(cfg.train.progress and env.is_main),
@@ -265,8 +262,9 @@ def _build_trainer(
         "monitor_kernel": "triton" if monitor.use_kernel else "torch",
     }
     callbacks = make_callbacks(cfg, env, run_dir, manager, val, learned["int8_layers"])
+    healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
     trainer = Trainer(
-        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor
+        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor, healer
     )
     if cfg.fault.corrupt_checkpoint:
         if env.is_main:
@@ -352,7 +350,7 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
         _setup_events(trainer, cfg, env)
         try:
-            state = trainer.fit()
+            state = trainer.fit(resumed=ctx["resume_from"] is not None)
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
             trainer.callbacks.on_stop(trainer, str(e))
             raise

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bigtrain.config import Config, ModelConfig, config_changes
 from bigtrain.errors import ConfigError
 from bigtrain.model.fused import is_fused, unfused_shapes
 from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
-from bigtrain.parallel.sources import HFSource, checkpoint_source
+from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.sources import HFSource, InitialValues, checkpoint_source
 from bigtrain.store.checkpoint import (
     MANIFEST,
     CheckpointManager,
@@ -32,6 +36,8 @@ from bigtrain.store.checkpoint import (
     shape_changes,
 )
 from bigtrain.train import Trainer
+from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import full_shape
 
 
 def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
@@ -59,7 +65,7 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
             f"checkpoint '{path}' was written with different {', '.join(changes)}; "
             "set checkpoint.allow_config_change=true to resume anyway"
         )
-    _check_shapes(path, manifest, trainer)
+    _check_shapes(path, manifest, trainer.context["shapes"])
     trainer.load_trainer_state(manager.load(path, trainer.backend))
     restarts = {
         k.lower(): int(os.environ[k])
@@ -102,13 +108,13 @@ def _resume_target(
     return path, manager.verify(path)  # CheckpointError (exit 2) names the file that fails
 
 
-def _check_shapes(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+def _check_shapes(path: Path, manifest: dict[str, Any], shapes: dict[str, list[int]]) -> None:
     """The same parameter shapes: nothing else can be loaded. A checkpoint from before the GPT
     split its fused layers is compared under today's names (model/fused.py), as it loads."""
     saved = manifest.get("shapes")
     if saved is not None:
         saved = {name: list(shape) for name, shape in unfused_shapes(saved).items()}
-    reshaped = shape_changes(saved, trainer.context["shapes"])
+    reshaped = shape_changes(saved, shapes)
     if reshaped:
         shown = "; ".join(reshaped[:6])
         if len(reshaped) > 6:
@@ -125,11 +131,22 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
     """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
     Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
     step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
+    source, details = init_source(cfg, trainer.context["shapes"], manager)
+    trainer.backend.load_from(source, optimizer=False)
+    details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
+    return details
+
+
+def init_source(
+    cfg: Config, shapes: dict[str, list[int]], manager: CheckpointManager
+) -> tuple[Any, dict[str, Any]]:
+    """The source of `model.init_from`'s weights for a model of `shapes`, and the event's
+    details."""
     path = Path(cfg.model.init_from)
     details: dict[str, Any] = {"path": str(path)}
     if (path / MANIFEST).is_file():
         manifest = manager.verify(path)
-        _check_shapes(path, manifest, trainer)
+        _check_shapes(path, manifest, shapes)
         source = checkpoint_source(path, manifest["backend"])
         details.update(
             source="checkpoint",
@@ -137,12 +154,26 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
             source_step=manifest["step"],
             **_fused_note(manifest),
         )
-    else:
-        source = hf_source(path, cfg.model, trainer.context["shapes"])
-        details.update(source="huggingface")
-    trainer.backend.load_from(source, optimizer=False)
-    details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
-    return details
+        return source, details
+    return hf_source(path, cfg.model, shapes), {**details, "source": "huggingface"}
+
+
+def start_weights(
+    cfg: Config, backend: Backend, manager: CheckpointManager, device: torch.device
+) -> Callable[[], None] | None:
+    """What loads the run's initial weights again, with a fresh optimizer: a rollback to the
+    start in a process that does not hold it (resumed, or snapshots off) rebuilds it so.
+    model.init_from's source, or bigtrain's GPT's seeded initial values; None for a
+    transformers model's own init, which is not kept."""
+    model = backend.model
+    if cfg.model.init_from:
+        shapes = {canonical_name(n): list(full_shape(p)) for n, p in model.named_parameters()}
+        return lambda: backend.load_from(init_source(cfg, shapes, manager)[0], optimizer=False)
+    if hasattr(model, "init_value"):
+        return lambda: backend.load_from(
+            InitialValues(model, cfg.train.seed, device), optimizer=False
+        )
+    return None
 
 
 def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) -> HFSource:

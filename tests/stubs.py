@@ -10,6 +10,7 @@ it tells which step's state was loaded. No model, no loop, no process group.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -17,10 +18,11 @@ from typing import Any
 
 import torch
 
+from bigtrain.config.schema import Config
 from bigtrain.data.stream import SampleStream
-from bigtrain.monitor.monitor import Anomaly
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.scaler import ScaleUpdate
+from bigtrain.resilience import Anomaly, Healer
 from bigtrain.store.checkpoint import PREFIX, CheckpointError
 from bigtrain.store.rundir import RunDir
 from bigtrain.train import Trainer, TrainState
@@ -122,8 +124,9 @@ class EventRecorder(Callback):
 
 
 class StubTrainer:
-    """The Trainer attributes callbacks use; `step_end` and `after_backward` run one step's hooks
-    the way Trainer.train_step and fit do."""
+    """The Trainer attributes the healer and callbacks use; `step_end` and `after_backward` run
+    one step's calls the way Trainer.train_step and fit do (the healer's after_step, then the
+    callbacks' on_step_end)."""
 
     step = Trainer.step
     event = Trainer.event
@@ -135,6 +138,7 @@ class StubTrainer:
         rank: int = 0,
         world_size: int = 1,
         num_samples: int = 10_000,
+        healer: Healer | None = None,
     ) -> None:
         self.env = DistEnv(rank=rank, world_size=world_size)
         self.run_dir = RunDir(path, self.env.is_main)
@@ -143,7 +147,7 @@ class StubTrainer:
         self.state = TrainState()
         self.backend = StubBackend()
         self.loader = StubLoader(SampleStream(num_samples, seed=0), GLOBAL_BATCH)
-        self.host_copy = None
+        self.healer = healer
         self.replaying = False
         self.stop_signal: str | None = None
         self.step_in_progress: int | None = None
@@ -151,17 +155,22 @@ class StubTrainer:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.recorder.records if kind is None or e["kind"] == kind]
 
-    def trainer_state(self) -> dict[str, Any]:
-        return {
+    def trainer_state(self, resilience: bool = True) -> dict[str, Any]:
+        out = {
             "state": asdict(self.state),
             "data": self.loader.stream.state_dict(),
             "callbacks": self.callbacks.state_dict(),
         }
+        if resilience and self.healer is not None:
+            out["resilience"] = self.healer.state_dict()
+        return out
 
-    def load_trainer_state(self, saved: dict[str, Any]) -> None:
+    def load_trainer_state(self, saved: dict[str, Any], resilience: bool = True) -> None:
         self.state = TrainState(**saved["state"])
         self.loader.stream.load_state_dict(saved["data"])
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
+        if resilience and "resilience" in saved and self.healer is not None:
+            self.healer.load_state_dict(saved["resilience"])
 
     def after_backward(self, local_loss: float = 2.0) -> StepResult:
         """on_after_backward of the next step, with this rank's loss."""
@@ -181,8 +190,10 @@ class StubTrainer:
         preempt: bool = False,
     ) -> StepResult:
         """One step as the loop ends it: its batch taken, the update applied unless `skipped`,
-        the counters advanced, then on_step_end. `action`: the guard's decision, when the test
-        has no guard among the callbacks."""
+        the counters advanced, then the healer's after_step and on_step_end. `action`: the
+        decision, for tests of callbacks without a healer."""
+        if self.healer is not None:
+            self.healer.before_step(self)
         self.loader.stream.take(self.loader.global_batch_size)
         if skipped:
             self.state.skipped_steps += 1
@@ -201,9 +212,24 @@ class StubTrainer:
             preempt=preempt,
             finite=not (anomaly and anomaly.kind == "nonfinite"),
         )
+        if self.healer is not None:
+            self.healer.after_step(self, result)
         self.callbacks.on_step_end(self, result)
         return result
 
     def healthy(self, num_steps: int) -> None:
         for _ in range(num_steps):
             self.step_end()
+
+
+def stub_healer(
+    manager: StubManager, monitor: dict | None = None, checkpoint_every: int = 0, **resilience
+) -> Healer:
+    """A Healer over the stub trainer's parts: no gradient names; the start rebuilt by zeroing
+    the stub weight (what 'initial values' are for it)."""
+    cfg = Config()
+    cfg.resilience = dataclasses.replace(cfg.resilience, **resilience)
+    cfg.monitor = dataclasses.replace(cfg.monitor, **(monitor or {}))
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=checkpoint_every)
+    healer = Healer(cfg, [], manager, start_weights=None)
+    return healer

@@ -49,7 +49,6 @@ class CheckpointCallback(Callback):
                 trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
                 return
         self.started = time.perf_counter()
-        copy = trainer.host_copy
         path = self.manager.save(
             trainer.step,
             trainer.backend,
@@ -57,7 +56,8 @@ class CheckpointCallback(Callback):
             trainer.context["identity"],
             trainer.context["config_yaml"],
             async_ok=self.cfg.async_save and not wait,
-            host_state=copy.state if copy is not None and copy.step == trainer.step else None,
+            # A snapshot of this step (a rollback target) is a host copy already: written from.
+            host_state=trainer.healer.host_state(trainer.step),
             shapes=trainer.context.get("shapes"),
         )
         if path is None:

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.mesh import check_mesh
-from bigtrain.config.schema import Config, FaultConfig
+from bigtrain.config.schema import SPIKE_RULES, Config, FaultConfig, MonitorConfig
 from bigtrain.errors import ConfigError
 
 # Allowed values of enumerated string keys; checked after the merge.
@@ -43,7 +43,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("rollback", "skip", "abort"),
     "monitor.kernel": ("auto", "triton", "torch"),
-    "monitor.detector": ("mean_std", "median_mad"),
     "monitor.on_spike": ("rollback", "skip", "warn"),
     "parallel.backend": ("local", "fsdp", "zero"),
     "parallel.activation_checkpointing": ("none", "block", "selective"),
@@ -70,11 +69,33 @@ def all_keys(schema: Any = Config, prefix: str = "") -> list[str]:
 
 
 MOVED = {"checkpoint.init_from": "model.init_from"}
+_OLD_DETECTION = (
+    "spike detection was redesigned from measurements (README, Healing): set monitor.rules, "
+    "monitor.loss.* and monitor.grad_norm.*"
+)
+REMOVED = {
+    f"monitor.{key}": _OLD_DETECTION
+    for key in (
+        "spikes",
+        "detector",
+        "window",
+        "k",
+        "tensor_k",
+        "warmup",
+        "warmup_factor",
+        "min_factor",
+        "tensor_min_factor",
+        "tensor_floor",
+    )
+}
+"""Keys earlier bigtrain versions had: an error says why they went; saved configs drop them."""
 
 
 def _closest(key: str) -> str:
     if key in MOVED:
         return f" (it moved: use '{MOVED[key]}')"
+    if key in REMOVED:
+        return f" (removed: {REMOVED[key]})"
     match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -243,17 +264,13 @@ def _check_signs(config: Config) -> None:
         "checkpoint.keep": config.checkpoint.keep,
         "data.vocab_size": config.data.vocab_size,
         "data.num_proc": config.data.num_proc,
-        "monitor.window": config.monitor.window,
-        "monitor.k": config.monitor.k,
-        "monitor.tensor_k": config.monitor.tensor_k,
+        "monitor.tensor_window": config.monitor.tensor_window,
         "monitor.max_consecutive": config.monitor.max_consecutive,
         "monitor.top_k": config.monitor.top_k,
         "resilience.snapshots": config.resilience.snapshots,
         "resilience.lr_backoff": config.resilience.lr_backoff,
         "resilience.clip_backoff": config.resilience.clip_backoff,
         "resilience.max_transient_per_rank": config.resilience.max_transient_per_rank,
-        "monitor.warmup_factor": config.monitor.warmup_factor,
-        "monitor.tensor_min_factor": config.monitor.tensor_min_factor,
         "monitor.straggler_factor": config.monitor.straggler_factor,
     }
     for key, value in positive.items():
@@ -263,13 +280,12 @@ def _check_signs(config: Config) -> None:
         "train.eval_every": t.eval_every,
         "data.prefetch": config.data.prefetch,
         "monitor.every": config.monitor.every,
-        "monitor.warmup": config.monitor.warmup,
         "monitor.timing_every": config.monitor.timing_every,
         "fault.slow_s": config.fault.slow_s,
         "resilience.snapshot_every": config.resilience.snapshot_every,
         "resilience.confirm_steps": config.resilience.confirm_steps,
         "resilience.skip_margin": config.resilience.skip_margin,
-        "resilience.lr_cooldown_steps": config.resilience.lr_cooldown_steps,
+        "resilience.lr_cooldown_steps": config.resilience.lr_cooldown_steps or 0,
         "resilience.window": config.resilience.window,
         "resilience.max_rollbacks": config.resilience.max_rollbacks,
         "optim.warmup_steps": config.optim.warmup_steps,
@@ -324,12 +340,7 @@ def _check_optim_and_data(config: Config) -> None:
 
 
 def _check_monitor_and_int8(config: Config) -> None:
-    spikes = set(config.monitor.spikes) - {"loss", "grad_norm", "tensor_max"}
-    if spikes:
-        raise ConfigError(
-            f"key 'monitor.spikes' got {sorted(spikes)}, expected a list of loss, grad_norm, "
-            "tensor_max"
-        )
+    _check_rules(config.monitor)
     int8 = config.precision.int8
     if int8.calibration_steps < 0:
         raise ConfigError(
@@ -347,15 +358,29 @@ def _check_monitor_and_int8(config: Config) -> None:
         value = getattr(config.resilience, key)
         if not 0.0 < value <= 1.0:
             raise ConfigError(f"key 'resilience.{key}' got {value}, expected 0 < value <= 1")
-    if config.monitor.min_factor < 1.0:
+
+
+def _check_rules(monitor: MonitorConfig) -> None:
+    """Spike rules: known names, and settings that can fire at all."""
+    unknown = [name for name in monitor.rules if name not in SPIKE_RULES]
+    if unknown:
         raise ConfigError(
-            f"key 'monitor.min_factor' got {config.monitor.min_factor}, expected a value >= 1"
+            f"key 'monitor.rules' got unknown rule names {unknown}, expected a list of "
+            f"{', '.join(SPIKE_RULES)}"
         )
-    if config.monitor.warmup > config.monitor.window:
-        raise ConfigError(
-            f"key 'monitor.warmup' ({config.monitor.warmup}) cannot exceed monitor.window "
-            f"({config.monitor.window})"
-        )
+    for name in SPIKE_RULES:
+        rule, key = getattr(monitor, name), f"monitor.{name}"
+        if rule.window < 1:
+            raise ConfigError(f"key '{key}.window' got {rule.window}, expected a value >= 1")
+        if not rule.factor > 1.0:
+            raise ConfigError(f"key '{key}.factor' got {rule.factor}, expected a value > 1")
+        if not rule.sigmas >= 0.0:
+            raise ConfigError(f"key '{key}.sigmas' got {rule.sigmas}, expected a value >= 0")
+        if not 1 <= rule.min_values <= rule.window:
+            raise ConfigError(
+                f"key '{key}.min_values' got {rule.min_values}, expected 1..{key}.window "
+                f"({rule.window}): a window shorter than the values it waits for never fires"
+            )
 
 
 def _check_parallel_and_train(config: Config) -> None:

@@ -8,13 +8,14 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from bigtrain.config.load import MOVED, _merge_one, flatten, to_dict, validate
+from bigtrain.config.load import MOVED, REMOVED, _merge_one, flatten, to_dict, validate
 from bigtrain.config.schema import Config
 
 
 def load_saved_config(path: Path) -> Config:
     """The config.yaml a run saved (in its run directory or a checkpoint), written by this or an
-    earlier bigtrain: keys that moved since (MOVED) are read at their new place."""
+    earlier bigtrain: keys that moved since (MOVED) are read at their new place, keys removed
+    since (REMOVED) are dropped."""
     data = yaml.safe_load(Path(path).read_text()) or {}
     for old, new in MOVED.items():
         section, key = old.split(".")
@@ -22,6 +23,9 @@ def load_saved_config(path: Path) -> Config:
         if value is not None:
             new_section, new_key = new.split(".")
             data.setdefault(new_section, {}).setdefault(new_key, value)
+    for old in REMOVED:
+        section, key = old.split(".")
+        (data.get(section) or {}).pop(key, None)
     cfg = _merge_one(OmegaConf.structured(Config), OmegaConf.create(data), f"saved config '{path}'")
     config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     validate(config)

@@ -270,13 +270,36 @@ class CheckpointConfig:
     a non-finite state is never checkpointed (a `checkpoint_refused` event instead)."""
 
 
+SPIKE_RULES = ("loss", "grad_norm")
+"""The series a spike rule may watch (`monitor.rules`)."""
+
+
+@dataclass
+class SpikeRuleConfig:
+    """One spike rule (bigtrain/resilience/rules.py): a value is a spike when it is at least
+    `factor` times the median of the last `window` healthy values and, from `min_values` values
+    on, also more than `sigmas` robust standard deviations above it in log space."""
+
+    window: int = 50
+    """Healthy values the baseline (their median) and spread are taken from."""
+    factor: float = 1.5
+    """The least ratio to the baseline that is a spike (> 1)."""
+    sigmas: float = 6.0
+    """Robust standard deviations (1.4826 x MAD of the log values) above the baseline that a
+    spike must also exceed, from `min_values` values on; 0: the factor alone."""
+    min_values: int = 10
+    """Values in the window before the spread counts (it is unreliable on fewer); the factor
+    applies from the first value on, so step 2 is already watched."""
+
+
 @dataclass
 class MonitorConfig:
     every: int = 10
-    """Full per-tensor statistics (max |g| per tensor: per-tensor spike detection and per-layer
-    telemetry) every N steps and at every log step. Other steps compute only the sums of squares and
-    non-finite counts, which give the global norm, the clipping and the non-finite check (those run
-    every step). With the Triton kernel max |g| comes free; N then only saves a MAX all-reduce."""
+    """Full per-tensor statistics (max |g| per tensor: per-layer telemetry) every N steps and at
+    every log step. Other steps compute only the sums of squares and non-finite counts, which give
+    the global norm, the clipping, the non-finite check and the spike rules (those run every
+    step); an anomaly's report computes max |g| when its step did not. With the Triton kernel max
+    |g| comes free; N then only saves a MAX all-reduce."""
     kernel: str = "auto"
     """Statistics pass: `auto` (Triton on CUDA, torch foreach elsewhere), `triton` (CUDA only) or
     `torch`. Read at start."""
@@ -286,36 +309,24 @@ class MonitorConfig:
     event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
     the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
     steps) take the same action."""
-    spikes: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "tensor_max"])
-    """Spike detectors: `loss`, `grad_norm` (global) and `tensor_max` (max |g| of each tensor, on
-    full steps). [] turns spike detection off."""
-    detector: str = "mean_std"
-    """Baseline of the spike detectors: `mean_std` (mean + k sigma) or `median_mad` (median + k
-    MAD-sigma, robust to outliers already in the window)."""
-    window: int = 100
-    """Healthy values each detector remembers."""
-    k: float = 3.0
-    """Loss and global grad norm spike when above baseline + k spreads."""
-    tensor_k: float = 6.0
-    """The same for each tensor's max |g|. Higher than k: with hundreds of tensors tested at once,
-    k = 3 would flag some tensor on most steps by chance."""
-    warmup: int = 50
-    """Healthy values a detector needs before k sigma may fire (early training swings widely)."""
-    warmup_factor: float = 20.0
-    """During the warm-up (from 5 values on), a value at least this many times the median of the
-    values seen so far is a spike: early training is where blow-ups are most common."""
-    min_factor: float = 5.0
-    """A grad_norm spike must also be at least this many times its baseline and its recent values:
-    the norm is heavy-tailed and passes k sigma by chance (on configs/tiny.yaml k = 3 alone
-    flagged 13 healthy steps in 500; with this factor, none). 1 turns the floor off."""
-    tensor_min_factor: float = 20.0
-    """The same floor for each tensor's max |g|: one value of one tensor is more heavy-tailed still
-    (a healthy FP32 run of configs/tiny.yaml had a 7x jump of one qkv weight's max |g|)."""
-    tensor_floor: float = 1e-3
-    """A tensor whose max |g| is below this fraction of the step's largest never spikes: its
-    gradient is rounding noise (attention's key bias has an exact gradient of zero, softmax being
-    shift-invariant; its max |g| of ~1e-7 swung 60x in a healthy run of the micro test model and
-    rolled it back). 0 turns the floor off."""
+    rules: list[str] = field(default_factory=lambda: ["loss", "grad_norm"])
+    """Spike rules that may trigger the ladder (`monitor.on_spike`): `loss`, `grad_norm` (the
+    global gradient norm); [] turns spike detection off (non-finite values are always caught).
+    Per-tensor statistics never trigger: in healthy runs a single tensor's gradient norm jumps
+    1000x when attention wakes up; they name the culprits in the anomaly event (README,
+    Healing: the rules and the sweep that chose them)."""
+    loss: SpikeRuleConfig = field(default_factory=SpikeRuleConfig)
+    """The loss rule: over the healthy sweep the loss stayed within 1.07x of its recent median,
+    so 1.5x with 6 robust sigmas has a wide margin and still catches a x10 loss spike on one
+    rank of 16."""
+    grad_norm: SpikeRuleConfig = field(
+        default_factory=lambda: SpikeRuleConfig(window=50, factor=1000.0, sigmas=12.0)
+    )
+    """The gradient-norm rule: a guard against gross corruption only. Healthy runs jump 50x in
+    warm-up (with clipping doing its job), so a sensitive threshold would roll back healthy runs."""
+    tensor_window: int = 20
+    """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
+    event (`top_jumps`: norm / median of its window)."""
     on_spike: str = "rollback"
     """What a spike does: `rollback` (see resilience.*), `skip` the optimizer step, or `warn`
     (anomaly event only; the step is applied)."""
@@ -347,8 +358,10 @@ class ResilienceConfig:
     """The learning rate is multiplied by this after a rollback (compounding on repeats)."""
     clip_backoff: float = 0.5
     """The clipping threshold is multiplied by this after a rollback (tighter clipping)."""
-    lr_cooldown_steps: int = 200
-    """How long the back-off lasts, in steps after the restored step; 0: for the rest of the run."""
+    lr_cooldown_steps: int | None = None
+    """How long the back-off lasts, in steps after the restored step, never past train.max_steps.
+    None: twice the steps the rollback went back (the stretch that led into the anomaly gets
+    its length again at the lower LR, then some); 0: for the rest of the run."""
     window: int = 50
     """An anomaly within this many steps of the previous rollback goes one snapshot further back."""
     max_rollbacks: int = 5

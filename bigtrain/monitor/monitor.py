@@ -1,15 +1,15 @@
-"""The gradient-magnitude monitor: statistics, their reduction over ranks, detectors, one decision.
+"""The gradient-magnitude monitor: statistics and their reduction over ranks, read once per step.
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
 with the local loss packed in (plus a MAX all-reduce on full steps), one host read of the reduced
-numbers; then the detectors, on identical numbers on every rank, take the same decision on every
-rank. The global gradient norm for clipping is the square root of the summed squares: no second
-pass over the gradients.
+numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
+reach the same verdict on every rank. The global gradient norm for clipping is the square root of
+the summed squares: no second pass over the gradients.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,43 +17,20 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
-from bigtrain.monitor.detectors import Spike, SpikeDetector
 from bigtrain.monitor.stats import (
     GradStats,
     layer_stats,
     local_grad_stats,
-    ranked,
     reduce_grad_stats,
     replica_differences,
     scale_stats,
     weighted_stats,
 )
 
-SPIKE_METRICS = ("loss", "grad_norm", "tensor_max")
-
-
-@dataclass
-class Anomaly:
-    """What the monitor found wrong at one step, for the anomaly event and the rollback logic."""
-
-    kind: str  # "nonfinite", "replica" (HSDP replicas disagree) or "spike"
-    metric: str  # loss, grads, grad_norm, tensor_max, loss_scale_at_minimum, replicas
-    value: float
-    threshold: float | None = None
-    baseline: float | None = None
-    tensor: str | None = None  # the tensor that spiked (tensor_max), or the first non-finite one
-    top_max_abs: list[list] = field(default_factory=list)  # [[name, max |g|], ...] largest first
-    top_nonfinite: list[list] = field(default_factory=list)  # [[name, count], ...]
-    spikes: list[dict[str, Any]] = field(default_factory=list)  # every detector that fired
-    replicas: list[int] = field(default_factory=list)  # replicas whose gradients differ from 0's
-
-    def details(self) -> dict[str, Any]:
-        return {"type": self.kind, **{k: v for k, v in asdict(self).items() if k != "kind"}}
-
 
 @dataclass
 class Health:
-    """The monitor's verdict on one step; device tensors plus the host values read once."""
+    """The monitor's numbers of one step: device tensors plus the host values read once."""
 
     loss: torch.Tensor  # mean over ranks
     grad_norm: torch.Tensor  # global, unscaled, before clipping
@@ -61,23 +38,28 @@ class Health:
     host_loss: float
     host_grad_norm: float
     num_nonfinite: int
-    overflow: bool  # FP16 overflow under dynamic loss scaling: skip and back off, not an anomaly
-    anomaly: Anomaly | None
-    skip: bool  # the optimizer step must not be applied
-    telemetry: dict[str, Any]
+    host_sum_sq: list[float]  # per tensor (unscaled)
     host_nonfinite: list[float]  # per tensor
     host_max_abs: list[float] | None  # per tensor, on full steps
+    replicas: list[int]  # HSDP replicas whose gradient shards differ from replica 0's (full steps)
+    telemetry: dict[str, Any]
     stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
+    grad_factor: float = 1.0  # the loss scale the gradients still carried
 
     @property
-    def finite(self) -> bool:
-        return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
+    def loss_finite(self) -> bool:
+        return self.host_loss == self.host_loss and abs(self.host_loss) != float("inf")
+
+    @property
+    def grads_finite(self) -> bool:
+        return self.num_nonfinite == 0 and self.host_grad_norm < float("inf")
 
 
 def weighted_count(value: float) -> int:
     """A reduced non-finite count: replicated tensors' counts were weighted 1/replication, so the
     sum is a float; a NaN on fewer than all replicas still counts (at least 1)."""
     return max(round(value), 1) if value > 0 else 0
+
 
 
 class GradMonitor:
@@ -102,35 +84,10 @@ class GradMonitor:
             self.weights = 1.0 / torch.tensor(replication, dtype=torch.float32, device=device)
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
-        unknown = set(cfg.spikes) - set(SPIKE_METRICS)
-        assert not unknown, f"validated by config.load: {unknown}"
-        common = dict(
-            window=cfg.window,
-            method=cfg.detector,
-            warmup=cfg.warmup,
-            warmup_factor=cfg.warmup_factor,
-        )
-        self.detectors: dict[str, SpikeDetector] = {}
-        for metric in cfg.spikes:
-            if metric == "tensor_max":
-                self.detectors[metric] = SpikeDetector(
-                    metric,
-                    names,
-                    k=cfg.tensor_k,
-                    min_factor=cfg.tensor_min_factor,
-                    relative_floor=cfg.tensor_floor,
-                    **common,
-                )
-            elif metric == "grad_norm":
-                self.detectors[metric] = SpikeDetector(
-                    metric, k=cfg.k, min_factor=cfg.min_factor, **common
-                )
-            else:
-                self.detectors[metric] = SpikeDetector(metric, k=cfg.k, **common)
 
     def full_step(self, step: int, log_step: bool) -> bool:
-        """Max |g| per tensor (per-tensor spikes, telemetry) every `monitor.every` steps and at log
-        steps; other steps compute the sums of squares and non-finite counts only."""
+        """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
+        log steps; other steps compute the sums of squares and non-finite counts only."""
         return log_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
     def check(
@@ -139,12 +96,9 @@ class GradMonitor:
         local_loss: torch.Tensor,
         grad_factor: float,
         full: bool,
-        loss_scaled: bool,
         stop_requested: bool = False,
     ) -> Health:
-        """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled).
-        `loss_scaled`: FP16 dynamic loss scaling is on, so non-finite gradients under a finite
-        loss are an overflow to back off from."""
+        """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled)."""
         assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
@@ -158,47 +112,39 @@ class GradMonitor:
         # Expensive device-to-host synchronization: the step's decision, one read per step.
         host = torch.cat([loss.reshape(1), norm.reshape(1), flags, *host_vectors]).tolist()
         n, f = len(self.names), 2 + len(flags)
-        host_loss, host_norm, stop = host[0], host[1], host[2] > 0
-        replicas = [r for r, v in enumerate(host[3:f]) if v > 0]
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n :] if full else None
-        num_nonfinite = weighted_count(sum(nonfinite))
-        loss_ok = host_loss == host_loss and abs(host_loss) != float("inf")
-        grads_ok = num_nonfinite == 0 and host_norm < float("inf")
-
-        overflow = loss_ok and not grads_ok and loss_scaled
-        anomaly = None
-        if not overflow:
-            anomaly = self._verdict(
-                loss_ok, grads_ok, host_loss, host_norm, num_nonfinite, max_abs, replicas
-            )
-        if anomaly is not None:
-            if max_abs is None:  # the report names tensors by max |g|: compute it now (rare)
-                return self.check(
-                    named_grads, local_loss, grad_factor, True, loss_scaled, stop_requested
-                )
-            self._name_tensors(anomaly, max_abs, nonfinite)
-        telemetry = {"grad_nonfinite": num_nonfinite}
+        telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
-        warn_only = anomaly is not None and anomaly.kind == "spike" and self.cfg.on_spike == "warn"
-        skip = overflow or (anomaly is not None and not warn_only)
         return Health(
             loss,
             norm,
             stats,
-            host_loss,
-            host_norm,
-            num_nonfinite,
-            overflow,
-            anomaly,
-            skip,
-            telemetry,
-            nonfinite,
-            max_abs,
-            stop,
+            host_loss=host[0],
+            host_grad_norm=host[1],
+            num_nonfinite=telemetry["grad_nonfinite"],
+            host_sum_sq=sum_sq,
+            host_nonfinite=nonfinite,
+            host_max_abs=max_abs,
+            replicas=[r for r, v in enumerate(host[3:f]) if v > 0],
+            telemetry=telemetry,
+            stop_requested=host[2] > 0,
+            grad_factor=grad_factor,
         )
+
+    def max_abs(
+        self, named_grads: list[tuple[str, torch.Tensor]], grad_factor: float
+    ) -> list[float]:
+        """Max |g| per tensor over all ranks, computed now (an anomaly found on a step without
+        them: the report names tensors by it). A collective: every rank calls it."""
+        stats = local_grad_stats(named_grads, self.device, True, self.use_kernel, self.stats_kernel)
+        max_abs = torch.where(stats.max_abs.isnan(), float("inf"), stats.max_abs)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+        # Expensive device-to-host synchronization, on anomalous steps only.
+        return (max_abs / grad_factor).tolist()
 
     def _flags(self, stats: GradStats, full: bool, stop_requested: bool) -> torch.Tensor:
         """What rides along the SUM all-reduce: the preemption request, then on full steps under
@@ -208,75 +154,3 @@ class GradMonitor:
             return stop
         local = torch.cat([stats.sum_sq, stats.nonfinite])
         return torch.cat([stop, replica_differences(local, self.replica_group)])
-
-    def _verdict(
-        self,
-        loss_ok: bool,
-        grads_ok: bool,
-        host_loss: float,
-        host_norm: float,
-        num_nonfinite: int,
-        max_abs: list[float] | None,
-        replicas: list[int],
-    ) -> Anomaly | None:
-        """A non-finite loss or gradient, else replicas that disagree, else a spike; a healthy
-        step feeds the detectors."""
-        if not (loss_ok and grads_ok):
-            metric = "loss" if not loss_ok else "grads" if num_nonfinite else "grad_norm"
-            value = (
-                host_loss if not loss_ok else float(num_nonfinite) if num_nonfinite else host_norm
-            )
-            return Anomaly("nonfinite", metric, value)
-        if replicas:  # finite but inconsistent: the replicas' weights would drift apart
-            return Anomaly("replica", "replicas", float(len(replicas)), replicas=replicas)
-        spikes = self._spikes(host_loss, host_norm, max_abs)
-        if spikes:
-            first = spikes[0]
-            return Anomaly(
-                "spike",
-                first.metric,
-                first.value,
-                first.threshold,
-                first.baseline,
-                first.tensor,
-                spikes=[asdict(s) for s in spikes[: self.cfg.top_k]],
-            )
-        for metric, value in (("loss", host_loss), ("grad_norm", host_norm)):
-            if metric in self.detectors:
-                self.detectors[metric].add(value)
-        if max_abs is not None and "tensor_max" in self.detectors:
-            self.detectors["tensor_max"].add(max_abs)
-        return None
-
-    def _spikes(self, loss: float, norm: float, max_abs: list[float] | None) -> list[Spike]:
-        """Every spike this step, in the order loss, global norm, tensors (largest ratio first)."""
-        spikes: list[Spike] = []
-        for metric, value in (("loss", loss), ("grad_norm", norm), ("tensor_max", max_abs)):
-            if metric in self.detectors and value is not None:
-                spikes += self.detectors[metric].check(value)
-        return spikes
-
-    def overflow_at_minimum(self, health: Health, scale: float) -> Anomaly:
-        """An FP16 overflow at the minimum loss scale: an anomaly, not another halving."""
-        anomaly = Anomaly("nonfinite", "loss_scale_at_minimum", scale)
-        self._name_tensors(anomaly, health.host_max_abs, health.host_nonfinite)
-        return anomaly
-
-    def _name_tensors(
-        self, anomaly: Anomaly, max_abs: list[float] | None, nonfinite: list[float]
-    ) -> None:
-        k = self.cfg.top_k
-        anomaly.top_max_abs = ranked(self.names, max_abs, k) if max_abs is not None else []
-        counts = ranked(self.names, nonfinite, k)
-        anomaly.top_nonfinite = [[n, weighted_count(c)] for n, c in counts]
-        if anomaly.tensor is None:
-            top = anomaly.top_nonfinite or anomaly.top_max_abs
-            anomaly.tensor = top[0][0] if top else None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {metric: d.state_dict() for metric, d in self.detectors.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for metric, d in self.detectors.items():
-            if metric in state:
-                d.load_state_dict(state[metric])

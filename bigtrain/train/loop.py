@@ -15,9 +15,9 @@ from bigtrain.monitor.monitor import GradMonitor, Health
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.clip import ClipThreshold
+from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
 from bigtrain.train.hooks import Callbacks
-from bigtrain.train.replay import Replay
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import StepTimer
 
@@ -37,15 +37,6 @@ class TrainState:
     clip_scale: float = 1.0  # the clipping threshold's factor, likewise
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
     transients: dict[str, int] = field(default_factory=dict)  # transient faults by host (replay)
-
-
-@dataclass
-class HostCopy:
-    """A host copy of the backend's state (what Backend.local_state returns) taken after `step`:
-    a rollback snapshot, which a checkpoint of the same step writes from instead of copying again."""
-
-    step: int
-    state: dict[str, Any]
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
@@ -75,6 +66,7 @@ class Trainer:
         device: torch.device,
         context: dict[str, Any],
         monitor: GradMonitor,
+        healer: Healer,
     ) -> None:
         self.cfg, self.env, self.backend, self.loader, self.run_dir = (
             cfg,
@@ -84,6 +76,7 @@ class Trainer:
             run_dir,
         )
         self.callbacks, self.device, self.monitor = callbacks, device, monitor
+        self.healer = healer  # detect, replay, decide, roll back: called by name (resilience/)
         self.context = context  # what setup resolved: policy, flops per token, identity, ...
         self.state = TrainState()
         self.policy = context["policy"]
@@ -97,8 +90,6 @@ class Trainer:
         )
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
         self.stop_signal: str | None = None  # set by a preemption signal handler (preempt.py)
-        self.host_copy: HostCopy | None = None  # the newest snapshot's state (rollback.py)
-        self.replay = Replay(cfg.resilience, cfg.monitor)  # re-runs an anomalous step once
         self.replaying = False  # True while a step's micro-batches run the second time
         self.step_in_progress: int | None = None  # the step train_step is running
         self.timer = StepTimer(device, cfg.monitor.timing_every)
@@ -127,10 +118,14 @@ class Trainer:
         """True after the last step this process runs (logging, eval and checkpoint are due)."""
         return self.state.step >= self.end_step
 
-    def fit(self) -> TrainState:
+    def fit(self, resumed: bool = False) -> TrainState:
+        """The loop. `resumed`: the state was loaded from a checkpoint (the healer's targets
+        came with it)."""
+        self.healer.start(self, resumed)
         self.callbacks.on_start(self)
         while self.state.step < self.end_step:
             result = self.train_step()
+            self.healer.after_step(self, result)  # events, the action, a rollback, snapshots
             self.callbacks.on_step_end(self, result)
         self.callbacks.on_finish(self)
         return self.state
@@ -139,19 +134,19 @@ class Trainer:
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
         self._enter_phase()
-        self._end_backoff()
+        self.healer.before_step(self)
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
         step = self.step_in_progress = self.state.step + 1
         self.timer.start(step)
         micro_batches = self.loader.next_step()
         self.timer.mark("data")
-        rng = self.replay.before_step()  # the step's RNG state, kept for a replay
-        result, health = self._forward_backward_check(micro_batches, step, lr)
-        if self.replay.wanted(health):
-            result, health = self.replay.run(
-                self, rng, health, lambda: self._forward_backward_check(micro_batches, step, lr)
-            )
-        if health.skip:
+        rng = self.healer.replay.before_step()  # the step's RNG state, kept for a replay
+
+        def forward_backward() -> tuple[StepResult, Health]:
+            return self._forward_backward_check(micro_batches, step, lr)
+
+        result, health, verdict = self.healer.judge(self, *forward_backward(), rng, forward_backward)
+        if verdict.skip:
             backend.skip_step()
             self.state.skipped_steps += 1
         else:
@@ -160,17 +155,14 @@ class Trainer:
             if self.clip.adaptive:
                 self.clip.record(health.host_grad_norm)
         self.timer.mark("optimizer")
-        scale = backend.update_loss_scale(overflow=health.overflow)
+        scale = backend.update_loss_scale(overflow=verdict.overflow)
         if scale is not None:
             result.loss_scale, result.scale_update = scale.scale, scale
             if scale.at_min:  # overflow at the minimum scale: halving again would loop forever
-                health.anomaly, health.overflow = (
-                    self.monitor.overflow_at_minimum(health, scale.scale),
-                    False,
-                )
-        result.anomaly, result.overflow = health.anomaly, health.overflow
-        result.skipped, result.preempt = health.skip, health.stop_requested
-        result.finite = health.finite
+                self.healer.overflow_at_minimum(verdict, scale.scale)
+        result.anomaly, result.overflow = verdict.anomaly, verdict.overflow
+        result.skipped, result.preempt = verdict.skip, health.stop_requested
+        result.finite = verdict.finite
         result.precision_phase = self.phase.name
         self.state.step += 1
         self.step_in_progress = None
@@ -184,7 +176,7 @@ class Trainer:
     def _forward_backward_check(
         self, micro_batches: list, step: int, lr: float
     ) -> tuple[StepResult, Health]:
-        """Forward and backward of the step's micro-batches, then the monitor's verdict."""
+        """Forward and backward of the step's micro-batches, then the monitor's numbers."""
         backend = self.backend
         n = len(micro_batches)
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
@@ -200,7 +192,6 @@ class Trainer:
             result.local_loss,
             grad_factor,
             full=self.monitor.full_step(step, log_step),
-            loss_scaled=backend.loss_scale() is not None,
             stop_requested=self.stop_signal is not None,
         )
         self.timer.mark("sync")
@@ -212,13 +203,6 @@ class Trainer:
         )
         return result, health
 
-    def _end_backoff(self) -> None:
-        """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""
-        state = self.state
-        if state.backoff_until > 0 and state.step >= state.backoff_until:
-            self.event("lr_restore", lr_scale=1.0, after=state.lr_scale)
-            state.lr_scale, state.clip_scale, state.backoff_until = 1.0, 1.0, 0
-
     def _enter_phase(self) -> None:
         """Switch precision phase when this step crosses into a new one (also right after a resume)."""
         phase = self.policy.phase_at(self.state.step, self.cfg.train.max_steps)
@@ -229,24 +213,30 @@ class Trainer:
             self.backend.set_phase(phase)
             self.phase = phase
 
-    def trainer_state(self) -> dict[str, Any]:
-        """What a checkpoint needs besides the backend's tensors and the RNG."""
+    def trainer_state(self, resilience: bool = True) -> dict[str, Any]:
+        """What a checkpoint needs besides the backend's tensors and the RNG; `resilience`: with
+        the healer's own bookkeeping (targets, the ladder), which a rollback does not restore."""
         scaler = self.backend.scaler
-        return {
+        out = {
             "state": asdict(self.state),
             "data": self.loader.stream.state_dict(),
             "clip": self.clip.state_dict(),
-            "monitor": self.monitor.state_dict(),
+            "monitor": self.healer.detector.state_dict(),
             "loss_scaler": scaler.state_dict() if scaler else None,
             "callbacks": self.callbacks.state_dict(),
         }
+        if resilience:
+            out["resilience"] = self.healer.state_dict()
+        return out
 
-    def load_trainer_state(self, saved: dict[str, Any]) -> None:
+    def load_trainer_state(self, saved: dict[str, Any], resilience: bool = True) -> None:
         self.state = TrainState(**saved["state"])
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
-        self.monitor.load_state_dict(saved.get("monitor", {}))
+        self.healer.detector.load_state_dict(saved.get("monitor", {}))
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
         scaler = self.backend.scaler
         if scaler is not None and saved.get("loss_scaler"):
             scaler.load_state_dict(saved["loss_scaler"])
+        if resilience and "resilience" in saved:
+            self.healer.load_state_dict(saved["resilience"])

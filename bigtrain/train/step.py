@@ -1,9 +1,10 @@
 """StepResult: one optimizer step as the loop hands it to the callbacks.
 
-The loop fills what it measured; callbacks read typed fields, and the few that answer the step
-write their own field (the guard its `action`, rollback `rolled_back` and `checkpoint_now`,
-evaluation `val_loss`, the straggler report `step_time_by_rank`, the metrics logger `record`).
-Who writes a field runs before who reads it (callback priorities, train/hooks.py).
+The loop fills what it measured, the healer (bigtrain/resilience) what it decided (`action`,
+`rolled_back`, `checkpoint_now`) before any callback runs; callbacks read typed fields, and the few
+that add to the step write their own field (evaluation `val_loss`, the straggler report
+`step_time_by_rank`, the metrics logger `record`). Who writes a field runs before who reads it
+(callback priorities, train/hooks.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from bigtrain.monitor.monitor import Anomaly
     from bigtrain.precision.scaler import ScaleUpdate
+    from bigtrain.resilience.detect import Anomaly
 
 
 @dataclass
@@ -48,12 +49,13 @@ class StepResult:
     """This rank's seconds per part of the step, on timing steps (train/timing.py)."""
     step_time: float = 0.0
     """Seconds of the step itself (callbacks not included)."""
-    # Written by callbacks:
+    # Written by the healer:
     action: str | None = None
-    """The anomaly guard's decision on an anomaly: rollback, skip, warn or abort."""
+    """The healer's decision on an anomaly: rollback, skip, warn or abort."""
     rolled_back: bool = False
     checkpoint_now: bool = False
     """Checkpoint at this step whatever checkpoint.every says (after a rollback)."""
+    # Written by callbacks:
     val_loss: float | None = None
     step_time_by_rank: dict[str, list[float]] | None = None
     record: dict[str, Any] | None = None

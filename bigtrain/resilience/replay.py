@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from bigtrain.config.schema import MonitorConfig, ResilienceConfig
+from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import SuspectHost
+from bigtrain.monitor.monitor import Health
+from bigtrain.resilience.detect import Anomaly, Verdict
 from bigtrain.store.checkpoint import rng_state, set_rng_state
 from bigtrain.utils.dist import all_gather_objects
 
@@ -47,24 +49,21 @@ def local_distance(first: torch.Tensor, second: torch.Tensor) -> float:
 
 
 class Replay:
-    def __init__(self, cfg: ResilienceConfig, monitor_cfg: MonitorConfig) -> None:
-        self.cfg, self.monitor_cfg = cfg, monitor_cfg
+    def __init__(self, cfg: ResilienceConfig) -> None:
+        self.cfg = cfg
         self.hosts: list[str] | None = None  # every rank's hostname, gathered at the first replay
 
     def before_step(self) -> dict[str, Any] | None:
         """The RNG state a replay restores (host copies of the generators' states: cheap)."""
         return rng_state() if self.cfg.replay else None
 
-    def wanted(self, health) -> bool:
-        anomaly = health.anomaly
-        if not self.cfg.replay or anomaly is None:
-            return False
-        if anomaly.kind == "spike":
-            return self.monitor_cfg.on_spike != "warn"  # a warned spike is applied anyway
-        return anomaly.kind in ("nonfinite", "replica")
+    def wanted(self, verdict: Verdict) -> bool:
+        """A step the ladder would act on (a warned spike is applied anyway)."""
+        return self.cfg.replay and verdict.anomaly is not None and not verdict.warn_only
 
-    def run(self, trainer, rng: dict[str, Any], first, execute: Callable):
-        """Run the step again; returns the second run's (StepResult, Health)."""
+    def run(self, trainer, rng: dict[str, Any], execute: Callable) -> tuple[Any, Health, list]:
+        """Run the step again: the second run's (StepResult, Health), and the ranks whose local
+        statistics moved between the two runs, most first."""
         first_local = trainer.monitor.last_local
         trainer.backend.skip_step()  # the first run's gradients go
         set_rng_state(rng)
@@ -74,22 +73,24 @@ class Replay:
         finally:
             trainer.replaying = False
         distances = all_gather_objects(local_distance(first_local, trainer.monitor.last_local))
-        moved = [r for r, d in enumerate(distances) if d > MOVED]
-        rank = max(moved, key=lambda r: distances[r]) if moved else None
-        verdict = "reproduced" if health.anomaly is not None else "transient"
-        second = health.anomaly.value if health.anomaly is not None else None
+        moved = sorted((r for r, d in enumerate(distances) if d > MOVED), key=lambda r: -distances[r])
+        return result, health, moved
+
+    def report(self, trainer, first: Anomaly, second: Anomaly | None, moved: list[int]) -> None:
+        """The `replay` event; a transient fault counts against the host of the rank that moved
+        most (exit 6 after resilience.max_transient_per_rank on one host)."""
+        rank = moved[0] if moved else None
         trainer.event(
             "replay",
-            verdict=verdict,
+            verdict="reproduced" if second is not None else "transient",
             rank=rank,
-            ranks=moved,
-            metric=first.anomaly.metric,
-            first=first.anomaly.value,
-            second=second,
+            ranks=sorted(moved),
+            metric=first.metric,
+            first=first.value,
+            second=second.value if second is not None else None,
         )
-        if verdict == "transient" and rank is not None:
+        if second is None and rank is not None:
             self._count(trainer, rank)
-        return result, health
 
     def _count(self, trainer, rank: int) -> None:
         if self.hosts is None:

@@ -1,0 +1,303 @@
+"""The healer: the loop's one partner for what changes a run when a step goes wrong.
+
+The loop calls it by name, in this order, every step (train/loop.py):
+  before_step   the end of a back-off (`lr_restore`)
+  judge         the verdict on the monitor's numbers (detect.py); on an anomaly, one replay of
+                the step (replay.py): clean -> a transient fault, the replayed step goes on
+  after_step    the decision: events, the action per monitor.nonfinite / on_spike, a rollback
+                (targets.py, recover.py), snapshots and confirmations on healthy steps
+The states and transitions are in bigtrain/resilience/__init__.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from bigtrain.config.schema import Config
+from bigtrain.errors import AbortRun
+from bigtrain.monitor.monitor import Health
+from bigtrain.resilience.detect import Detector, Verdict
+from bigtrain.resilience.recover import Recovery, hold, origin_record
+from bigtrain.resilience.replay import Replay
+from bigtrain.resilience.targets import Target, Targets
+from bigtrain.store.checkpoint import CheckpointManager
+
+if TYPE_CHECKING:
+    from bigtrain.train.step import StepResult
+
+
+def abort(trainer, reason: str) -> NoReturn:
+    """Stop with exit 3: the ABORTED marker (so a restarted run exits at once instead of looping
+    under torchrun or SLURM), an `abort` event, AbortRun. Checkpoints stay as they are."""
+    if trainer.env.is_main:
+        trainer.run_dir.aborted_marker.write_text(reason + "\n")
+    trainer.event("abort", reason=reason)
+    raise AbortRun(reason)
+
+
+class Healer:
+    def __init__(
+        self,
+        cfg: Config,
+        names: list[str],
+        manager: CheckpointManager,
+        start_weights: Callable[[], None] | None,
+    ) -> None:
+        r = cfg.resilience
+        self.cfg, self.monitor_cfg, self.max_steps = r, cfg.monitor, cfg.train.max_steps
+        self.detector = Detector(cfg.monitor, names)
+        self.replay = Replay(r)
+        self.targets = Targets(r.snapshot_every, cfg.checkpoint.every, r.snapshots, r.confirm_steps)
+        self.recovery = Recovery(manager, start_weights)
+        self.manager = manager
+        self.consecutive = 0  # anomalous steps in a row
+        self.last: tuple[int, int] | None = None  # (restored step, anomaly step) of the last rollback
+        self.origin: dict[str, Any] | None = None  # the start's trainer state and RNG (recover.py)
+        self.arrival: dict[str, Any] | None = None  # a rebuild's target: what applies on reaching it
+        self.health: Health | None = None  # the current step's numbers, from judge to after_step
+
+    # --- the loop's calls ---------------------------------------------------------------------
+
+    def start(self, trainer, resumed: bool) -> None:
+        """After setup and resume, before the first step: the start target (held in memory when
+        snapshots are on), and on a fresh run what rebuilding it needs."""
+        if not resumed:
+            self.origin = origin_record(trainer)
+        elif self.origin is None and not self.targets.ring:
+            # A checkpoint of an earlier bigtrain carries no targets: its state is the start.
+            self.targets.start = Target(trainer.step, trainer.loader.stream.cursor)
+            self.targets.start.healthy_after = self.cfg.confirm_steps
+        here = self.targets.at(trainer.step)
+        if here is not None and self.targets.holds_snapshots:
+            here.held = hold(trainer)
+
+    def before_step(self, trainer) -> None:
+        """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""
+        state = trainer.state
+        if state.backoff_until > 0 and state.step >= state.backoff_until:
+            trainer.event("lr_restore", lr_scale=1.0, after=state.lr_scale)
+            state.lr_scale, state.clip_scale, state.backoff_until = 1.0, 1.0, 0
+
+    def judge(
+        self, trainer, result: StepResult, health: Health, rng: dict | None, rerun: Callable
+    ) -> tuple[StepResult, Health, Verdict]:
+        """The step's verdict; an anomaly the ladder would act on is replayed once first."""
+        loss_scaled = trainer.backend.loss_scale() is not None
+        verdict = self.detector.verdict(health, loss_scaled)
+        if self.replay.wanted(verdict):
+            first = verdict.anomaly
+            result, health, moved = self.replay.run(trainer, rng, rerun)
+            verdict = self.detector.verdict(health, loss_scaled)
+            self.replay.report(trainer, first, verdict.anomaly, moved)
+        if verdict.anomaly is not None:
+            max_abs = health.host_max_abs
+            if max_abs is None:  # a step without max |g|: the report names tensors by it
+                grads = trainer.backend.named_grads()
+                max_abs = trainer.monitor.max_abs(grads, health.grad_factor)
+            self.detector.name_tensors(verdict.anomaly, health, max_abs)
+        self.health = health
+        return result, health, verdict
+
+    def overflow_at_minimum(self, verdict: Verdict, scale: float) -> None:
+        """An FP16 overflow at the minimum loss scale: an anomaly, not another halving."""
+        anomaly = self.detector.overflow_at_minimum(scale)
+        health = self.health
+        assert health is not None
+        self.detector.name_tensors(anomaly, health, health.host_max_abs)
+        verdict.anomaly, verdict.overflow = anomaly, False
+
+    def after_step(self, trainer, result: StepResult) -> None:
+        if result.overflow:
+            update = result.scale_update
+            trainer.event(
+                "overflow", loss_scale=update.scale, scale_change=update.changed or "none"
+            )
+        if result.anomaly is None:
+            self.consecutive = 0
+            self._healthy(trainer, result)
+            return
+        self._anomalous(trainer, result)
+
+    # --- healthy and anomalous steps ----------------------------------------------------------
+
+    def _healthy(self, trainer, result: StepResult) -> None:
+        if not result.overflow and self.health is not None:
+            self.detector.add(self.health)
+        if self.arrival is None:  # a rebuild replays counted steps: they count once
+            self.targets.healthy_step()
+        step = trainer.step
+        if not result.skipped and self.targets.is_cadence(step):
+            held = hold(trainer) if self.targets.holds_snapshots else None
+            if self.arrival is None:
+                self.targets.add(Target(step, trainer.loader.stream.cursor, 0, held))
+            elif (known := self.targets.at(step)) is not None:
+                known.held = held
+        if self.arrival is not None and step >= self.arrival["step"]:
+            self._arrive(trainer)
+
+    def _anomalous(self, trainer, result: StepResult) -> None:
+        anomaly = result.anomaly
+        self.consecutive += 1
+        trainer.state.anomalies += 1
+        # Replicas that disagree are as wrong as a NaN: the same ladder (replay, roll back).
+        action = self.monitor_cfg.on_spike if anomaly.kind == "spike" else self.monitor_cfg.nonfinite
+        stop = None
+        if action == "abort":
+            what = "disagreeing replicas" if anomaly.kind == "replica" else "non-finite"
+            stop = f"{what} {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
+        elif self.consecutive >= self.monitor_cfg.max_consecutive:
+            stop = (
+                f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "
+                f"(monitor.max_consecutive={self.monitor_cfg.max_consecutive})"
+            )
+        result.action = "abort" if stop else action
+        trainer.event("anomaly", **anomaly.details(), action=result.action)
+        if stop:
+            abort(trainer, stop)
+        self.targets.anomaly()
+        if self.arrival is not None:  # the rebuild went wrong: its target is not reached
+            self.arrival = None
+        if action == "rollback":
+            self._rollback(trainer, result)
+
+    # --- the rollback -------------------------------------------------------------------------
+
+    def _rollback(self, trainer, result: StepResult) -> None:
+        state, stream = trainer.state, trainer.loader.stream
+        anomaly_step, anomaly_cursor = state.step, stream.cursor
+        self.manager.finish_pending()  # an async checkpoint in flight commits first
+        state.rollbacks += 1
+        if state.rollbacks > self.cfg.max_rollbacks:
+            abort(
+                trainer,
+                f"{state.rollbacks} rollbacks by step {anomaly_step} "
+                f"(resilience.max_rollbacks={self.cfg.max_rollbacks})",
+            )
+        target, repeat = self._target(trainer, anomaly_step)
+        # Counters of the run survive the restore (they count what happened, not the weights).
+        kept = {k: getattr(state, k) for k in ("anomalies", "rollbacks", "transients")}
+        held_on = {k: getattr(state, k) for k in ("skipped_steps", "lr_scale", "clip_scale")}
+        windows = list(stream.skip_windows)
+        older = self.targets.before(target.step)
+        found = self.recovery.restore(trainer, target, older, self.origin)
+        if found is None:
+            abort(trainer, f"anomaly at step {anomaly_step}: the state of step {target.step} "
+                  "cannot be loaded or rebuilt (no snapshot, checkpoint or start to rebuild it from)")
+        source, restored = found
+        state, stream = trainer.state, trainer.loader.stream  # load_trainer_state made new ones
+        for key, value in kept.items():
+            setattr(state, key, value)
+        start, end = target.cursor, anomaly_cursor + self.cfg.skip_margin
+        for window in windows:
+            stream.add_skip_window(*window)
+        stream.add_skip_window(start, end)
+        backoff = self._backoff(held_on, target.step, anomaly_step)
+        self.targets.drop_after(target.step)
+        self.last = (target.step, anomaly_step)
+        if restored == target.step:
+            self._apply(state, backoff)
+        else:  # a rebuild: the back-off starts where the target is reached again
+            self.arrival = {"step": target.step, "from_step": restored, **backoff}
+        # Checkpoints of the abandoned steps would replay the bad data after a restart: retire
+        # them, and checkpoint the restored state with its new skip window right away.
+        retired = self.manager.retire_after(restored)
+        result.rolled_back = result.checkpoint_now = True
+        # The three events belong to the anomaly's step (the state now reads the restored one).
+        trainer.event(
+            "rollback",
+            at_step=anomaly_step,
+            from_step=anomaly_step,
+            to_step=target.step,
+            source=source,
+            replay_steps=target.step - restored,
+            repeat=repeat,
+            rollbacks=state.rollbacks,
+            retired_checkpoints=retired,
+        )
+        trainer.event("skip_data", at_step=anomaly_step, start=start, end=end, samples=end - start)
+        trainer.event(
+            "lr_backoff",
+            at_step=anomaly_step,
+            factor=self.cfg.lr_backoff,
+            lr_scale=backoff["lr_scale"],
+            clip_scale=backoff["clip_scale"],
+            until_step=backoff["backoff_until"],
+        )
+
+    def _target(self, trainer, anomaly_step: int) -> tuple[Target, bool]:
+        """The newest good target before the anomaly; a repeat within `resilience.window` steps
+        of the last rollback goes before that one's target. (target, repeat)"""
+        repeat = self.last is not None and anomaly_step - self.last[0] <= self.cfg.window
+        bound = self.last[0] if repeat else anomaly_step
+        target = self.targets.choose(bound)
+        if target is None and repeat and self.last[1] != anomaly_step:
+            # Nothing before the start, which is good by definition (the repeat cannot be its
+            # fault): back to it again, with a longer skip window and a lower LR, unless the
+            # anomaly came back at the very same step (nothing the ladder changed helped).
+            target = self.targets.start
+        if target is None:
+            again = f", again within {self.cfg.window} steps of the rollback" if repeat else ""
+            abort(
+                trainer,
+                f"anomaly at step {anomaly_step}{again}: no good snapshot or checkpoint before "
+                f"step {bound} to roll back to",
+            )
+        return target, repeat
+
+    def _backoff(self, held_on: dict[str, Any], target_step: int, anomaly_step: int) -> dict:
+        """LR and clipping scaled down, compounding on repeats, from the target for the cooldown
+        (resilience.lr_cooldown_steps; by default twice the steps rolled back), never past the
+        run's end; 0: for the rest of the run."""
+        cooldown = self.cfg.lr_cooldown_steps
+        if cooldown is None:
+            cooldown = max(2 * (anomaly_step - target_step), 1)
+        until = min(target_step + cooldown, self.max_steps) if cooldown > 0 else -1
+        return {
+            "lr_scale": held_on["lr_scale"] * self.cfg.lr_backoff,
+            "clip_scale": held_on["clip_scale"] * self.cfg.clip_backoff,
+            "backoff_until": until,
+            "skipped_steps": held_on["skipped_steps"],
+        }
+
+    @staticmethod
+    def _apply(state, backoff: dict[str, Any]) -> None:
+        for key in ("lr_scale", "clip_scale", "backoff_until", "skipped_steps"):
+            setattr(state, key, backoff[key])
+
+    def _arrive(self, trainer) -> None:
+        """A rebuild reached its target: the state is the target's; the back-off starts."""
+        arrival, self.arrival = self.arrival, None
+        self._apply(trainer.state, arrival)
+        trainer.event(
+            "rebuilt", to_step=arrival["step"], from_step=arrival["from_step"],
+            replayed_steps=arrival["step"] - arrival["from_step"],
+        )
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def host_state(self, step: int) -> dict[str, Any] | None:
+        """This rank's host copy of step `step`'s backend state, when a target of that step is
+        held: a checkpoint of the step writes from it instead of copying again."""
+        target = self.targets.at(step)
+        return target.held.backend_state if target is not None and target.held else None
+
+    def state_dict(self) -> dict[str, Any]:
+        start = self.targets.start
+        return {
+            "targets": self.targets.state_dict(),
+            "start": [start.step, start.cursor],
+            "origin": self.origin,
+            "last": list(self.last) if self.last else None,
+            "arrival": self.arrival,
+            "consecutive": self.consecutive,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.targets.load_state_dict(state["targets"])
+        step, cursor = state["start"]
+        self.targets.start = Target(step, cursor, healthy_after=self.cfg.confirm_steps)
+        self.origin = state["origin"]
+        self.last = tuple(state["last"]) if state["last"] else None
+        self.arrival = state["arrival"]
+        self.consecutive = state["consecutive"]

@@ -1,0 +1,113 @@
+"""Putting a rollback target's state back: from host memory, from its checkpoint, or rebuilt.
+
+A target this process holds (its snapshot) is restored from memory. One it does not hold (its
+snapshot went with a restart, or snapshots are off) is read from its committed checkpoint. One that
+is neither is rebuilt: the newest state before it that this process can load (a held target, any
+committed checkpoint, or the run's start rebuilt from the config) is restored, and the loop trains
+forward to the target again; the same steps on the same data from the same state give the same
+state (bit for bit on CPU). The run's start is rebuilt from its initial weights (`model.init_from`'s
+source, or the seeded initial values) and the trainer state and RNG recorded at step 0.
+
+Only the state of the training restores (weights, optimizer, counters, data cursor, detector
+windows, RNG); the healer's own bookkeeping (targets, the ladder) stays as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bigtrain.resilience.targets import Held, Target
+from bigtrain.store.checkpoint import (
+    PREFIX,
+    CheckpointError,
+    CheckpointManager,
+    rng_from_json,
+    rng_state,
+    rng_to_json,
+    set_rng_state,
+)
+
+
+def hold(trainer) -> Held:
+    """A host copy of the state now (pinned, non-blocking on CUDA; Backend.local_state)."""
+    state = trainer.backend.local_state()
+    return Held(state, copy.deepcopy(trainer.trainer_state(resilience=False)), rng_state())
+
+
+def origin_record(trainer) -> dict[str, Any]:
+    """What rebuilding the start needs besides its weights: the trainer state and RNG at step 0
+    (JSON: it travels in checkpoints)."""
+    return {"trainer_state": trainer.trainer_state(resilience=False), "rng": rng_to_json(rng_state())}
+
+
+class Recovery:
+    """Loads targets for the healer: `restore(target)` -> (source, restored step)."""
+
+    def __init__(self, manager: CheckpointManager, start_weights: Callable[[], None] | None) -> None:
+        self.manager = manager
+        self.start_weights = start_weights
+        """Loads the run's initial weights into the backend with a fresh optimizer (None: they
+        cannot be rebuilt, as for a transformers model's own init)."""
+
+    def committed(self, before: int | None = None, at: int | None = None) -> list[tuple[int, Path]]:
+        """Committed checkpoints (step, path), newest first, that verify; at step `at`, or all
+        before `before`."""
+        found = []
+        for path in reversed(self.manager.committed()):
+            step = int(path.name[len(PREFIX) :])
+            if (at is not None and step != at) or (before is not None and step >= before):
+                continue
+            try:
+                self.manager.verify(path)
+            except CheckpointError:  # a bad one is skipped; older ones are tried
+                continue
+            found.append((step, path))
+        return found
+
+    def restore(
+        self, trainer, target: Target, older: list[Target], origin: dict[str, Any] | None
+    ) -> tuple[str, int] | None:
+        """Load `target`, or the newest loadable state before it (the caller trains forward);
+        `older`: the targets before it, newest first. (source, step), or None: nothing loads."""
+        if target.held is not None:
+            load_held(trainer, target.held)
+            return "memory", target.step
+        at = self.committed(at=target.step) if target.step > 0 else []
+        if at:
+            self._load_checkpoint(trainer, at[0][1])
+            return "checkpoint", target.step
+        if target.step == 0 and self._rebuild_start(trainer, origin):
+            return "start", 0
+        held = next((t for t in older if t.held is not None), None)
+        disk = self.committed(before=target.step)
+        bases = [(held.step, "memory")] if held is not None else []
+        bases += [(step, "checkpoint") for step, _ in disk[:1]]
+        for step, source in sorted(bases, reverse=True):
+            if source == "memory":
+                load_held(trainer, held.held)
+            else:
+                self._load_checkpoint(trainer, disk[0][1])
+            return f"replay from {source}", step
+        if self._rebuild_start(trainer, origin):
+            return "replay from start", 0
+        return None
+
+    def _load_checkpoint(self, trainer, path: Path) -> None:
+        trainer.load_trainer_state(self.manager.load(path, trainer.backend), resilience=False)
+
+    def _rebuild_start(self, trainer, origin: dict[str, Any] | None) -> bool:
+        if origin is None or self.start_weights is None:
+            return False
+        self.start_weights()
+        trainer.load_trainer_state(copy.deepcopy(origin["trainer_state"]), resilience=False)
+        set_rng_state(rng_from_json(origin["rng"]))
+        return True
+
+
+def load_held(trainer, held: Held) -> None:
+    trainer.backend.load_local_state(held.backend_state)
+    trainer.load_trainer_state(copy.deepcopy(held.trainer_state), resilience=False)
+    set_rng_state(held.rng)

@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.build import build_trainer  # noqa: E402
-from bigtrain.callbacks.rollback import Rollback  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv, shutdown  # noqa: E402
 
@@ -52,21 +51,27 @@ def recovery_time(source: str) -> dict:
             "resilience.confirm_steps=3",
             "fault.nan_grad_step=23",
         )
-        rollback = next(cb for cb in trainer.callbacks.items if isinstance(cb, Rollback))
-        timing = {}
-        original = rollback.rollback
+        healer, timing = trainer.healer, {}
+        original = healer._rollback
 
-        def timed(trainer_, metrics):
+        def timed(trainer_, result):
             timing["detected"] = time.perf_counter()
-            original(trainer_, metrics)
+            original(trainer_, result)
             timing["restored"] = time.perf_counter()
             timing["to_step"] = trainer_.step
 
-        rollback.rollback = timed
+        healer._rollback = timed
+
+        def step() -> None:
+            result = trainer.train_step()
+            healer.after_step(trainer, result)
+            trainer.callbacks.on_step_end(trainer, result)
+
+        healer.start(trainer, resumed=False)
         trainer.callbacks.on_start(trainer)
         while "to_step" not in timing:
-            trainer.callbacks.on_step_end(trainer, trainer.train_step())
-        trainer.callbacks.on_step_end(trainer, trainer.train_step())
+            step()
+        step()
         resumed = time.perf_counter()
         trainer.callbacks.close()
     return {

@@ -78,7 +78,30 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'resilience.lr_backoff' got 2.0, expected 0 < value <= 1",
         ),
         (["monitor.on_spike=ignore"], "key 'monitor.on_spike' got 'ignore', expected one of"),
-        (["monitor.spikes=[loss,gradnorm]"], "key 'monitor.spikes' got ['gradnorm'], expected"),
+        (
+            ["monitor.rules=[loss,gradnorm]"],
+            "key 'monitor.rules' got unknown rule names ['gradnorm'], expected a list of loss, "
+            "grad_norm",
+        ),
+        (
+            ["monitor.loss.window=5"],
+            "key 'monitor.loss.min_values' got 10, expected 1..monitor.loss.window (5): a window "
+            "shorter than the values it waits for never fires",
+        ),
+        (["monitor.grad_norm.factor=0.5"], "key 'monitor.grad_norm.factor' got 0.5, expected a value > 1"),
+        (["monitor.loss.sigmas=-1"], "key 'monitor.loss.sigmas' got -1.0, expected a value >= 0"),
+        (["monitor.loss.window=0"], "key 'monitor.loss.window' got 0, expected a value >= 1"),
+        (["monitor.tensor_window=0"], "key 'monitor.tensor_window' got 0, expected a value > 0"),
+        (
+            ["monitor.k=3"],
+            "unknown config key 'monitor.k' (removed: spike detection was redesigned from "
+            "measurements (README, Healing): set monitor.rules, monitor.loss.* and "
+            "monitor.grad_norm.*)",
+        ),
+        (
+            ["resilience.lr_cooldown_steps=-5"],
+            "key 'resilience.lr_cooldown_steps' got -5, expected a value >= 0",
+        ),
         (["fault.kill_step=soon"], "key 'fault.kill_step"),
         (["max_steps"], "override 'max_steps' must look like key.sub=value"),
         (["checkpoint.every=-2"], "key 'checkpoint.every' got -2, expected N >= 0 or -1 (never)"),
@@ -181,3 +204,17 @@ def test_a_saved_config_with_a_moved_key_still_loads(tmp_path):
     assert cfg.model.init_from == "/runs/a" and cfg.checkpoint.keep == 2
     saved.write_text("checkpoint:\n  init_from: null\n")
     assert load_saved_config(saved).model.init_from is None
+
+
+@pytest.mark.unit
+def test_a_saved_config_of_the_old_spike_detection_still_loads(tmp_path):
+    """Run directories and checkpoints of earlier bigtrain hold monitor.k, tensor_k, ...:
+    export and convert still read them; the keys are dropped, the new rules' defaults apply."""
+    from bigtrain.config import load_saved_config
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(
+        "monitor:\n  spikes: [loss, tensor_max]\n  k: 3.0\n  tensor_floor: 0.001\n  every: 7\n"
+    )
+    cfg = load_saved_config(saved)
+    assert cfg.monitor.every == 7 and cfg.monitor.rules == ["loss", "grad_norm"]

@@ -22,6 +22,7 @@ LAYERS = [
     ("bigtrain.monitor",),
     ("bigtrain.store",),
     ("bigtrain.observe",),
+    ("bigtrain.resilience",),
     ("bigtrain.train",),
     ("bigtrain.callbacks",),
     ("bigtrain.build", "bigtrain.resume"),
@@ -126,6 +127,7 @@ def test_the_checker_finds_circles_and_layer_breaks():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) is None
     assert layer_of("bigtrain.precision.policy") < layer_of("bigtrain.parallel.backend")
-    assert layer_of("bigtrain.callbacks.rollback") > layer_of("bigtrain.train.loop")
+    assert layer_of("bigtrain.callbacks.metrics") > layer_of("bigtrain.train.loop")
+    assert layer_of("bigtrain.resilience.healer") < layer_of("bigtrain.train.loop")
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("bigtrain_other.x")

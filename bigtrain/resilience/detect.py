@@ -133,7 +133,5 @@ class Detector:
         """Windows of the rules this run has; a checkpoint of an earlier bigtrain (other rules)
         leaves them empty, as at the start."""
         for metric, rule in self.rules.items():
-            saved = state.get("rules", {}).get(metric)
-            if saved is not None:
-                rule.load_state_dict(saved)
+            rule.load_state_dict(state.get("rules", {}).get(metric, {"values": []}))
         self.tensors.load_state_dict(state.get("tensors", {}))

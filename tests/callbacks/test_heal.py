@@ -199,7 +199,7 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
 def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     import torch
 
-    from bigtrain.train.replay import local_distance
+    from bigtrain.resilience.replay import local_distance
 
     a = torch.tensor([1.0, 4.0, float("nan")])
     assert local_distance(a, torch.tensor([1.0, 4.0, 2.0])) == float("inf")  # turned finite

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.callbacks.rollback import Rollback
 from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.wandb_logger import wandb_record
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
-from bigtrain.config.schema import ResilienceConfig
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.prepared_mixture import build_mixture, check_length, open_mixture
@@ -25,7 +23,7 @@ from bigtrain.data.stream import BatchLoader, SampleStream
 from bigtrain.errors import ConfigError
 from bigtrain.plan import vocab_size_for_plan
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
-from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite
+from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite, stub_healer
 
 pytestmark = pytest.mark.unit
 
@@ -190,12 +188,12 @@ def test_a_changed_mixture_refuses_the_checkpoint_cursor():
 
 def test_tokens_by_source_leave_out_skip_windows_and_rolled_back_steps(tmp_path):
     stream = MixtureStream(three_sources(), 7)
-    rollback = Rollback(ResilienceConfig(snapshot_every=2, confirm_steps=1), StubManager(tmp_path))
-    trainer = StubTrainer(tmp_path / "run", [rollback])
+    healer = stub_healer(StubManager(tmp_path), snapshot_every=2, confirm_steps=1)
+    trainer = StubTrainer(tmp_path / "run", healer=healer)
     trainer.loader = StubLoader(stream, 300)
-    trainer.callbacks.on_start(trainer)
+    healer.start(trainer, resumed=False)
     trainer.healthy(5)
-    trainer.step_end(nonfinite(), action="rollback", skipped=True)  # step 6: back to step 4
+    trainer.step_end(nonfinite(), skipped=True)  # step 6: back to step 4
     assert stream.cursor == 1200 and stream.skip_windows == [(1200, 1800)]
     trainer.healthy(4)
     taken = [p for p in range(stream.cursor) if not 1200 <= p < 1800]

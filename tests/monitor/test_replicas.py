@@ -10,6 +10,7 @@ import torch
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor.monitor import GradMonitor
+from bigtrain.resilience import Detector
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -35,11 +36,12 @@ def probe(perturbed_rank: int) -> tuple[float, dict | None, dict | None]:
     monitor = GradMonitor(
         MonitorConfig(), ["a", "b"], cpu, False, [2, 2], mesh.get_group("replicate")
     )
-    cheap = monitor.check(named, torch.tensor(2.0), 1.0, full=False, loss_scaled=False)
-    full = monitor.check(named, torch.tensor(2.0), 1.0, full=True, loss_scaled=False)
+    detector = Detector(MonitorConfig(), ["a", "b"])
+    cheap = monitor.check(named, torch.tensor(2.0), 1.0, full=False)
+    full = monitor.check(named, torch.tensor(2.0), 1.0, full=True)
     dist.destroy_process_group()
-    details = [h.anomaly.details() if h.anomaly else None for h in (cheap, full)]
-    return cheap.host_grad_norm, *details
+    verdicts = [detector.verdict(h, loss_scaled=False).anomaly for h in (cheap, full)]
+    return cheap.host_grad_norm, *[a.details() if a else None for a in verdicts]
 
 
 def test_replicated_shards_count_once_and_agreeing_replicas_are_healthy():

@@ -88,7 +88,10 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'monitor.loss.min_values' got 10, expected 1..monitor.loss.window (5): a window "
             "shorter than the values it waits for never fires",
         ),
-        (["monitor.grad_norm.factor=0.5"], "key 'monitor.grad_norm.factor' got 0.5, expected a value > 1"),
+        (
+            ["monitor.grad_norm.factor=0.5"],
+            "key 'monitor.grad_norm.factor' got 0.5, expected a value > 1",
+        ),
         (["monitor.loss.sigmas=-1"], "key 'monitor.loss.sigmas' got -1.0, expected a value >= 0"),
         (["monitor.loss.window=0"], "key 'monitor.loss.window' got 0, expected a value >= 1"),
         (["monitor.tensor_window=0"], "key 'monitor.tensor_window' got 0, expected a value > 0"),

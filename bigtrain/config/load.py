@@ -19,7 +19,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.mesh import check_mesh
-from bigtrain.config.schema import SPIKE_RULES, Config, FaultConfig, MonitorConfig
+from bigtrain.config.resilience import check_rules
+from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
 
 # Allowed values of enumerated string keys; checked after the merge.
@@ -340,7 +341,7 @@ def _check_optim_and_data(config: Config) -> None:
 
 
 def _check_monitor_and_int8(config: Config) -> None:
-    _check_rules(config.monitor)
+    check_rules(config.monitor)
     int8 = config.precision.int8
     if int8.calibration_steps < 0:
         raise ConfigError(
@@ -358,29 +359,6 @@ def _check_monitor_and_int8(config: Config) -> None:
         value = getattr(config.resilience, key)
         if not 0.0 < value <= 1.0:
             raise ConfigError(f"key 'resilience.{key}' got {value}, expected 0 < value <= 1")
-
-
-def _check_rules(monitor: MonitorConfig) -> None:
-    """Spike rules: known names, and settings that can fire at all."""
-    unknown = [name for name in monitor.rules if name not in SPIKE_RULES]
-    if unknown:
-        raise ConfigError(
-            f"key 'monitor.rules' got unknown rule names {unknown}, expected a list of "
-            f"{', '.join(SPIKE_RULES)}"
-        )
-    for name in SPIKE_RULES:
-        rule, key = getattr(monitor, name), f"monitor.{name}"
-        if rule.window < 1:
-            raise ConfigError(f"key '{key}.window' got {rule.window}, expected a value >= 1")
-        if not rule.factor > 1.0:
-            raise ConfigError(f"key '{key}.factor' got {rule.factor}, expected a value > 1")
-        if not rule.sigmas >= 0.0:
-            raise ConfigError(f"key '{key}.sigmas' got {rule.sigmas}, expected a value >= 0")
-        if not 1 <= rule.min_values <= rule.window:
-            raise ConfigError(
-                f"key '{key}.min_values' got {rule.min_values}, expected 1..{key}.window "
-                f"({rule.window}): a window shorter than the values it waits for never fires"
-            )
 
 
 def _check_parallel_and_train(config: Config) -> None:

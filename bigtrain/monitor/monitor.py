@@ -61,7 +61,6 @@ def weighted_count(value: float) -> int:
     return max(round(value), 1) if value > 0 else 0
 
 
-
 class GradMonitor:
     def __init__(
         self,

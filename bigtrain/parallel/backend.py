@@ -22,16 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config.schema import Config
-from bigtrain.errors import ConfigError
-from bigtrain.precision import adamw_kernel
-from bigtrain.precision.adamw import LowPrecisionAdamW
+from bigtrain.parallel.optimizer import (
+    MOMENTS,
+    adamw_param_groups,
+    fresh_optimizer_state,
+    make_adamw,
+    set_fp32_optimizer_state,
+)
 from bigtrain.precision.islands import FP32Islands
-from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
+from bigtrain.precision.policy import Phase, PrecisionPolicy
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import full_shape, local_block, local_tensor, to_cpu
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, in checkpoints always FP32
+from bigtrain.utils.tensors import local_block, local_tensor, to_cpu
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -226,51 +228,6 @@ def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]])
     return h.hexdigest()
 
 
-def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (linear weights, embeddings), not biases or norm gains."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if len(full_shape(p)) >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def make_adamw(
-    params: list[dict], cfg: Config, policy: PrecisionPolicy, device: torch.device
-) -> torch.optim.Optimizer:
-    """torch's AdamW for FP32 states, bigtrain's for BF16/FP16 states (math in FP32); fused per
-    optim.fused (by default on CUDA)."""
-    optim = cfg.optim
-    fused = device.type == "cuda" if optim.fused is None else optim.fused
-    if policy.optimizer_state_dtype != torch.float32:
-        if fused and not adamw_kernel.available(device):
-            raise ConfigError(
-                f"key 'optim.fused' is true, but bigtrain's fused AdamW for "
-                f"{dtype_name(policy.optimizer_state_dtype)} states is a Triton kernel, which "
-                f"cannot run on {device}; leave it null (fused on CUDA) or set false"
-            )
-        return LowPrecisionAdamW(
-            params,
-            lr=optim.lr,
-            betas=(optim.beta1, optim.beta2),
-            eps=optim.eps,
-            state_dtype=policy.optimizer_state_dtype,
-            rounding=cfg.precision.optimizer_state_rounding,
-            fused=fused,
-        )
-    return torch.optim.AdamW(
-        params,
-        lr=optim.lr,
-        betas=(optim.beta1, optim.beta2),
-        eps=optim.eps,
-        fused=fused,
-        foreach=None if fused else True,
-    )
-
-
 class TorchBackend(Backend):
     """What local and FSDP2 share: a torch optimizer over the model's (possibly sharded) FP32
     parameters, autocast in the current phase's dtype, FP32 islands, loss scaling for FP16, and
@@ -404,47 +361,6 @@ def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.
 def checkpoint_writer() -> ThreadPoolExecutor:
     """The thread that writes a backend's checkpoint files from host copies, one at a time."""
     return ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
-
-
-def fp32_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
-    """One parameter's optimizer state as checkpoints hold it (FP32 moments)."""
-    return optimizer.decoded(state) if isinstance(optimizer, LowPrecisionAdamW) else state
-
-
-@torch.no_grad()
-def set_fp32_optimizer_state(
-    optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float, moments: dict
-) -> None:
-    """Write one parameter's AdamW state from FP32 moments (a checkpoint's form), in place where
-    it exists, creating it as the optimizer would otherwise."""
-    if isinstance(optimizer, LowPrecisionAdamW):
-        optimizer.load_fp32(param, step, moments)
-        return
-    state = optimizer.state[param]
-    if not state:
-        fresh_optimizer_state(optimizer, param)
-    state["step"].fill_(step)
-    for key, value in moments.items():
-        local_tensor(state[key]).copy_(value)
-
-
-@torch.no_grad()
-def fresh_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """AdamW's state of a parameter before its first step, materialised as the optimizer itself
-    creates it (step 0, zero moments), so the first update is bit for bit the same. An optimizer
-    never holds *no* state: DCP's get_state_dict fills a stateless one by running a zero-lr step,
-    which leaves step 1 behind and shifts every later bias correction (FSDP2 diverged from local
-    after a rollback to the starting state, whose checkpoint was written right after it)."""
-    optimizer.state.pop(param, None)
-    if isinstance(optimizer, LowPrecisionAdamW):
-        optimizer.fresh_state(param)
-        return
-    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
-    state = optimizer.state[param]
-    device = param.device if on_device else torch.device("cpu")
-    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-    for key in MOMENTS:
-        state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 @torch.no_grad()

@@ -35,18 +35,20 @@ from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.parallel import zero_ckpt
 from bigtrain.parallel.backend import (
-    MOMENTS,
     Backend,
-    adamw_param_groups,
     checkpoint_writer,
-    fp32_optimizer_state,
     lm_loss,
     load_buffers,
-    make_adamw,
     persistent_buffers,
     scale_to_norm,
-    set_fp32_optimizer_state,
     weights_fingerprint,
+)
+from bigtrain.parallel.optimizer import (
+    MOMENTS,
+    adamw_param_groups,
+    fp32_optimizer_state,
+    make_adamw,
+    set_fp32_optimizer_state,
 )
 from bigtrain.parallel.sources import InitialValues, ZeroSource
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name

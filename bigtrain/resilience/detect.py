@@ -18,7 +18,6 @@ from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
 
 
-
 @dataclass
 class Anomaly:
     """What was found wrong at one step, for the anomaly event and the ladder."""
@@ -85,7 +84,9 @@ class Detector:
                 return Anomaly("nonfinite", "grads", float(health.num_nonfinite))
             return Anomaly("nonfinite", "grad_norm", health.host_grad_norm)
         if health.replicas:  # finite but inconsistent: the replicas' weights would drift apart
-            return Anomaly("replica", "replicas", float(len(health.replicas)), replicas=health.replicas)
+            return Anomaly(
+                "replica", "replicas", float(len(health.replicas)), replicas=health.replicas
+            )
         values = {"loss": health.host_loss, "grad_norm": health.host_grad_norm}
         spikes = [s for m, rule in self.rules.items() if (s := rule.check(values[m])) is not None]
         if not spikes:

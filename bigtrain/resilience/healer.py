@@ -52,9 +52,13 @@ class Healer:
         self.recovery = Recovery(manager, start_weights)
         self.manager = manager
         self.consecutive = 0  # anomalous steps in a row
-        self.last: tuple[int, int] | None = None  # (restored step, anomaly step) of the last rollback
+        self.last: tuple[int, int] | None = (
+            None  # (restored step, anomaly step) of the last rollback
+        )
         self.origin: dict[str, Any] | None = None  # the start's trainer state and RNG (recover.py)
-        self.arrival: dict[str, Any] | None = None  # a rebuild's target: what applies on reaching it
+        self.arrival: dict[str, Any] | None = (
+            None  # a rebuild's target: what applies on reaching it
+        )
         self.health: Health | None = None  # the current step's numbers, from judge to after_step
 
     # --- the loop's calls ---------------------------------------------------------------------
@@ -141,7 +145,9 @@ class Healer:
         self.consecutive += 1
         trainer.state.anomalies += 1
         # Replicas that disagree are as wrong as a NaN: the same ladder (replay, roll back).
-        action = self.monitor_cfg.on_spike if anomaly.kind == "spike" else self.monitor_cfg.nonfinite
+        action = (
+            self.monitor_cfg.on_spike if anomaly.kind == "spike" else self.monitor_cfg.nonfinite
+        )
         stop = None
         if action == "abort":
             what = "disagreeing replicas" if anomaly.kind == "replica" else "non-finite"
@@ -182,8 +188,11 @@ class Healer:
         older = self.targets.before(target.step)
         found = self.recovery.restore(trainer, target, older, self.origin)
         if found is None:
-            abort(trainer, f"anomaly at step {anomaly_step}: the state of step {target.step} "
-                  "cannot be loaded or rebuilt (no snapshot, checkpoint or start to rebuild it from)")
+            abort(
+                trainer,
+                f"anomaly at step {anomaly_step}: the state of step {target.step} "
+                "cannot be loaded or rebuilt (no snapshot, checkpoint or start to rebuild it from)",
+            )
         source, restored = found
         state, stream = trainer.state, trainer.loader.stream  # load_trainer_state made new ones
         for key, value in kept.items():
@@ -270,7 +279,9 @@ class Healer:
         arrival, self.arrival = self.arrival, None
         self._apply(trainer.state, arrival)
         trainer.event(
-            "rebuilt", to_step=arrival["step"], from_step=arrival["from_step"],
+            "rebuilt",
+            to_step=arrival["step"],
+            from_step=arrival["from_step"],
             replayed_steps=arrival["step"] - arrival["from_step"],
         )
 

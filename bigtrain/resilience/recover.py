@@ -40,13 +40,18 @@ def hold(trainer) -> Held:
 def origin_record(trainer) -> dict[str, Any]:
     """What rebuilding the start needs besides its weights: the trainer state and RNG at step 0
     (JSON: it travels in checkpoints)."""
-    return {"trainer_state": trainer.trainer_state(resilience=False), "rng": rng_to_json(rng_state())}
+    return {
+        "trainer_state": trainer.trainer_state(resilience=False),
+        "rng": rng_to_json(rng_state()),
+    }
 
 
 class Recovery:
     """Loads targets for the healer: `restore(target)` -> (source, restored step)."""
 
-    def __init__(self, manager: CheckpointManager, start_weights: Callable[[], None] | None) -> None:
+    def __init__(
+        self, manager: CheckpointManager, start_weights: Callable[[], None] | None
+    ) -> None:
         self.manager = manager
         self.start_weights = start_weights
         """Loads the run's initial weights into the backend with a fresh optimizer (None: they

@@ -73,7 +73,9 @@ class Replay:
         finally:
             trainer.replaying = False
         distances = all_gather_objects(local_distance(first_local, trainer.monitor.last_local))
-        moved = sorted((r for r, d in enumerate(distances) if d > MOVED), key=lambda r: -distances[r])
+        moved = sorted(
+            (r for r, d in enumerate(distances) if d > MOVED), key=lambda r: -distances[r]
+        )
         return result, health, moved
 
     def report(self, trainer, first: Anomaly, second: Anomaly | None, moved: list[int]) -> None:

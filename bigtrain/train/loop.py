@@ -145,7 +145,9 @@ class Trainer:
         def forward_backward() -> tuple[StepResult, Health]:
             return self._forward_backward_check(micro_batches, step, lr)
 
-        result, health, verdict = self.healer.judge(self, *forward_backward(), rng, forward_backward)
+        result, health, verdict = self.healer.judge(
+            self, *forward_backward(), rng, forward_backward
+        )
         if verdict.skip:
             backend.skip_step()
             self.state.skipped_steps += 1

@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 
 from bigtrain.build import run
-from bigtrain.config import load_config
-from bigtrain.parallel.env import DistEnv, read_env
+from bigtrain.parallel.env import DistEnv
 from bigtrain.store.checkpoint import verify
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train import lr_at
-from tests.conftest import micro_overrides, run_cli
-from tests.distributed import run_distributed
+from tests.conftest import run_cli
 
 ENV = DistEnv()
 ROLLBACK = (
@@ -135,46 +133,6 @@ def test_a_nonfinite_state_is_never_checkpointed(micro, monkeypatch):
     run(cfg, ENV)
     assert [e["step"] for e in events_of(cfg, "checkpoint_refused")] == [5, 10]
     assert not list((Path(cfg.train.out_dir) / "checkpoints").glob("step_*"))
-
-
-def rollback_on_two_ranks(args: list[str]) -> dict:
-    cfg = load_config([], args)
-    final = run(cfg, read_env())
-    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
-    return {
-        "final": final,
-        "events": [e for e in events if e["kind"] in ("anomaly", "rollback", "skip_data")],
-    }
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "backend,fault",
-    [
-        ("fsdp", "fault.nan_grad_step=12"),
-        ("zero", "fault.nan_grad_step=12"),
-        ("fsdp", "fault.spike_step=12"),  # the loss rule's case: rank 1's loss x 1000
-    ],
-)
-def test_two_ranks_roll_back_together(tmp_path, corpus_files, cache_dir, backend, fault):
-    args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
-        f"parallel.backend={backend}",
-        "train.max_steps=16",
-        "train.eval_every=0",
-        *ROLLBACK,
-        "fault.rank=1",
-        fault,
-        "fault.spike_factor=1000",
-    ]
-    r0, r1 = run_distributed(rollback_on_two_ranks, 2, args)
-    assert r0["final"]["fingerprint"] == r1["final"]["fingerprint"]  # identical replicas
-    assert r0["final"]["rollbacks"] == r1["final"]["rollbacks"] == 1
-    kinds = [(e["kind"], e["step"]) for e in r0["events"]]
-    assert kinds[0] == ("anomaly", 12)
-    rollback = next(e for e in r0["events"] if e["kind"] == "rollback")
-    assert (rollback["from_step"], rollback["to_step"]) == (12, 5)
-    skip = next(e for e in r0["events"] if e["kind"] == "skip_data")
-    assert (skip["start"], skip["end"]) == (5 * 16, 12 * 16)
 
 
 @pytest.mark.e2e

@@ -31,7 +31,6 @@ def first_step_stats(args: list[str]) -> dict:
             torch.stack(losses).mean(),
             backend.unscale_grads(),
             full=True,
-            loss_scaled=False,
         )
         return {
             "names": health.stats.names,

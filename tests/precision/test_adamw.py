@@ -243,7 +243,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
 def test_fused_low_precision_states_need_triton_on_cuda():
     from bigtrain.config import load_config
     from bigtrain.errors import ConfigError
-    from bigtrain.parallel.backend import make_adamw
+    from bigtrain.parallel.optimizer import make_adamw
     from bigtrain.precision.policy import detect_hardware, resolve_policy
 
     cpu = torch.device("cpu")

@@ -352,7 +352,11 @@ def test_a_target_held_by_nobody_is_rebuilt_from_an_earlier_checkpoint(tmp_path)
     healer.targets.start.held = None
     nan_step(trainer)  # step 20
     (event,) = trainer.events("rollback")
-    assert (event["to_step"], event["source"], event["replay_steps"]) == (15, "replay from checkpoint", 5)
+    assert (event["to_step"], event["source"], event["replay_steps"]) == (
+        15,
+        "replay from checkpoint",
+        5,
+    )
     assert (trainer.step, weight(trainer), trainer.state.lr_scale) == (10, 10, 1.0)
     assert trainer.loader.stream.skip_windows == [(15 * B, 20 * B)]  # from target 15's cursor
     trainer.healthy(4)

@@ -75,7 +75,11 @@ def test_a_run_stopped_and_resumed_heals_like_one_that_never_stopped(
     resumed = run(micro(*args, out="stopped"), ENV)
     (one,), (other,) = events(straight, "rollback"), events(stopped, "rollback")
     assert (one["from_step"], one["to_step"], one["source"]) == (fault, to_step, "memory")
-    assert (other["from_step"], other["to_step"], other["source"]) == (fault, to_step, resumed_source)
+    assert (other["from_step"], other["to_step"], other["source"]) == (
+        fault,
+        to_step,
+        resumed_source,
+    )
     assert [e["samples"] for e in events(stopped, "skip_data")] == [
         e["samples"] for e in events(straight, "skip_data")
     ]

@@ -1,0 +1,139 @@
+"""The healing sections: `monitor.*` (the gradient statistics, the spike rules, the actions) and
+`resilience.*` (rollback targets, the ladder, replay, the watchdog), and the checks of the rules'
+keys that the types alone do not make (called by config/load.py's `validate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bigtrain.errors import ConfigError
+
+SPIKE_RULES = ("loss", "grad_norm")
+"""The series a spike rule may watch (`monitor.rules`)."""
+
+
+@dataclass
+class SpikeRuleConfig:
+    """One spike rule (bigtrain/resilience/rules.py): a value is a spike when it is at least
+    `factor` times the median of the last `window` healthy values and, from `min_values` values
+    on, also more than `sigmas` robust standard deviations above it in log space."""
+
+    window: int = 50
+    """Healthy values the baseline (their median) and spread are taken from."""
+    factor: float = 1.5
+    """The least ratio to the baseline that is a spike (> 1)."""
+    sigmas: float = 6.0
+    """Robust standard deviations (1.4826 x MAD of the log values) above the baseline that a
+    spike must also exceed, from `min_values` values on; 0: the factor alone."""
+    min_values: int = 10
+    """Values in the window before the spread counts (it is unreliable on fewer); the factor
+    applies from the first value on, so step 2 is already watched."""
+
+
+@dataclass
+class MonitorConfig:
+    every: int = 10
+    """Full per-tensor statistics (max |g| per tensor: per-layer telemetry) every N steps and at
+    every log step. Other steps compute only the sums of squares and non-finite counts, which give
+    the global norm, the clipping, the non-finite check and the spike rules (those run every
+    step); an anomaly's report computes max |g| when its step did not. With the Triton kernel max
+    |g| comes free; N then only saves a MAX all-reduce."""
+    kernel: str = "auto"
+    """Statistics pass: `auto` (Triton on CUDA, torch foreach elsewhere), `triton` (CUDA only) or
+    `torch`. Read at start."""
+    nonfinite: str = "rollback"
+    """What a non-finite loss or gradient does (the step is never applied): `rollback` (to the last
+    good state, see resilience.*), `skip` (anomaly event, training goes on) or `abort` (anomaly
+    event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
+    the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
+    steps) take the same action."""
+    rules: list[str] = field(default_factory=lambda: ["loss", "grad_norm"])
+    """Spike rules that may trigger the ladder (`monitor.on_spike`): `loss`, `grad_norm` (the
+    global gradient norm); [] turns spike detection off (non-finite values are always caught).
+    Per-tensor statistics never trigger: in healthy runs a single tensor's gradient norm jumps
+    1000x when attention wakes up; they name the culprits in the anomaly event (README,
+    Healing: the rules and the sweep that chose them)."""
+    loss: SpikeRuleConfig = field(default_factory=SpikeRuleConfig)
+    """The loss rule: over the healthy sweep the loss stayed within 1.07x of its recent median,
+    so 1.5x with 6 robust sigmas has a wide margin and still catches a x10 loss spike on one
+    rank of 16."""
+    grad_norm: SpikeRuleConfig = field(
+        default_factory=lambda: SpikeRuleConfig(window=50, factor=1000.0, sigmas=12.0)
+    )
+    """The gradient-norm rule: a guard against gross corruption only. Healthy runs jump 50x in
+    warm-up (with clipping doing its job), so a sensitive threshold would roll back healthy runs."""
+    tensor_window: int = 20
+    """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
+    event (`top_jumps`: norm / median of its window)."""
+    on_spike: str = "rollback"
+    """What a spike does: `rollback` (see resilience.*), `skip` the optimizer step, or `warn`
+    (anomaly event only; the step is applied)."""
+    max_consecutive: int = 5
+    """Stop with exit 3 after this many anomalous steps in a row (a shift no skip can fix)."""
+    top_k: int = 5
+    """Tensors named in an anomaly event (by max |g| and by non-finite count)."""
+    timing_every: int = 50
+    """Every N steps the ranks share their step time split into data, forward+backward, optimizer
+    and other (one small all-gather): per-rank times in metrics, `straggler` events. 0: off."""
+    straggler_factor: float = 1.3
+    """A rank whose part of the step takes this many times the median rank's is a straggler."""
+
+
+@dataclass
+class ResilienceConfig:
+    snapshot_every: int = 25
+    """Every N steps each rank copies its shard of master weights and optimizer state, the loss
+    scaler, schedule, data cursor, skip windows and RNG to host memory; 0: no snapshots (a rollback
+    then goes to the newest good disk checkpoint)."""
+    snapshots: int = 3
+    """Snapshots kept in host memory (a ring)."""
+    confirm_steps: int = 10
+    """Healthy steps that must follow a snapshot before it counts as good."""
+    skip_margin: int = 0
+    """Samples skipped beyond the anomaly's batch, on top of the window from the restored cursor
+    to the anomaly."""
+    lr_backoff: float = 0.5
+    """The learning rate is multiplied by this after a rollback (compounding on repeats)."""
+    clip_backoff: float = 0.5
+    """The clipping threshold is multiplied by this after a rollback (tighter clipping)."""
+    lr_cooldown_steps: int | None = None
+    """How long the back-off lasts, in steps after the restored step, never past train.max_steps.
+    None: twice the steps the rollback went back (the stretch that led into the anomaly gets
+    its length again at the lower LR, then some); 0: for the rest of the run."""
+    window: int = 50
+    """An anomaly within this many steps of the previous rollback goes one snapshot further back."""
+    max_rollbacks: int = 5
+    """More rollbacks than this in a run stop it with exit 3 (the last good checkpoint is kept)."""
+    replay: bool = True
+    """On a non-finite or spike anomaly, run the same micro-batches again from the same state
+    first: a clean replay is a transient fault (the step goes on, nothing skipped), a reproduced
+    anomaly takes the action above."""
+    max_transient_per_rank: int = 3
+    """After this many transient faults on one host, stop with exit 6 and its name in
+    RUN_DIR/suspect_hosts.txt (requeue without it)."""
+    hang_timeout_s: float | None = None
+    """No step finishing within this long is a hang: stacks to RUN_DIR/hang/, exit 5. None: 10x
+    the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""
+
+
+def check_rules(monitor: MonitorConfig) -> None:
+    """Spike rules: known names, and settings that can fire at all."""
+    unknown = [name for name in monitor.rules if name not in SPIKE_RULES]
+    if unknown:
+        raise ConfigError(
+            f"key 'monitor.rules' got unknown rule names {unknown}, expected a list of "
+            f"{', '.join(SPIKE_RULES)}"
+        )
+    for name in SPIKE_RULES:
+        rule, key = getattr(monitor, name), f"monitor.{name}"
+        if rule.window < 1:
+            raise ConfigError(f"key '{key}.window' got {rule.window}, expected a value >= 1")
+        if not rule.factor > 1.0:
+            raise ConfigError(f"key '{key}.factor' got {rule.factor}, expected a value > 1")
+        if not rule.sigmas >= 0.0:
+            raise ConfigError(f"key '{key}.sigmas' got {rule.sigmas}, expected a value >= 0")
+        if not 1 <= rule.min_values <= rule.window:
+            raise ConfigError(
+                f"key '{key}.min_values' got {rule.min_values}, expected 1..{key}.window "
+                f"({rule.window}): a window shorter than the values it waits for never fires"
+            )

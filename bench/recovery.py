@@ -66,9 +66,10 @@ def recovery_time(source: str) -> dict:
             result = trainer.train_step()
             healer.after_step(trainer, result)
             trainer.callbacks.on_step_end(trainer, result)
+            healer.end_step(trainer)
 
-        healer.start(trainer, resumed=False)
         trainer.callbacks.on_start(trainer)
+        healer.start(trainer, resumed=False)
         while "to_step" not in timing:
             step()
         step()

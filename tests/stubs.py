@@ -215,6 +215,8 @@ class StubTrainer:
         if self.healer is not None:
             self.healer.after_step(self, result)
         self.callbacks.on_step_end(self, result)
+        if self.healer is not None:
+            self.healer.end_step(self)
         return result
 
     def healthy(self, num_steps: int) -> None:

@@ -57,7 +57,7 @@ class CheckpointCallback(Callback):
             trainer.context["config_yaml"],
             async_ok=self.cfg.async_save and not wait,
             # A snapshot of this step (a rollback target) is a host copy already: written from.
-            host_state=trainer.healer.host_state(trainer.step),
+            host_state=trainer.healer.host_state(trainer),
             shapes=trainer.context.get("shapes"),
         )
         if path is None:

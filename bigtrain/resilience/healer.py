@@ -5,7 +5,8 @@ The loop calls it by name, in this order, every step (train/loop.py):
   judge         the verdict on the monitor's numbers (detect.py); on an anomaly, one replay of
                 the step (replay.py): clean -> a transient fault, the replayed step goes on
   after_step    the decision: events, the action per monitor.nonfinite / on_spike, a rollback
-                (targets.py, recover.py), snapshots and confirmations on healthy steps
+                (targets.py, recover.py), confirmations and new targets on healthy steps
+  end_step      after the callbacks: a new target's snapshot, a rebuild's arrival
 The states and transitions are in bigtrain/resilience/__init__.py.
 """
 
@@ -60,12 +61,14 @@ class Healer:
             None  # a rebuild's target: what applies on reaching it
         )
         self.health: Health | None = None  # the current step's numbers, from judge to after_step
+        self.pending: Target | None = None  # a target of this step whose snapshot is still due
 
     # --- the loop's calls ---------------------------------------------------------------------
 
     def start(self, trainer, resumed: bool) -> None:
-        """After setup and resume, before the first step: the start target (held in memory when
-        snapshots are on), and on a fresh run what rebuilding it needs."""
+        """After setup, resume and the callbacks' on_start, before the first step: the start
+        target (held in memory when snapshots are on), and on a fresh run what rebuilding it
+        needs."""
         if not resumed:
             self.origin = origin_record(trainer)
         elif self.origin is None and not self.targets.ring:
@@ -132,13 +135,22 @@ class Healer:
             self.targets.healthy_step()
         step = trainer.step
         if not result.skipped and self.targets.is_cadence(step):
-            held = hold(trainer) if self.targets.holds_snapshots else None
-            if self.arrival is None:
-                self.targets.add(Target(step, trainer.loader.stream.cursor, 0, held))
-            elif (known := self.targets.at(step)) is not None:
-                known.held = held
-        if self.arrival is not None and step >= self.arrival["step"]:
+            if self.arrival is None:  # a rebuild passes targets that are known already
+                self.targets.add(Target(step, trainer.loader.stream.cursor))
+            if self.targets.holds_snapshots:
+                self.pending = self.targets.at(step)
+
+    def end_step(self, trainer) -> None:
+        """After the callbacks, whose state a target holds too (INT8 calibration folds the step's
+        activations in its on_step_end): the new target's snapshot, then a rebuild's arrival."""
+        self._hold_pending(trainer)
+        if self.arrival is not None and trainer.step >= self.arrival["step"]:
             self._arrive(trainer)
+
+    def _hold_pending(self, trainer) -> None:
+        target, self.pending = self.pending, None
+        if target is not None and target.held is None and target.step == trainer.step:
+            target.held = hold(trainer)
 
     def _anomalous(self, trainer, result: StepResult) -> None:
         anomaly = result.anomaly
@@ -162,6 +174,7 @@ class Healer:
         if stop:
             abort(trainer, stop)
         self.targets.anomaly()
+        self.pending = None
         if self.arrival is not None:  # the rebuild went wrong: its target is not reached
             self.arrival = None
         if action == "rollback":
@@ -287,10 +300,13 @@ class Healer:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def host_state(self, step: int) -> dict[str, Any] | None:
-        """This rank's host copy of step `step`'s backend state, when a target of that step is
-        held: a checkpoint of the step writes from it instead of copying again."""
-        target = self.targets.at(step)
+    def host_state(self, trainer) -> dict[str, Any] | None:
+        """This rank's host copy of the current step's backend state when a target of the step is
+        held (its snapshot taken now if due this step): a checkpoint of the step writes from it
+        instead of copying again."""
+        if self.pending is not None and self.pending.step == trainer.step:
+            self._hold_pending(trainer)
+        target = self.targets.at(trainer.step)
         return target.held.backend_state if target is not None and target.held else None
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,15 +1,21 @@
-"""The fixed set of hooks through which everything plugs into the loop.
+"""The fixed set of hooks through which what observes a run plugs into the loop.
 
-Order of one run (loop.py):
+What changes the run when a step goes wrong (detect, replay, roll back, back off) is not a hook:
+the loop calls bigtrain/resilience's Healer by name. Order of one run (loop.py):
 
     on_start(trainer)                      after setup and resume, before the first step
+    healer.start                           the start target and its record
     per optimizer step:
         on_after_backward(trainer, r)      gradients of all micro-batches are in place, not yet
                                            clipped; `r` is the step's StepResult (train/step.py)
                                            with step, lr and this rank's local_loss
-        on_step_end(trainer, r)            after the optimizer step (or its skip); `r` holds the
-                                           step's loss, grad norm, anomaly, ...; the callbacks
-                                           that answer the step write their typed fields
+        healer.judge                       the verdict; one replay of an anomalous step
+        healer.after_step                  the decision (`r.action`, `rolled_back`, ...)
+        on_step_end(trainer, r)            after the optimizer step (or its skip) and the
+                                           healer's decision; `r` holds the step's loss, grad
+                                           norm, anomaly, action, ...
+        healer.end_step                    a new rollback target's snapshot (it holds the
+                                           callbacks' state of the step: INT8 calibration)
     on_event(trainer, record)              whenever an event is written (any time)
     on_finish(trainer)                     after the last step, before final.json
     on_stop(trainer, reason)               instead of on_finish when every rank gives up at the
@@ -17,13 +23,12 @@ Order of one run (loop.py):
                                            finish what must not be lost
 
 A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its state travels in the
-trainer state (checkpoints and rollback snapshots) under that key.
+trainer state (checkpoints and rollback targets) under that key.
 
 Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
-another reads has a lower priority: the anomaly guard (1, `action`) runs before rollback (2,
-`rolled_back`, `checkpoint_now`), evaluation (10, `val_loss`), checkpointing (50), the straggler
-report (70, `step_time_by_rank`) and metrics logging (80, `record`), which run before the console
-and wandb (90) and the preemption handler (95).
+another reads has a lower priority: evaluation (10, `val_loss`), checkpointing (50), the straggler
+report (70, `step_time_by_rank`) and metrics logging (80, `record`) run before the console and
+wandb (90) and the preemption handler (95).
 """
 
 from __future__ import annotations

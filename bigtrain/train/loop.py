@@ -121,12 +121,13 @@ class Trainer:
     def fit(self, resumed: bool = False) -> TrainState:
         """The loop. `resumed`: the state was loaded from a checkpoint (the healer's targets
         came with it)."""
-        self.healer.start(self, resumed)
         self.callbacks.on_start(self)
+        self.healer.start(self, resumed)
         while self.state.step < self.end_step:
             result = self.train_step()
-            self.healer.after_step(self, result)  # events, the action, a rollback, snapshots
+            self.healer.after_step(self, result)  # events, the action, a rollback
             self.callbacks.on_step_end(self, result)
+            self.healer.end_step(self)  # a new rollback target's snapshot
         self.callbacks.on_finish(self)
         return self.state
 

@@ -143,14 +143,16 @@ def test_targets_every_n_steps_skip_skipped_steps_and_keep_the_newest(tmp_path):
     assert newest.held.trainer_state["data"]["cursor"] == newest.cursor == 25 * B
     assert newest.held.trainer_state["state"]["skipped_steps"] == 1
     # A checkpoint of step 25 writes from this copy instead of copying again; of 24, not.
-    assert healer.host_state(25) is newest.held.backend_state and healer.host_state(24) is None
+    assert healer.host_state(trainer) is newest.held.backend_state
+    trainer.step_end(skipped=True)  # step 26: no target
+    assert healer.host_state(trainer) is None
 
 
 def test_checkpoint_steps_are_targets_too_and_without_snapshots_nothing_is_held(tmp_path):
     trainer, healer, _ = make(tmp_path, checkpoint_every=4, snapshot_every=0)
     trainer.healthy(9)
     assert ring(healer) == [(4, 5, False), (8, 1, False)]
-    assert healer.targets.start.held is None and healer.host_state(8) is None
+    assert healer.targets.start.held is None and healer.host_state(trainer) is None
 
 
 @pytest.mark.parametrize(("healthy_after_snapshot", "to_step"), [(2, 0), (3, 5)])

@@ -32,11 +32,28 @@ def kept_losses(cfg) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in split_trajectory(records)[0]}
 
 
-def test_a_rolled_back_run_equals_a_fresh_run_resumed_from_its_restored_state(micro, tmp_path):
+@pytest.mark.parametrize(
+    "precision",
+    [
+        (),
+        # INT8 calibration folds every step's activations (callback state a target holds too)
+        ("precision.int8.enabled=true", "precision.int8.calibration=ema"),
+    ],
+    ids=["bf16", "int8"],
+)
+def test_a_rolled_back_run_equals_a_fresh_run_resumed_from_its_restored_state(
+    micro, tmp_path, precision
+):
     """NaN at step 12 rolls back to snapshot 5; the checkpoint written right after holds step 5's
     state with the skip window and the back-off. A new run resumed from that checkpoint alone,
     without the fault, ends bit for bit where the rolled-back run ends."""
-    ladder = ("resilience.snapshot_every=5", "resilience.confirm_steps=3", "checkpoint.every=100")
+    ladder = (
+        "resilience.snapshot_every=5",
+        "resilience.confirm_steps=3",
+        "checkpoint.every=100",
+        "precision.int8.calibration_steps=8",
+        *precision,
+    )
     healed = micro("train.max_steps=24", *EXACT, *ladder, "fault.nan_grad_step=12", out="healed")
     first = run(healed, ENV)
     (rollback,) = events(healed, "rollback")
@@ -55,19 +72,32 @@ def test_a_rolled_back_run_equals_a_fresh_run_resumed_from_its_restored_state(mi
     assert [e["kind"] for e in events(fresh, "anomaly")] == []
 
 
+INT8 = ("precision.int8.enabled=true", "precision.int8.calibration=ema")
+
+
 @pytest.mark.parametrize(
-    ("stop", "fault", "to_step", "resumed_source"),
+    ("stop", "fault", "to_step", "resumed_source", "precision"),
     [
-        (30, 37, 25, "replay from checkpoint"),  # snapshot 25 went with the restart: rebuilt
-        (10, 13, 0, "start"),  # checkpoint 10 is not confirmed: the start, rebuilt
+        (30, 37, 25, "replay from checkpoint", ()),  # snapshot 25 went with the restart: rebuilt
+        (10, 13, 0, "start", ()),  # checkpoint 10 is not confirmed: the start, rebuilt
+        # the straight run's snapshot of step 20 against the resumed run's checkpoint of it: the
+        # same state only if both hold what the step's callbacks changed (INT8 calibration)
+        (30, 33, 20, "checkpoint", INT8),
     ],
+    ids=["rebuilt", "start", "int8-checkpoint"],
 )
 def test_a_run_stopped_and_resumed_heals_like_one_that_never_stopped(
-    micro, stop, fault, to_step, resumed_source
+    micro, stop, fault, to_step, resumed_source, precision
 ):
     """Checkpoints every 10 steps and snapshots every 25 (both rollback targets), confirmation
     after 10 healthy steps; a NaN after the resume point."""
-    args = ("train.max_steps=40", *EXACT, "checkpoint.every=10", f"fault.nan_grad_step={fault}")
+    args = (
+        "train.max_steps=40",
+        *EXACT,
+        "checkpoint.every=10",
+        f"fault.nan_grad_step={fault}",
+        *precision,
+    )
     straight = micro(*args, out="straight")
     uninterrupted = run(straight, ENV)
     stopped = micro(*args, f"train.stop_at_step={stop}", out="stopped")

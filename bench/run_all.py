@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "int8": ("int8.py", ["--steps", "100"]),
     "speed": ("speed.py", ["--steps", "24"]),
     "prepare": ("prepare.py", ["--copies", "2", "--rounds", "2"]),
+    "detection": ("detection.py", ["--quick"]),
 }
 
 
@@ -101,6 +102,15 @@ def headline(name: str, r: dict) -> str:
         return (
             f"{r['mb_per_s']:.2f} MB/s = {r['ratio']:.2f}x a bare encode loop (goal >= 0.8); peak RSS "
             f"{rss['1x']:.0f} MB at 1x, {rss['4x']:.0f} MB at 4x (goal <= 1.3x)"
+        )
+    if name == "detection":
+        rates = r["detection_rate"]
+        kinds = ("nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10")
+        return (
+            f"{r['false_alarms_per_1000']:.2f} false alarms / 1000 healthy steps "
+            f"({r['healthy_runs']} runs); caught: "
+            + ", ".join(f"{k} {rates[k]:.0%}" for k in kinds)
+            + f"; validated {r['validated'][0]}/{r['validated'][1]}"
         )
     return json.dumps(r)[:120]
 

@@ -1,0 +1,278 @@
+"""The fault sweep of bench/detection.py, simulated exactly on the healthy runs' traces.
+
+A fault injected on rank r at step s changes only what rank r contributes to the monitor's SUM
+all-reduce: its loss and its row half of each gradient's sum of squares. So from a healthy trace
+(per step: both ranks' losses, both halves of every tensor) the reduced numbers of every faulty
+step follow without training, and bigtrain's own Detector (bigtrain/resilience/detect.py), its
+windows filled with the healthy steps before s, gives the verdict. Only step s is seen: a fault
+missed there is counted as missed (the real runs of detection_runs.validate show what follows).
+
+Kinds, as the drills of bigtrain/callbacks/faults.py inject them on rank r:
+    nan_grad, inf_grad   one value of the first gradient r holds a part of
+    nan_loss             r's loss and every gradient it holds
+    spike_xF             r's loss and all its gradient halves x F (a bad batch: fault.spike_step)
+    loss_spike_xF        r's reported loss x F
+    grad_spike_xF        one tensor's half on r x F, averaged over every tensor; grad_spike_first
+                         is the drill's default tensor (the first one r holds)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from detection_runs import RANKS, Trace
+
+from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor.monitor import Health
+from bigtrain.resilience.detect import Detector
+
+FACTORS = (10, 50)
+SCALED = ("spike", "loss_spike", "grad_spike", "grad_spike_first")
+KINDS = ("nan_grad", "inf_grad", "nan_loss") + tuple(f"{k}_x{f}" for k in SCALED for f in FACTORS)
+FIRST_STEP = 2  # faults are drawn from [2, steps]: step 1 has no history, only the NaN check
+
+
+@dataclass
+class Faulty:
+    """Rank-level inputs of one step: both ranks' losses and per-tensor halves, as changed."""
+
+    micro_loss: np.ndarray  # [..., rank]
+    halves: np.ndarray  # [..., tensor, rank] sums of squares
+    nonfinite: np.ndarray  # [..., tensor] non-finite values
+
+    def health(self) -> Health:
+        """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size)."""
+        sum_sq = self.halves.sum(axis=1)
+        num_nonfinite = int(self.nonfinite.sum())
+        return Health(
+            None,  # type: ignore[arg-type]  # device tensors: the Detector reads host values only
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            host_loss=float(self.micro_loss.mean()),
+            host_grad_norm=math.sqrt(float(sum_sq.sum())),
+            num_nonfinite=num_nonfinite,
+            host_sum_sq=sum_sq.tolist(),
+            host_nonfinite=self.nonfinite.tolist(),
+            host_max_abs=None,
+            replicas=[],
+            telemetry={},
+        )
+
+
+def inject(kind: str, step: Faulty, rank: int, sizes: np.ndarray, tensor: int = 0) -> Faulty:
+    """`step` (one step, or every step stacked on a leading axis) with `kind` injected on
+    `rank`; `sizes[t, r]`: values of tensor t on rank r; `tensor`: grad_spike's tensor."""
+    loss, halves = step.micro_loss.copy(), step.halves.copy()
+    nonfinite = step.nonfinite.copy()
+    held = sizes > 0
+    first = int(np.flatnonzero(held[:, rank])[0])
+    name, _, factor = kind.partition("_x")
+    factor = float(factor) if factor else 1.0
+    if name in ("nan_grad", "inf_grad"):
+        halves[..., first, rank] = math.nan if name == "nan_grad" else math.inf
+        nonfinite[..., first] += 1
+    elif name == "nan_loss":
+        loss[..., rank] = math.nan
+        halves[..., held[:, rank], rank] = math.nan
+        nonfinite += sizes[:, rank]
+    elif name == "spike":
+        loss[..., rank] *= factor
+        halves[..., rank] *= factor**2
+    elif name == "loss_spike":
+        loss[..., rank] *= factor
+    else:
+        halves[..., first if name == "grad_spike_first" else tensor, rank] *= factor**2
+    return Faulty(loss, halves, nonfinite)
+
+
+def healthy_steps(trace: Trace) -> list[Faulty]:
+    n = len(trace.names)
+    return [
+        Faulty(np.asarray(m), h, np.zeros(n))
+        for m, h in zip(trace.micro_loss, trace.halves, strict=True)
+    ]
+
+
+def cache_thresholds(detector: Detector) -> None:
+    """A rule's threshold changes only when a value joins its window: computed once per step by
+    the rule's own code, instead of once for each of the step's hundred simulated faults."""
+    for rule in detector.rules.values():
+        compute, add, cache = rule.threshold, rule.add, {}
+
+        def threshold(compute=compute, cache=cache):
+            if "value" not in cache:
+                cache["value"] = compute()
+            return cache["value"]
+
+        def add_value(value, add=add, cache=cache):
+            cache.clear()
+            add(value)
+
+        rule.threshold, rule.add = threshold, add_value
+
+
+@dataclass
+class Simulated:
+    """Per trace: which faults the Detector caught at their step."""
+
+    caught: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [step, rank(, tensor)]
+    false_alarms: list[int] = field(default_factory=list)  # healthy steps the Detector flagged
+
+
+def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
+    """Every kind on every rank at every step from FIRST_STEP on, judged by a Detector whose
+    windows hold the trace's healthy steps before it (flagged steps stay out, as in a run)."""
+    detector = Detector(cfg, trace.names)
+    cache_thresholds(detector)
+    steps, ranks = healthy_steps(trace), range(RANKS)
+    out = Simulated()
+    caught = {k: [] for k in KINDS}
+    for index, healthy in enumerate(steps):
+        step = index + 1
+        if step >= FIRST_STEP:
+            for kind in KINDS:
+                caught[kind].append(
+                    [_caught(detector, kind, healthy, r, trace.sizes) for r in ranks]
+                )
+        health = healthy.health()
+        if detector.verdict(health, loss_scaled=False).anomaly is not None:
+            out.false_alarms.append(step)
+        else:
+            detector.add(health)
+    out.caught = {k: np.asarray(v) for k, v in caught.items()}
+    return out
+
+
+def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, sizes: np.ndarray):
+    """True if the fault is caught; for grad_spike, per tensor (a tensor the rank holds no part
+    of cannot be poisoned on it: NaN, left out of the average)."""
+
+    def caught(tensor: int = 0) -> bool:
+        faulty = inject(kind, healthy, rank, sizes, tensor)
+        return detector.verdict(faulty.health(), loss_scaled=False).anomaly is not None
+
+    if not kind.startswith("grad_spike_x"):
+        return caught()
+    return [caught(t) if sizes[t, rank] else math.nan for t in range(len(sizes))]
+
+
+# --- candidate rules, for comparison: small threshold functions of the values before a step -----
+
+History = Callable[[np.ndarray], "float | np.ndarray"]
+
+
+def mean_std(sigmas: float, window: int, min_values: int) -> History:
+    def threshold(values: np.ndarray) -> float:
+        if len(values) < min_values:
+            return math.nan
+        recent = values[-window:]
+        return float(recent.mean() + sigmas * recent.std())
+
+    return threshold
+
+
+def max_ratio(factor: float) -> History:
+    return lambda values: factor * float(values.max()) if len(values) else math.nan
+
+
+def median_ratio(factor: float, window: int, from_step: int = 2) -> History:
+    """factor x the median of the last `window` values, from step `from_step` on; per column
+    for a [step, tensor] history."""
+
+    def threshold(values: np.ndarray):
+        if len(values) + 1 < max(from_step, 2):
+            return np.full(values.shape[1:], math.nan) if values.ndim > 1 else math.nan
+        return factor * np.median(values[-window:], axis=0)
+
+    return threshold
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A rule that fires when any of its series exceeds its threshold."""
+
+    name: str
+    loss: History | None = None
+    grad_norm: History | None = None
+    tensor: History | None = None  # per-tensor norms
+
+
+CANDIDATES = (
+    Candidate(
+        "olmo: mean + 6 std of last 128 (from 20), loss or grad norm",
+        loss=mean_std(6, 128, 20),
+        grad_norm=mean_std(6, 128, 20),
+    ),
+    Candidate("megatron: loss > 10x the max seen", loss=max_ratio(10)),
+    Candidate("grad norm > 5x median of last 50", grad_norm=median_ratio(5, 50)),
+    Candidate("grad norm > 20x median of last 50", grad_norm=median_ratio(20, 50)),
+    Candidate("grad norm > 100x median of last 50", grad_norm=median_ratio(100, 50)),
+    Candidate(
+        "tensor norm > 20x its median of last 20 (from step 100)",
+        tensor=median_ratio(20, 20, from_step=100),
+    ),
+)
+SPIKES = tuple(k for k in KINDS if any(k.startswith(s) for s in SCALED))
+
+
+@dataclass
+class Judged:
+    """A candidate on one trace: healthy steps it flags, and the faults it catches."""
+
+    false_alarms: list[int]
+    caught: dict[str, np.ndarray]  # spike kind -> [step, rank(, tensor)], from FIRST_STEP
+
+
+def judge(candidate: Candidate, trace: Trace) -> Judged:
+    """The candidate's thresholds at each step, from every healthy value before it (a candidate
+    has no healer: the values it flags stay in its history), applied to the healthy values and
+    to each spike kind's faulty values on each rank."""
+    stacked = Faulty(
+        np.asarray(trace.micro_loss), np.stack(trace.halves), np.zeros((1, len(trace.names)))
+    )
+    series = _series(stacked)
+    limits = {}
+    for metric, values in series.items():
+        rule = getattr(candidate, metric)
+        if rule is not None:
+            limits[metric] = np.stack([np.asarray(rule(values[:i])) for i in range(len(values))])
+
+    def fires(faulty: Faulty) -> np.ndarray:
+        out = np.zeros(len(stacked.micro_loss), dtype=bool)
+        for metric, values in _series(faulty).items():
+            if metric in limits:
+                above = values > limits[metric]
+                out |= above.any(axis=1) if above.ndim > 1 else above
+        return out
+
+    def caught_on(kind: str, rank: int) -> np.ndarray:
+        """[step], or [step, tensor] for grad_spike (NaN: the rank holds none of the tensor)."""
+        if not kind.startswith("grad_spike_x"):
+            return fires(inject(kind, stacked, rank, trace.sizes)).astype(float)
+        held = trace.sizes[:, rank] > 0
+        columns = [
+            fires(inject(kind, stacked, rank, trace.sizes, t)) if held[t] else np.nan
+            for t in range(len(held))
+        ]
+        return np.stack(np.broadcast_arrays(*columns), axis=1).astype(float)
+
+    first = FIRST_STEP - 1
+    caught = {
+        kind: np.stack([caught_on(kind, r) for r in range(RANKS)], axis=1)[first:]
+        for kind in SPIKES
+    }
+    flagged = np.flatnonzero(fires(stacked)[first:]) + FIRST_STEP
+    return Judged([int(s) for s in flagged], caught)
+
+
+def _series(faulty: Faulty) -> dict[str, np.ndarray]:
+    """What the candidates read at every step: loss, global gradient norm, per-tensor norms."""
+    sum_sq = faulty.halves.sum(axis=-1)
+    return {
+        "loss": faulty.micro_loss.mean(axis=-1),
+        "grad_norm": np.sqrt(sum_sq.sum(axis=-1)),
+        "tensor": np.sqrt(sum_sq),
+    }

@@ -1,0 +1,43 @@
+"""bench/detection.py end to end on its smallest matrix: 2 healthy micro runs of 40 steps, the
+simulated fault sweep and the candidates, no real 2-rank validation runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+ISSUE_KINDS = {"nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10"}
+
+
+def test_detection_bench_reports_the_issues_keys(cache_dir):
+    result = subprocess.run(
+        [sys.executable, "bench/detection.py", "--quick", "--runs", "2", "--steps", "40"]
+        + ["--validate", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BIGTRAIN_CACHE": str(cache_dir), "WANDB_MODE": "disabled"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "detection" and report["mode"] == "quick"
+    assert (report["healthy_runs"], report["healthy_steps"]) == (2, 80)
+    assert ISSUE_KINDS <= set(report["detection_rate"]) <= set(report["steps_to_detect"])
+    # Non-finite values are always caught, at their own step, on either rank at every step 2-40.
+    for kind in ("nan_grad", "inf_grad", "nan_loss"):
+        assert report["detection_rate"][kind] == 1.0
+        assert report["steps_to_detect"][kind] == {"0": 2 * 2 * 39, "missed": 0}
+    # The real runs' alarms and the simulation's replay of the same steps agree.
+    assert report["false_alarms"] == report["false_alarms_simulated"]
+    assert report["validated"] == [0, 0]
+    assert report["rules"]["rules"] == ["loss", "grad_norm"]
+    assert len(report["candidates"]) == 6

@@ -58,10 +58,12 @@ class MonitorConfig:
     so 1.5x with 6 robust sigmas has a wide margin and still catches a x10 loss spike on one
     rank of 16."""
     grad_norm: SpikeRuleConfig = field(
-        default_factory=lambda: SpikeRuleConfig(window=50, factor=1000.0, sigmas=12.0)
+        default_factory=lambda: SpikeRuleConfig(window=50, factor=1000.0, sigmas=0.0)
     )
-    """The gradient-norm rule: a guard against gross corruption only. Healthy runs jump 50x in
-    warm-up (with clipping doing its job), so a sensitive threshold would roll back healthy runs."""
+    """The gradient-norm rule: a guard against gross corruption only, by the factor alone.
+    Healthy runs jump 53-74x in warm-up (clipping does its job there), so a sensitive threshold
+    would roll back healthy runs; the spread of such a warm-up would lift a sigma threshold past
+    20000x."""
     tensor_window: int = 20
     """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
     event (`top_jumps`: norm / median of its window)."""

@@ -53,13 +53,11 @@ class Healer:
         self.recovery = Recovery(manager, start_weights)
         self.manager = manager
         self.consecutive = 0  # anomalous steps in a row
-        self.last: tuple[int, int] | None = (
-            None  # (restored step, anomaly step) of the last rollback
-        )
+        # (restored step, anomaly step) of the last rollback
+        self.last: tuple[int, int] | None = None
         self.origin: dict[str, Any] | None = None  # the start's trainer state and RNG (recover.py)
-        self.arrival: dict[str, Any] | None = (
-            None  # a rebuild's target: what applies on reaching it
-        )
+        # a rebuild's target step, and what applies on reaching it (the back-off)
+        self.arrival: dict[str, Any] | None = None
         self.health: Health | None = None  # the current step's numbers, from judge to after_step
         self.pending: Target | None = None  # a target of this step whose snapshot is still due
 

@@ -57,20 +57,19 @@ class Recovery:
         """Loads the run's initial weights into the backend with a fresh optimizer (None: they
         cannot be rebuilt, as for a transformers model's own init)."""
 
-    def committed(self, before: int | None = None, at: int | None = None) -> list[tuple[int, Path]]:
-        """Committed checkpoints (step, path), newest first, that verify; at step `at`, or all
-        before `before`."""
-        found = []
+    def newest(self, before: int | None = None, at: int | None = None) -> tuple[int, Path] | None:
+        """The newest committed checkpoint (step, path) that verifies: at step `at`, or before
+        step `before`. A bad one is skipped and older ones are tried."""
         for path in reversed(self.manager.committed()):
             step = int(path.name[len(PREFIX) :])
             if (at is not None and step != at) or (before is not None and step >= before):
                 continue
             try:
                 self.manager.verify(path)
-            except CheckpointError:  # a bad one is skipped; older ones are tried
+            except CheckpointError:
                 continue
-            found.append((step, path))
-        return found
+            return step, path
+        return None
 
     def restore(
         self, trainer, target: Target, older: list[Target], origin: dict[str, Any] | None
@@ -80,22 +79,20 @@ class Recovery:
         if target.held is not None:
             load_held(trainer, target.held)
             return "memory", target.step
-        at = self.committed(at=target.step) if target.step > 0 else []
-        if at:
-            self._load_checkpoint(trainer, at[0][1])
+        at = self.newest(at=target.step) if target.step > 0 else None
+        if at is not None:
+            self._load_checkpoint(trainer, at[1])
             return "checkpoint", target.step
         if target.step == 0 and self._rebuild_start(trainer, origin):
             return "start", 0
         held = next((t for t in older if t.held is not None), None)
-        disk = self.committed(before=target.step)
-        bases = [(held.step, "memory")] if held is not None else []
-        bases += [(step, "checkpoint") for step, _ in disk[:1]]
-        for step, source in sorted(bases, reverse=True):
-            if source == "memory":
-                load_held(trainer, held.held)
-            else:
-                self._load_checkpoint(trainer, disk[0][1])
-            return f"replay from {source}", step
+        disk = self.newest(before=target.step)
+        if held is not None and (disk is None or held.step >= disk[0]):
+            load_held(trainer, held.held)
+            return "replay from memory", held.step
+        if disk is not None:
+            self._load_checkpoint(trainer, disk[1])
+            return "replay from checkpoint", disk[0]
         if self._rebuild_start(trainer, origin):
             return "replay from start", 0
         return None

@@ -64,3 +64,28 @@ def test_every_backend_rolls_back_like_one_process(tmp_path, corpus_files, cache
     assert sorted(got) == sorted(expected) == list(range(1, 23))
     for step in range(1, 21):  # the 10 steps after each rollback
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (name, step)
+
+
+def test_fsdp_heals_after_a_resume_like_the_run_that_never_stopped(
+    tmp_path, corpus_files, cache_dir
+):
+    """FSDP2 on 2 ranks, checkpoints every 10 steps, snapshots every 25: a NaN at step 37 goes
+    back to target 25, held in memory by the uninterrupted run; the run stopped at 30 lost that
+    snapshot and rebuilds it from checkpoint 20. The same target, weights and kept losses."""
+    common = [
+        "parallel.backend=fsdp",
+        "train.max_steps=40",
+        "checkpoint.every=10",
+        "checkpoint.async_save=false",
+        "fault.nan_grad_step=37",
+        "fault.rank=1",
+    ]
+    straight_args = mesh_run_args(tmp_path, "straight", corpus_files, cache_dir, *common)
+    stopped_args = mesh_run_args(tmp_path, "stopped", corpus_files, cache_dir, *common)
+    straight = run_distributed(train_run, 2, straight_args)[0]
+    run_distributed(train_run, 2, [*stopped_args, "train.stop_at_step=30"])
+    resumed = run_distributed(train_run, 2, stopped_args)[0]
+    assert rollbacks(straight) == [(37, 25, "memory")]
+    assert rollbacks(resumed) == [(37, 25, "replay from checkpoint")]
+    assert resumed["final"]["fingerprint"] == straight["final"]["fingerprint"]
+    assert kept(resumed) == kept(straight)

@@ -98,7 +98,7 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
         (
             ["monitor.k=3"],
             "unknown config key 'monitor.k' (removed: spike detection was redesigned from "
-            "measurements (README, Healing): set monitor.rules, monitor.loss.* and "
+            "measurements (docs/healing.md): set monitor.rules, monitor.loss.* and "
             "monitor.grad_norm.*)",
         ),
         (

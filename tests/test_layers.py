@@ -1,4 +1,4 @@
-"""The package's layer order (README, Development): each layer imports only the layers before it,
+"""The package's layer order (docs/development.md): each layer imports only the layers before it,
 and no module imports another that imports it back, at module or function level. Imports under
 `if TYPE_CHECKING:` are annotations only and are not counted."""
 

@@ -57,7 +57,7 @@ class DataConfig:
     (source=prepared without `val_mixture`: from the end of each source)."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """source=prepared: the training sources, one entry per prepared directory, sampled in
-    proportion to their weights (README, Mixtures). Which source and sample each position of the
+    proportion to their weights (docs/data.md, Mixtures). Which source and sample each position of the
     data order holds depends only on train.seed, the mixture and the position, so resume,
     rollback skip windows and any world size see the same order. Read at start; a changed entry
     (path contents, weight, max_epochs) is a changed corpus on resume."""
@@ -69,7 +69,7 @@ class DataConfig:
     """Where tokenizers and token arrays are cached. None: $BIGTRAIN_CACHE or ~/.cache/bigtrain."""
     num_proc: int = 1
     """Tokenizing processes: 1 encodes in-process on the Rust tokenizer's threads, N > 1 forks N
-    single-threaded workers (README "Preparing data"). The tokens do not depend on it."""
+    single-threaded workers (docs/data.md). The tokens do not depend on it."""
     prefetch: int = 1
     """Optimizer steps of micro-batches read ahead by a background thread (0: read in the loop).
     Read-ahead batches are keyed by their stream positions, so a rollback or resume that moves the

@@ -71,7 +71,7 @@ def all_keys(schema: Any = Config, prefix: str = "") -> list[str]:
 
 MOVED = {"checkpoint.init_from": "model.init_from"}
 _OLD_DETECTION = (
-    "spike detection was redesigned from measurements (README, Healing): set monitor.rules, "
+    "spike detection was redesigned from measurements (docs/healing.md): set monitor.rules, "
     "monitor.loss.* and monitor.grad_norm.*"
 )
 REMOVED = {

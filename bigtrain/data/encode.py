@@ -4,7 +4,7 @@
 GIL and spreads a batch over every core). `data.num_proc=N>1` forks N worker processes that each
 encode whole batches on one thread, while this process reads, parses and writes; at most 2N
 batches are in flight, so memory stays bounded whatever the corpus's size. On the shared 2-core
-VM of bench/prepare.py the two were within its noise of each other (README "Preparing data").
+VM of bench/prepare.py the two were within its noise of each other (docs/data.md).
 Neither pickles a tokenizer nor fingerprints anything: workers rebuild it from its JSON once.
 """
 

@@ -1,6 +1,6 @@
 """`bigtrain prepare`: a corpus (`data.*`) -> a directory of token shards, its tokenizer and a
 manifest, written in one streaming pass (two with a BPE to train), memory independent of the
-corpus's size (README "Preparing data"):
+corpus's size (docs/data.md):
 
     DIR/manifest.json     written last: a directory without it is incomplete
     DIR/shard_XXXXX.bin   tokens, every document followed by EOS (see data/shards.py)

@@ -1,4 +1,4 @@
-"""Token shards as `bigtrain prepare` writes them (README "Preparing data"):
+"""Token shards as `bigtrain prepare` writes them (docs/data.md):
 
     shard_XXXXX.bin   raw little-endian tokens (uint16 or uint32), every document followed by EOS
     shard_XXXXX.idx   raw little-endian uint64: each document's end offset (exclusive, in tokens

@@ -2,7 +2,7 @@
 `bigtrain prepare`, written by the same writer) under `data.cache_dir`, keyed by the corpus
 fingerprint and the tokenizer:
 
-    corpus-<key>/manifest.json, shard_XXXXX.bin/.idx, tokenizer/    (README "Preparing data")
+    corpus-<key>/manifest.json, shard_XXXXX.bin/.idx, tokenizer/    (docs/data.md)
 
 Entries are built in a temporary directory and renamed into place, so a crash never leaves a
 half-written entry behind (the small-corpus path does not resume; `bigtrain prepare` does).

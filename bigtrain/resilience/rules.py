@@ -9,7 +9,7 @@ differ more. Ratios in log space make a rule scale-free: the same settings serve
 one of 2, a norm of 1e-3 and one of 10. Only healthy values enter the window (`add`), so a spike
 never becomes normal.
 
-Why these rules and not others is measured by bench/detection.py (README, Healing): over the
+Why these rules and not others is measured by bench/detection.py (docs/healing.md): over the
 healthy sweep the loss stays within 1.07x of its recent median while the global gradient norm
 jumps 50x in warm-up and single tensors' norms 1000x when attention wakes up, with no fault. So
 the loss rule is sensitive (a loss spike of x10 on one rank of two is 5.5x); the gradient-norm

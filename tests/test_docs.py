@@ -1,0 +1,55 @@
+"""The documentation holds together: README is a front door (<= 250 lines), every relative link in
+README.md and docs/ resolves to a file and, with an anchor, to a heading of it, and every config
+key of the schema is mentioned somewhere in docs/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from bigtrain.config.load import all_keys
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.unit
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings (code blocks left out)."""
+    found, in_code = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (m := re.match(r"^#+ (.*)", line)):
+            found.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_readme_is_a_front_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.name}: {target} (no heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_config_key_is_in_the_docs():
+    text = "\n".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    leaves = [k for k in all_keys() if not any(o.startswith(k + ".") for o in all_keys())]
+    missing = [k for k in leaves if k not in text]
+    assert not missing, f"{len(missing)} config keys not in docs/: {missing[:20]}"

@@ -51,7 +51,8 @@ class MonitorConfig:
     """Spike rules that may trigger the ladder (`monitor.on_spike`): `loss`, `grad_norm` (the
     global gradient norm); [] turns spike detection off (non-finite values are always caught).
     Per-tensor statistics never trigger: in healthy runs a single tensor's gradient norm jumps
-    1000x when attention wakes up; they name the culprits in the anomaly event (docs/healing.md: the rules and the sweep that chose them)."""
+    1000x when attention wakes up; they name the culprits in the anomaly event (docs/healing.md:
+    the rules and the sweep that chose them)."""
     loss: SpikeRuleConfig = field(default_factory=SpikeRuleConfig)
     """The loss rule: over the healthy sweep the loss stayed within 1.07x of its recent median,
     so 1.5x with 6 robust sigmas has a wide margin and still catches a x10 loss spike on one

@@ -259,6 +259,7 @@ def _build_trainer(
         "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
         "config_yaml": config_yaml,
         "skipped_rows": corpus.skipped_rows,
+        "corpus": corpus.summary,
         "monitor_kernel": "triton" if monitor.use_kernel else "torch",
     }
     callbacks = make_callbacks(cfg, env, run_dir, manager, val, learned["int8_layers"])
@@ -291,7 +292,8 @@ def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: boo
 
 
 def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
-    """What setup found, printed (rank 0) and as events: start, lock takeover, skipped rows,
+    """What setup found, printed (rank 0) and as events: start (with the corpus), lock takeover,
+    skipped rows,
     init_from, corrupted or invalid checkpoints, resume."""
     ctx = trainer.context
     logger.info(
@@ -302,6 +304,7 @@ def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
         trainer.device,
         ctx["policy"].table(),
     )
+    logger.info("data: training on %s", ctx["corpus"].describe())
     trainer.event(
         "start",
         backend=trainer.backend.name,
@@ -315,6 +318,7 @@ def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
         flops_per_token=ctx["flops_per_token"],
         peak_flops=ctx["peak_flops"],
         peak_flops_source=ctx["peak_flops_source"],
+        corpus=ctx["corpus"].to_event(),
     )
     lock = ctx["lock"]
     if lock is not None and lock.taken_over is not None:

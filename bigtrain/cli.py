@@ -123,17 +123,20 @@ def _train(items: list[str], local_rank: int | None) -> int:
 
 def _prepare(items: list[str], out: Path) -> int:
     from bigtrain.config import load_config
+    from bigtrain.data.corpus import corpus_inputs, source_files
     from bigtrain.data.prepare import prepare
+    from bigtrain.data.summary import CorpusSummary
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
     cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
     started = time.perf_counter()
     manifest = prepare(cfg.data, out)
+    inputs = corpus_inputs(cfg.data, source_files(cfg.data))
+    read = CorpusSummary(cfg.data.source, inputs, manifest["num_documents"], manifest["num_tokens"])
     summary = {
         "out": str(out),
-        "num_documents": manifest["num_documents"],
-        "num_tokens": manifest["num_tokens"],
+        **read.to_event(),
         "num_shards": len(manifest["shards"]),
         "dtype": manifest["dtype"],
         "vocab_size": manifest["vocab_size"],

@@ -59,6 +59,7 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
             trainer.context["init_from"] = init_from(cfg, trainer, manager)
         return None
     path, manifest = found
+    _check_data_order(path, manifest, trainer)
     changes = identity_changes(manifest["identity"], trainer.context["identity"])
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
@@ -83,6 +84,17 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
         **restarts,
         **_fused_note(manifest),
     }
+
+
+def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+    """Before the identity: a data order that cannot continue is one message, not a suggestion of
+    checkpoint.allow_config_change (which cannot help there) followed by another error."""
+    if "data" not in manifest:
+        return
+    try:
+        trainer.loader.stream.check_state(manifest["data"])
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint '{path}': {e}") from None
 
 
 def _fused_note(manifest: dict[str, Any]) -> dict[str, Any]:

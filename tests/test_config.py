@@ -74,6 +74,25 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
         ),
         (["data.source=files"], "data.source=files needs 'data.paths'"),
         (
+            ["data.paths=[a.txt]"],
+            "key 'data.paths' is set, but data.source is 'shakespeare': data.paths is read only "
+            "with data.source=files (set data.source=files, or leave data.paths out)",
+        ),
+        (
+            ["data.source=hub", "data.hub_name=org/web", "data.paths=[a.txt]"],
+            "key 'data.paths' is set, but data.source is 'hub'",
+        ),
+        (
+            ["data.source=prepared", "data.mixture=[/a]", "data.paths=[a.txt]"],
+            "key 'data.paths' is set, but data.source is 'prepared'",
+        ),
+        (
+            ["data.source=files", "data.paths=[a.txt]", "data.hub_name=org/web"],
+            "key 'data.hub_name' is set ('org/web'), but data.source is 'files': data.hub_name "
+            "is read only with data.source=hub (set data.source=hub, or data.hub_name=null)",
+        ),
+        (["data.hub_name=org/web"], "key 'data.hub_name' is set ('org/web'), but data.source"),
+        (
             ["resilience.lr_backoff=2"],
             "key 'resilience.lr_backoff' got 2.0, expected 0 < value <= 1",
         ),

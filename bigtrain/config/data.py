@@ -35,9 +35,11 @@ class DataConfig:
     by `bigtrain prepare`, mixed as `mixture` says (the tokenizer keys below are then unused: the
     directories carry theirs)."""
     paths: list[str] = field(default_factory=list)
-    """source=files: files or glob patterns. The format comes from the extension."""
+    """source=files: files or glob patterns. The format comes from the extension. Set with
+    another source, it is an error (checked when the config loads)."""
     hub_name: str | None = None
-    """source=hub: dataset name for `datasets.load_dataset` (needs network)."""
+    """source=hub: dataset name for `datasets.load_dataset` (needs network). Set with another
+    source, it is an error (checked when the config loads)."""
     split: str = "train"
     """Split of the hub dataset to read."""
     text_key: str = "text"
@@ -84,7 +86,24 @@ class DataConfig:
 
 
 def check_data(data: DataConfig) -> None:
-    """data.source=prepared needs a mixture, other sources refuse one; entries are well formed."""
+    """Each source has the keys it reads, and no key that another source reads: a key the source
+    ignores would be a corpus silently not used. data.source=prepared needs a mixture, whose
+    entries are well formed."""
+    if data.source == "files" and not data.paths:
+        raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
+    if data.source == "hub" and not data.hub_name:
+        raise ConfigError("data.source=hub needs 'data.hub_name'")
+    if data.paths and data.source != "files":
+        raise ConfigError(
+            f"key 'data.paths' is set, but data.source is {data.source!r}: data.paths is read "
+            "only with data.source=files (set data.source=files, or leave data.paths out)"
+        )
+    if data.hub_name is not None and data.source != "hub":
+        raise ConfigError(
+            f"key 'data.hub_name' is set ({data.hub_name!r}), but data.source is "
+            f"{data.source!r}: data.hub_name is read only with data.source=hub (set "
+            "data.source=hub, or data.hub_name=null)"
+        )
     if data.source != "prepared":
         for key in ("mixture", "val_mixture"):
             if getattr(data, key):

@@ -334,10 +334,6 @@ def _check_optim_and_data(config: Config) -> None:
         raise ConfigError(
             f"key 'data.val_fraction' got {config.data.val_fraction}, expected 0 < f < 0.5"
         )
-    if config.data.source == "files" and not config.data.paths:
-        raise ConfigError("data.source=files needs 'data.paths' (a list of files or globs)")
-    if config.data.source == "hub" and not config.data.hub_name:
-        raise ConfigError("data.source=hub needs 'data.hub_name'")
 
 
 def _check_monitor_and_int8(config: Config) -> None:

@@ -108,6 +108,23 @@ def _is_data_file(path: Path, is_glob: bool) -> bool:
     return True
 
 
+def source_files(cfg: DataConfig) -> list[Path]:
+    """The files a source reads, in order: the plays, or those of data.paths (none for a hub
+    dataset)."""
+    if cfg.source == "shakespeare":
+        return shakespeare_files()
+    if cfg.source == "files":
+        return expand_paths(cfg.paths)
+    return []
+
+
+def corpus_inputs(cfg: DataConfig, files: list[Path]) -> list[str]:
+    """What the corpus is read from, as CorpusSummary.inputs: the files, or the hub dataset."""
+    if cfg.source == "hub":
+        return [f"{cfg.hub_name} (split {cfg.split})"]
+    return [str(f) for f in files]
+
+
 def corpus_fingerprint(cfg: DataConfig) -> str:
     """Identifies the corpus content cheaply (names, sizes, mtimes), for the token cache key."""
     h = hashlib.sha256(f"{cfg.source}|{cfg.text_key}".encode())
@@ -138,12 +155,9 @@ class Documents:
         self.skipped_rows: dict[str, int] = {}
         """Resolved file path -> rows skipped in the current (or last) pass because their text_key
         was missing, null or not a string (data.skip_bad_rows); only files that had such rows."""
-        self.files: list[Path] = []
+        self.files = source_files(cfg)
         self.kind = "text"
-        if cfg.source == "shakespeare":
-            self.files = shakespeare_files()
-        elif cfg.source == "files":
-            self.files = expand_paths(cfg.paths)
+        if cfg.source == "files":
             self.kind = _format_of(self.files)
             for f in self.files:
                 if _holds_nothing(f, self.kind):

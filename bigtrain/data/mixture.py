@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigtrain.data.stream import SampleStream
+from bigtrain.data.stream import CANNOT_CONTINUE, NEW_RUN, SampleStream
 from bigtrain.errors import ConfigError
 from bigtrain.utils.seeds import derived_seed
 
@@ -319,22 +319,23 @@ class MixtureStream(SampleStream):
             "block_size": self.order.block_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
         saved = state.get("mixture")
         if saved is None:
             raise ConfigError(
                 "data: the checkpoint was trained on one corpus, this run on data.mixture: "
-                "the data order would change; start another train.out_dir (model.init_from "
-                "takes the checkpoint's weights)"
+                f"{CANNOT_CONTINUE}; {NEW_RUN}"
             )
         mine = [asdict(s) for s in self.specs]
         if saved != mine or state["seed"] != self.seed:
             raise ConfigError(
                 f"data: the checkpoint's mixture (seed {state['seed']}: {_describe(saved)}) "
-                f"differs from this run's (seed {self.seed}: {_describe(mine)}): the data order "
-                "would change; keep data.mixture and train.seed, or start another "
-                "train.out_dir (model.init_from takes the checkpoint's weights)"
+                f"differs from this run's (seed {self.seed}: {_describe(mine)}): "
+                f"{CANNOT_CONTINUE}; keep data.mixture and train.seed, or {NEW_RUN}"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         assert state["block_size"] == self.order.block_size  # a function of the weights
         self.cursor = int(state["cursor"])
         self.skip_windows = [(int(s), int(e)) for s, e in state["skip_windows"]]

@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.corpus import Documents, corpus_fingerprint
+from bigtrain.data.corpus import Documents, corpus_fingerprint, corpus_inputs
 from bigtrain.data.encode import Encoder, encode_batches
 from bigtrain.data.prepared import FORMAT, MANIFEST, TOKENIZER, record_verified
 from bigtrain.data.shards import ShardWriter, intact_prefix, remove_shards
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokenizer import load_tokenizer, tokenizer_key, tokenizer_sha256, train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import write_json_atomic
@@ -71,7 +72,30 @@ def prepare(
     if shard_tokens < 1:
         raise ConfigError(f"prepare: shard_tokens got {shard_tokens}, expected a positive count")
     docs = Documents(data_cfg)  # checks paths and formats before anything is written
+    made = _outermost_missing(out)
     _check_out_dir(out)
+    try:
+        manifest = _prepare_into(data_cfg, docs, out, shard_tokens, progress)
+    except Exception:
+        # What a rerun could not keep goes: a directory this call made that holds no finished
+        # shard. An interrupted run (KeyboardInterrupt, a kill) keeps its progress to resume.
+        if made is not None and not _holds_progress(out):
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    inputs = corpus_inputs(data_cfg, docs.files)
+    summary = CorpusSummary(
+        data_cfg.source, inputs, manifest["num_documents"], manifest["num_tokens"]
+    )
+    logger.info(
+        "prepare: read %s in %d shard(s) -> %s", summary.describe(), len(manifest["shards"]), out
+    )
+    return manifest
+
+
+def _prepare_into(
+    data_cfg: DataConfig, docs: Documents, out: Path, shard_tokens: int, progress: bool
+) -> dict:
+    """prepare() in the checked output directory `out`; returns the manifest."""
     expect = {
         "format": PROGRESS_FORMAT,
         "source": source_of(data_cfg),
@@ -116,13 +140,6 @@ def prepare(
     write_json_atomic(out / MANIFEST, manifest)  # last: the directory is complete
     record_verified(out, manifest)  # the writer hashed every file: the first open need not
     (out / PROGRESS).unlink()
-    logger.info(
-        "prepare: %d documents, %d tokens in %d shard(s) -> %s",
-        manifest["num_documents"],
-        manifest["num_tokens"],
-        len(shards),
-        out,
-    )
     return manifest
 
 
@@ -178,6 +195,26 @@ def _check_out_dir(out: Path) -> None:
                 f"'{foreign[0]}'); use a new or empty output directory"
             )
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost of `path` and its parents that does not exist: what mkdir(parents=True)
+    makes. None when `path` exists."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _holds_progress(out: Path) -> bool:
+    """`out` holds a finished corpus or finished shards of one (recorded in the progress file)."""
+    if (out / MANIFEST).exists():
+        return True
+    try:
+        return bool(json.loads((out / PROGRESS).read_text())["shards"])
+    except (OSError, ValueError, KeyError, TypeError):  # no progress file, or not one of ours
+        return False
 
 
 def _resumable_shards(out: Path, expect: dict) -> list[dict] | None:

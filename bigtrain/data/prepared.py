@@ -4,13 +4,16 @@
     data[1000:3000]                         # numpy array of tokens, across shard boundaries
 
 Verifying every shard's sha256 at every open would take minutes on a large corpus, so a verified
-file is stamped in DIR/.verified.json (its size, mtime, inode and sha256): a later open hashes only
-the files that changed since. `verify=False` checks sizes only.
+file is stamped in DIR/.verified.json (its size, mtime, ctime, inode and sha256; for a token file
+also its largest id): a later open hashes only the files that changed since. Every open with
+`verify` checks each token file's largest id against the vocabulary (the manifest's vocab_size):
+an id beyond it would index past the model's embedding. `verify=False` checks sizes only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import operator
 from pathlib import Path
@@ -18,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.data.shards import INDEX_DTYPE
-from bigtrain.data.tokenizer import tokenizer_sha256
+from bigtrain.data.tokenizer import tokenizer_identity, tokenizer_sha256
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import sha256_file as file_sha256
 from bigtrain.utils.files import write_json_atomic
@@ -138,6 +141,12 @@ class PreparedData:
         if not self.tokenizer_dir.is_dir():
             raise ConfigError(f"missing tokenizer: '{self.tokenizer_dir}' (listed in {MANIFEST})")
 
+    @functools.cached_property
+    def tokenizer_identity(self) -> str:
+        """What its tokenizer is (data/tokenizer.py `tokenizer_identity`), read when first asked:
+        sources of one tokenizer mix, whatever bytes its saved files hold."""
+        return tokenizer_identity(self.tokenizer_dir)
+
     def __getstate__(self) -> dict:  # memory maps are reopened in the receiving process
         return {**self.__dict__, "_maps": {}}
 
@@ -175,24 +184,29 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _stat_key(path: Path) -> list[int]:
+    # The ctime too: every write in place changes it, even when the mtime is set back (os.utime
+    # sets only atime and mtime), so such a file is hashed again rather than passed as verified.
+    # Caught here, at setup on rank 0, every rank exits 2 together before a step; a check of each
+    # batch in the loader would stop one rank while the others wait in a collective.
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
 def _verify(data: PreparedData) -> None:
-    """sha256 of every shard file against the manifest, skipping those stamped as verified."""
+    """sha256 of every shard file against the manifest, skipping those stamped as verified; each
+    token file's largest id against the vocabulary."""
     stamp = _read_stamp(data.path)
     fresh = {}
     for shard in data.shards:
-        for key, sha_key in (("file", "sha256"), ("index", "index_sha256")):
-            name, expected = shard[key], shard[sha_key]
-            entry = {"stat": _stat_key(data.path / name), "sha256": expected}
-            if stamp.get(name) != entry and file_sha256(data.path / name) != expected:
-                raise ConfigError(
-                    f"corrupt shard: file '{data.path / name}' (its sha256 differs from "
-                    f"{MANIFEST}); prepare the corpus again"
-                )
-            fresh[name] = entry
+        fresh[shard["index"]] = _checked(data, shard["index"], shard["index_sha256"], stamp)
+        entry = _checked(data, shard["file"], shard["sha256"], stamp, tokens=True)
+        if entry["max_token"] >= data.vocab_size:
+            raise ConfigError(
+                f"bad token ids: file '{data.path / shard['file']}' holds token id "
+                f"{entry['max_token']}, beyond the vocabulary of {data.vocab_size} ids "
+                f"(vocab_size in {MANIFEST}): not ids of its tokenizer; prepare the corpus again"
+            )
+        fresh[shard["file"]] = entry
     if tokenizer_sha256(data.tokenizer_dir) != data.tokenizer_sha256:
         raise ConfigError(
             f"corrupt tokenizer: '{data.tokenizer_dir}' differs from the sha256 in {MANIFEST}"
@@ -201,16 +215,45 @@ def _verify(data: PreparedData) -> None:
         _write_stamp(data.path, fresh)
 
 
+def _checked(
+    data: PreparedData, name: str, expected: str, stamp: dict, tokens: bool = False
+) -> dict:
+    """The stamp entry of a shard file: its stamped one if the file did not change since, else
+    the file hashed (and, for `tokens`, its largest id read)."""
+    path = data.path / name
+    entry: dict = {"stat": _stat_key(path), "sha256": expected}
+    stamped = stamp.get(name)
+    unchanged = isinstance(stamped, dict) and all(stamped.get(k) == v for k, v in entry.items())
+    if unchanged and (not tokens or isinstance(stamped.get("max_token"), int)):
+        return stamped
+    if file_sha256(path) != expected:
+        raise ConfigError(
+            f"corrupt shard: file '{path}' (its sha256 differs from {MANIFEST}); prepare the "
+            "corpus again"
+        )
+    if tokens:  # right after hashing it: the file is in the page cache
+        ids = np.memmap(path, data.dtype, mode="r")
+        entry["max_token"] = int(ids.max()) if len(ids) else -1
+    return entry
+
+
 def record_verified(path: Path, manifest: dict) -> None:
-    """Stamp every shard file of `manifest` as verified (by the writer, which hashed them)."""
-    _write_stamp(
-        path,
-        {
-            shard[key]: {"stat": _stat_key(path / shard[key]), "sha256": shard[sha_key]}
-            for shard in manifest["shards"]
-            for key, sha_key in (("file", "sha256"), ("index", "index_sha256"))
-        },
-    )
+    """Stamp the shard files of `manifest` as verified by the writer, which hashed them and
+    recorded each token file's largest id. A shard recorded without it (by a bigtrain before
+    `max_token`, in a prepare resumed since) is left to the first open to hash."""
+    stamp = {}
+    for shard in manifest["shards"]:
+        if "max_token" in shard:
+            stamp[shard["file"]] = {
+                "stat": _stat_key(path / shard["file"]),
+                "sha256": shard["sha256"],
+                "max_token": shard["max_token"],
+            }
+            stamp[shard["index"]] = {
+                "stat": _stat_key(path / shard["index"]),
+                "sha256": shard["index_sha256"],
+            }
+    _write_stamp(path, stamp)
 
 
 def _read_stamp(path: Path) -> dict:

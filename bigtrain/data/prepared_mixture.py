@@ -14,6 +14,7 @@ from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.stream import PackedSamples, Samples, split_tokens
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.errors import ConfigError
 from bigtrain.utils.dist import all_gather_objects
 
@@ -40,6 +41,8 @@ class Mixture:
 
     key: str
     """Identity of the training data: the sources' manifests, weights, max_epochs and sizes."""
+    summary: CorpusSummary
+    """Which corpus this is (logged at start, and in the `start` event)."""
     vocab_size: int
     eos_id: int
     tokenizer_dir: str
@@ -84,16 +87,26 @@ def _open_checked(cfg: DataConfig, verify: bool) -> tuple[list[PreparedData], li
 
 
 def check_compatible(sources: list[PreparedData]) -> None:
-    """Every source must have been prepared with the same tokenizer (and so the same EOS)."""
+    """Every source must have been prepared with the same tokenizer (and so the same EOS): the
+    same files, or else the same vocabulary, merges and special tokens (a tokenizer saved again
+    by `bigtrain prepare` has other bytes)."""
     first = sources[0]
     for other in sources[1:]:
-        if (other.tokenizer_sha256, other.eos_id) != (first.tokenizer_sha256, first.eos_id):
+        same = other.tokenizer_sha256 == first.tokenizer_sha256  # cheap, and enough for most
+        same = same or other.tokenizer_identity == first.tokenizer_identity
+        if not same or other.eos_id != first.eos_id:
             raise ConfigError(
                 f"data.mixture: '{first.path}' and '{other.path}' were prepared with different "
-                f"tokenizers (sha256 {first.tokenizer_sha256[:12]}, eos {first.eos_id} vs "
-                f"{other.tokenizer_sha256[:12]}, eos {other.eos_id}); prepare every source with "
-                "the same tokenizer"
+                f"tokenizers (vocabulary, merges or special tokens: "
+                f"{_short(first.tokenizer_identity)}, eos {first.eos_id} vs "
+                f"{_short(other.tokenizer_identity)}, eos {other.eos_id}); prepare every source "
+                "with the same tokenizer (data.tokenizer=DIR/tokenizer of the first)"
             )
+
+
+def _short(identity: str) -> str:
+    kind, _, digest = identity.partition("-")
+    return f"{kind} {digest[:12]}"
 
 
 def _whole(data: PreparedData, seq_len: int, key: str) -> PackedSamples:
@@ -128,8 +141,15 @@ def build_mixture(
     val_specs = _specs(val_entries, val, val_parts)
     val_samples = MixedSamples(val_parts, [d.name for d in val])
     first = train[0]
+    summary = CorpusSummary(
+        "prepared",
+        [e.path for e in cfg.mixture],
+        sum(d.num_documents for d in train),
+        sum(d.num_tokens for d in train),
+    )
     return Mixture(
         key=mixture_key(train, specs),
+        summary=summary,
         vocab_size=first.vocab_size,
         eos_id=first.eos_id,
         tokenizer_dir=str(first.tokenizer_dir),

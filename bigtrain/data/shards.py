@@ -69,6 +69,7 @@ class _OpenShard:
         self.file, self.index = shard_files(number)
         self.first_document, self.dtype = first_document, dtype
         self.num_tokens = self.num_documents = 0
+        self.max_token = -1  # the largest id written: recorded, so no open needs to read it
         self._files = [(directory / name).open("wb") for name in (self.file, self.index)]
         self._hashes = [hashlib.sha256(), hashlib.sha256()]
 
@@ -82,6 +83,8 @@ class _OpenShard:
             h.update(memoryview(data))
         self.num_tokens += len(tokens)
         self.num_documents += len(lengths)
+        if len(tokens):
+            self.max_token = max(self.max_token, int(tokens.max()))
 
     def finish(self) -> dict:
         """Flush and fsync both files; the shard's record."""
@@ -97,6 +100,7 @@ class _OpenShard:
             "first_document": self.first_document,
             "sha256": self._hashes[0].hexdigest(),
             "index_sha256": self._hashes[1].hexdigest(),
+            "max_token": self.max_token,
         }
 
     def abandon(self) -> None:

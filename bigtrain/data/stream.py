@@ -76,6 +76,12 @@ def split_tokens(
     )
 
 
+CANNOT_CONTINUE = (
+    "the data order cannot continue, not even with checkpoint.allow_config_change=true"
+)
+NEW_RUN = "start another train.out_dir (model.init_from takes the checkpoint's weights)"
+
+
 def _epoch_seed(seed: int, epoch: int) -> int:
     return derived_seed("bigtrain-order", seed, epoch)
 
@@ -134,17 +140,25 @@ class SampleStream:
             "num_samples": self.num_samples,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """ConfigError unless a checkpoint's stream `state` continues in this stream: the same
+        order of samples. Resume asks before anything else about the checkpoint (resume.py), as
+        checkpoint.allow_config_change cannot change this."""
         if "mixture" in state:
             raise ConfigError(
                 "data: the checkpoint was trained on data.mixture (data.source=prepared), this "
-                "run on one corpus: the data order would change"
+                f"run on one corpus: {CANNOT_CONTINUE}; {NEW_RUN}"
             )
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
             raise ConfigError(
-                f"data: the checkpoint's sample order (seed {state['seed']}, {state['num_samples']} samples) differs from "
-                f"this run's (seed {self.seed}, {self.num_samples} samples): train.seed or the corpus changed"
+                f"data: the checkpoint's sample order (seed {state['seed']}, "
+                f"{state['num_samples']} samples) differs from this run's (seed {self.seed}, "
+                f"{self.num_samples} samples): train.seed or the corpus changed, and "
+                f"{CANNOT_CONTINUE}; keep both, or {NEW_RUN}"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.cursor = int(state["cursor"])
         self.skip_windows = [(int(s), int(e)) for s, e in state["skip_windows"]]
 

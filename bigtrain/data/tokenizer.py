@@ -4,6 +4,7 @@ directory; and what identifies one (for cache keys, manifests and resuming)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,17 +36,62 @@ def load_tokenizer(name_or_dir: str):
     """A transformers tokenizer from a local directory or a hub name."""
     from transformers import AutoTokenizer
 
+    _check_not_prepared(Path(name_or_dir))
     try:
         tok = AutoTokenizer.from_pretrained(name_or_dir)
     except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"data.tokenizer: cannot load '{name_or_dir}': {e}".splitlines()[0]
-        ) from None
+        reason = " ".join(str(e).split())  # one line, all of it: transformers' run over several
+        raise ConfigError(f"data.tokenizer: cannot load '{name_or_dir}': {reason}") from None
     if tok.eos_token_id is None:
         raise ConfigError(
             f"data.tokenizer '{name_or_dir}' has no EOS token (needed between documents)"
         )
     return tok
+
+
+def _check_not_prepared(path: Path) -> None:
+    """A prepared directory (or a run directory) holds its tokenizer in `tokenizer/`: the likely
+    meaning of such a data.tokenizer, which transformers would refuse with a long message."""
+    own = any((path / name).is_file() for name in TOKENIZER_FILES)
+    if path.is_dir() and (path / "tokenizer").is_dir() and not own:
+        raise ConfigError(
+            f"data.tokenizer: '{path}' is a prepared corpus or a run directory, not a tokenizer; "
+            f"use data.tokenizer={path / 'tokenizer'}"
+        )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IDENTITY_KEYS = (
+    "model",
+    "added_tokens",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+)
+"""The parts of tokenizer.json that decide the ids of a text: the vocabulary and merges (model),
+the added and special tokens, and the steps around the model."""
+
+
+def tokenizer_identity(directory: Path) -> str:
+    """What makes two tokenizers the same, so that token ids from one mean the same with the
+    other: sha256 over IDENTITY_KEYS of its tokenizer.json, as the `tokenizers` library writes it
+    again (the same for files of other versions or formatting). Not the files' bytes: saving a
+    tokenizer again adds keys to tokenizer_config.json (`is_local`, `local_files_only`) that
+    change no id. Which token is EOS is compared on its own (a manifest's eos_id). A directory
+    without a tokenizer.json (a slow tokenizer) is identified by its files' bytes."""
+    from tokenizers import Tokenizer
+
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return "files-" + tokenizer_sha256(directory)
+    try:
+        content = json.loads(Tokenizer.from_file(str(file)).to_str())
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        reason = " ".join(str(e).split())
+        raise ConfigError(f"tokenizer: '{file}' is not a tokenizer file: {reason}") from None
+    canonical = json.dumps([content.get(k) for k in IDENTITY_KEYS], sort_keys=True)
+    return "content-" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def tokenizer_sha256(directory: Path) -> str:

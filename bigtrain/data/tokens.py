@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.corpus import corpus_fingerprint
+from bigtrain.data.corpus import corpus_fingerprint, corpus_inputs, source_files
 from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import MANIFEST, PreparedData
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokenizer import EOS, load_tokenizer, tokenizer_key, train_bpe
 
 __all__ = [
@@ -58,6 +59,8 @@ class TokenCorpus:
     eos_id: int
     tokenizer_dir: str
     key: str
+    summary: CorpusSummary
+    """Which corpus this is (logged at start, and in the `start` event)."""
     skipped_rows: dict[str, int] = field(default_factory=dict)
     """Resolved file path -> rows that data.skip_bad_rows left out when the cache entry was built
     (their text_key was missing, null or not a string); empty when none were."""
@@ -89,7 +92,9 @@ def prepare_corpus(cfg: DataConfig) -> TokenCorpus:
             skipped,
         )
     key = entry.name.removeprefix("corpus-")
-    return TokenCorpus(data, data.vocab_size, data.eos_id, tokenizer_dir, key, skipped)
+    inputs = corpus_inputs(cfg, source_files(cfg))
+    summary = CorpusSummary(cfg.source, inputs, data.num_documents, data.num_tokens)
+    return TokenCorpus(data, data.vocab_size, data.eos_id, tokenizer_dir, key, summary, skipped)
 
 
 def _build_entry(cfg: DataConfig, entry: Path) -> None:

@@ -70,6 +70,7 @@ def mixture_sources(tmp_path_factory, corpus_files) -> dict[str, Path]:
 def mixture_args(sources: dict[str, Path]) -> list[str]:
     return [
         "data.source=prepared",
+        "data.paths=[]",  # the micro config's files: paths with another source are an error
         f"data.mixture=[{{path: {sources['big']}}}, {{path: {sources['small']}, max_epochs: 1}}]",
         "model.seq_len=8",
         "train.micro_batch_size=256",  # 6 steps cover more than one block of 1024 positions

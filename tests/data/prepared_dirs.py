@@ -20,9 +20,10 @@ def tokenizer_sha256(tokenizer_dir: Path) -> str:
 
 
 def fake_tokenizer(path: Path, tag: str = "a") -> Path:
-    """A directory that stands for a tokenizer where nothing loads it (its sha256 is its id)."""
+    """A directory that stands for a tokenizer where nothing loads it: without a tokenizer.json,
+    its files' sha256 is its identity."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(json.dumps({"tag": tag}))
+    (path / "vocab.json").write_text(json.dumps({"tag": tag}))
     return path
 
 

@@ -20,6 +20,12 @@ from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.prepared_mixture import build_mixture, check_length, open_mixture
 from bigtrain.data.stream import BatchLoader, SampleStream
+from bigtrain.data.tokenizer import (
+    load_tokenizer,
+    tokenizer_identity,
+    tokenizer_sha256,
+    train_bpe,
+)
 from bigtrain.errors import ConfigError
 from bigtrain.plan import vocab_size_for_plan
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
@@ -242,6 +248,30 @@ def test_sources_with_other_tokenizers_are_refused_naming_both(prepared, tmp_pat
     cfg.mixture[-1] = MixtureSource(str(eos))
     with pytest.raises(ConfigError, match="eos 0 vs .*eos 1"):
         open_mixture(cfg, seq_len=16, seed=0, is_main=True)
+
+
+def test_a_tokenizer_is_its_vocabulary_merges_and_special_tokens_not_its_files(
+    tmp_path, tokenizer_dir, paragraphs
+):
+    saved_again = tmp_path / "saved-again"
+    load_tokenizer(str(tokenizer_dir)).save_pretrained(str(saved_again))
+    other = tmp_path / "other"
+    train_bpe(paragraphs[:100], 300, other)  # the same size, other merges
+    assert tokenizer_sha256(saved_again) != tokenizer_sha256(tokenizer_dir)
+    assert tokenizer_identity(saved_again) == tokenizer_identity(tokenizer_dir)
+    assert tokenizer_identity(other) != tokenizer_identity(tokenizer_dir)
+    documents = random_documents(0, 600, vocab_size=300)
+    paths = {
+        name: write_prepared(tmp_path / name, documents, tokenizer, vocab_size=300)
+        for name, tokenizer in (("a", tokenizer_dir), ("b", saved_again), ("c", other))
+    }
+    same = DataConfig(source="prepared", mixture=[MixtureSource(str(paths[n])) for n in "ab"])
+    assert open_mixture(same, seq_len=16, seed=0, is_main=True).vocab_size == 300
+    differ = DataConfig(source="prepared", mixture=[MixtureSource(str(paths[n])) for n in "ac"])
+    with pytest.raises(
+        ConfigError, match=f"'{paths['a']}' and '{paths['c']}'.*different tokenizers"
+    ):
+        open_mixture(differ, seq_len=16, seed=0, is_main=True)
 
 
 def test_prepared_reader_slices_across_shards_and_names_a_bad_file(prepared):

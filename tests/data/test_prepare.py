@@ -243,9 +243,55 @@ def test_cli_prepare_prints_a_summary_and_exits_2_on_bad_input(tmp_path, paragra
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_documents"] == 50 and summary["num_shards"] == 1
+    assert (summary["source"], summary["inputs"]) == ("files", [str(path)])
+    read = f"prepare: read source=files, 1 file ({path}): 50 documents, {summary['num_tokens']}"
+    assert read in done.stdout
     assert summary["num_tokens"] == len(PreparedData.open(tmp_path / "out"))
     path.write_text(path.read_text() + '{"text": 7}\n')
     bad = run_cli("prepare", *common, "--out", str(tmp_path / "bad"), timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
     assert f"'{path}' line 51: 'text' is a number" in bad.stderr
+
+
+@pytest.mark.unit
+def test_a_failed_prepare_removes_only_the_directory_it_made(tmp_path, paragraphs, tokenizer_dir):
+    cfg = jsonl_cfg(write_jsonl(tmp_path / "docs.jsonl", paragraphs[:20]), tokenizer_dir)
+    missing = replace(cfg, tokenizer=str(tmp_path / "no-tokenizer"))
+    with pytest.raises(ConfigError, match="data.tokenizer: cannot load"):
+        prepare(missing, tmp_path / "new" / "out")
+    assert not (tmp_path / "new").exists()  # the parent it made goes too
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ConfigError, match="data.tokenizer: cannot load"):
+        prepare(missing, tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir()  # the user's own directory stays
+    bad = write_jsonl(tmp_path / "bad.jsonl", paragraphs[:5])
+    bad.write_text(bad.read_text() + '{"text": 7}\n')
+    with pytest.raises(ConfigError, match="line 6: 'text' is a number"):
+        prepare(replace(cfg, paths=[str(bad)]), tmp_path / "rows")  # after its tokenizer
+    assert not (tmp_path / "rows").exists()
+
+
+@pytest.mark.unit
+def test_a_prepared_directory_as_data_tokenizer_names_its_tokenizer(
+    tmp_path, paragraphs, tokenizer_dir
+):
+    cfg = jsonl_cfg(write_jsonl(tmp_path / "docs.jsonl", paragraphs[:5]), tokenizer_dir)
+    prepare(cfg, tmp_path / "first")
+    with pytest.raises(ConfigError) as error:
+        prepare(replace(cfg, tokenizer=str(tmp_path / "first")), tmp_path / "second")
+    assert str(error.value) == (
+        f"data.tokenizer: '{tmp_path / 'first'}' is a prepared corpus or a run directory, not a "
+        f"tokenizer; use data.tokenizer={tmp_path / 'first' / 'tokenizer'}"
+    )
+    assert not (tmp_path / "second").exists()
+
+
+@pytest.mark.e2e
+def test_cli_prepare_refuses_paths_without_source_files(tmp_path, paragraphs):
+    path = write_jsonl(tmp_path / "docs.jsonl", paragraphs[:5])
+    result = run_cli("prepare", f"data.paths=[{path}]", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "key 'data.paths' is set, but data.source is 'shakespeare'" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import numpy as np
@@ -12,11 +13,15 @@ from bigtrain.data import prepared
 from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.stream import split_samples
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
 from tests.data.conftest import expected_tokens, jsonl_cfg, write_jsonl
+from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 
 pytestmark = pytest.mark.unit
+
+SUMMARY = CorpusSummary("files", ["tokens"], 1, 1001)  # what split_samples does not read
 
 
 @pytest.fixture
@@ -54,8 +59,10 @@ def test_slices_cross_shard_boundaries(prepared_dir):
 def test_packed_samples_read_a_prepared_corpus(prepared_dir):
     path, tokens = prepared_dir
     data = PreparedData.open(path)
-    from_disk = split_samples(TokenCorpus(data, 300, 0, "", "k"), 64, 0.1)
-    in_memory = split_samples(TokenCorpus(tokens.astype(np.uint16), 300, 0, "", "k"), 64, 0.1)
+    from_disk = split_samples(TokenCorpus(data, 300, 0, "", "k", SUMMARY), 64, 0.1)
+    in_memory = split_samples(
+        TokenCorpus(tokens.astype(np.uint16), 300, 0, "", "k", SUMMARY), 64, 0.1
+    )
     for a, b in zip(from_disk, in_memory, strict=True):
         assert len(a) == len(b)
         ids = list(range(len(a)))
@@ -113,4 +120,44 @@ def test_an_incomplete_or_foreign_directory_says_what_to_run(tmp_path, prepared_
     (path / "manifest.json").write_text(json.dumps(manifest))
     (path / "shard_00001.idx").unlink()
     with pytest.raises(ConfigError, match=f"missing shard: file '{path / 'shard_00001.idx'}'"):
+        PreparedData.open(path)
+
+
+def test_a_shard_changed_in_place_with_its_mtime_kept_is_hashed_again(prepared_dir):
+    path, _ = prepared_dir
+    PreparedData.open(path)
+    shard = path / "shard_00001.bin"
+    before = shard.stat()
+    with shard.open("r+b") as f:  # ids far above the vocabulary of 300, in place
+        f.seek(20)
+        f.write(np.array([4000, 4001], "<u2").tobytes())
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ino,
+    )
+    with pytest.raises(ConfigError, match=f"corrupt shard: file '{shard}'"):
+        PreparedData.open(path)
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
+    documents = random_documents(0, 3000, vocab_size=400)  # ids up to 399
+    tokenizer = fake_tokenizer(tmp_path / "tok")
+    fits = write_prepared(tmp_path / "fits", documents, tokenizer, vocab_size=400)
+    PreparedData.open(fits)
+    stamp = json.loads((fits / ".verified.json").read_text())
+    for token_file in fits.glob("shard_*.bin"):  # each file's largest id, kept with its hash
+        assert stamp[token_file.name]["max_token"] == int(np.fromfile(token_file, "<u2").max())
+    path = write_prepared(tmp_path / "wide", documents, tokenizer, vocab_size=300)
+    shard = path / "shard_00000.bin"
+    largest = int(np.fromfile(shard, "<u2").max())
+    with pytest.raises(ConfigError) as error:
+        PreparedData.open(path)
+    assert str(error.value) == (
+        f"bad token ids: file '{shard}' holds token id {largest}, beyond the vocabulary of 300 "
+        "ids (vocab_size in manifest.json): not ids of its tokenizer; prepare the corpus again"
+    )
+    with pytest.raises(ConfigError, match="bad token ids"):  # and not stamped as verified
         PreparedData.open(path)

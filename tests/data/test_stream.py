@@ -3,10 +3,13 @@ import pytest
 import torch
 
 from bigtrain.data.stream import BatchLoader, PackedSamples, SampleStream, split_samples
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
 
 pytestmark = pytest.mark.unit
+
+SUMMARY = CorpusSummary("files", ["tokens"], 1, 1001)  # what split_samples does not read
 
 
 def make_samples(n: int = 50, seq_len: int = 4) -> PackedSamples:
@@ -31,7 +34,7 @@ def test_packing_targets_are_inputs_shifted():
 
 
 def test_split_has_no_overlap():
-    corpus = TokenCorpus(np.arange(1001, dtype=np.uint16), 1000, 0, "", "k")
+    corpus = TokenCorpus(np.arange(1001, dtype=np.uint16), 1000, 0, "", "k", SUMMARY)
     train, val = split_samples(corpus, 10, 0.1)
     assert (len(train), len(val)) == (90, 10)
     assert int(train.get([89])[0, -1]) == int(val.get([0])[0, 0]) == 900

@@ -9,6 +9,7 @@ import pytest
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.data import load_tokenizer, prepare_corpus
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.errors import ConfigError
 from tests.conftest import run_cli
 
@@ -24,6 +25,9 @@ def test_bpe_corpus_is_cached_and_decodes(tmp_path, corpus_files, caplog):
     caplog.set_level(logging.INFO, logger="bigtrain")
     corpus = prepare_corpus(cfg)
     assert corpus.vocab_size == 384
+    assert corpus.summary == CorpusSummary(
+        "files", [str(p) for p in corpus_files], len(corpus_files), len(corpus.tokens)
+    )
     assert corpus.tokens.dtype == np.uint16
     assert int(np.asarray(corpus.tokens).max()) < 384
     # one EOS after each document

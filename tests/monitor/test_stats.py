@@ -144,3 +144,32 @@ def test_triton_kernel_on_cuda_against_the_reference(dtype):
         stats.sum_sq.tolist(),
         stats.nonfinite.tolist(),
     )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_above_one_slice_of_the_cpu_path_against_the_reference(threads):
+    """On CPU max |g| of a tensor above 32768 values is taken over slices (a reduction that large
+    would be split over threads that wait for each other): a NaN in a later slice, an all-negative
+    tensor whose largest |g| is a minimum, a tensor of exactly two slices."""
+    g = torch.Generator().manual_seed(1)
+    grads = [
+        torch.randn(70_001, generator=g),
+        -torch.rand(40_000, generator=g) - 0.5,
+        torch.randn(2, 32_768, generator=g),
+        torch.randn(33, generator=g),
+    ]
+    grads[0][50_000] = float("nan")
+    grads[2][1, 7] = 40.0  # the largest value lies in the second slice
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stats = local_grad_stats(
+            [(f"t{i}", t) for i, t in enumerate(grads)], torch.device("cpu"), use_kernel=False
+        )
+    finally:
+        torch.set_num_threads(before)
+    check_against_reference(
+        grads, stats.max_abs.tolist(), stats.sum_sq.tolist(), stats.nonfinite.tolist()
+    )
+    assert stats.max_abs[2].item() == 40.0 and stats.nonfinite.tolist() == [1, 0, 0, 0]

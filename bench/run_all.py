@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "speed": ("speed.py", ["--steps", "24"]),
     "prepare": ("prepare.py", ["--copies", "2", "--rounds", "2"]),
     "detection": ("detection.py", ["--quick"]),
+    "generate": ("generate.py", ["--new-tokens", "128", "--reps", "2"]),
 }
 
 
@@ -111,6 +112,12 @@ def headline(name: str, r: dict) -> str:
             f"({r['healthy_runs']} runs); caught: "
             + ", ".join(f"{k} {rates[k]:.0%}" for k in kinds)
             + f"; validated {r['validated'][0]}/{r['validated'][1]}"
+        )
+    if name == "generate":
+        rate = r["tokens_per_s"]
+        return (
+            f"KV cache {rate['kv_cache']:.0f} tok/s vs recompute {rate['recompute']:.0f} tok/s: "
+            f"{r['ratio']:.2f}x ({r['new_tokens']} tokens after {r['prompt_tokens']})"
         )
     return json.dumps(r)[:120]
 

@@ -22,6 +22,7 @@ from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.preempt import PreemptionHandler
+from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.wandb_logger import WandbLogger
@@ -202,7 +203,7 @@ def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
     return corpus
 
 
-def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callback]:
+def make_callbacks(cfg, env, run_dir, manager, val, int8_layers, tokenizer_dir) -> list[Callback]:
     """Every callback of a run (their priorities order them: train/hooks.py)."""
     callbacks = [
         HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
@@ -214,6 +215,10 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers) -> list[Callbac
         ConsoleProgress(cfg.train.progress and env.is_main),
         PreemptionHandler(),
     ]
+    if cfg.eval.sample_every > 0:
+        callbacks.append(
+            SampleCallback(cfg.eval, str(tokenizer_dir), cfg.model.seq_len, cfg.train.seed)
+        )
     if cfg.data.source == "prepared":
         callbacks.append(SourceEvents())
     if int8_layers:
@@ -262,7 +267,9 @@ def _build_trainer(
         "corpus": corpus.summary,
         "monitor_kernel": "triton" if monitor.use_kernel else "torch",
     }
-    callbacks = make_callbacks(cfg, env, run_dir, manager, val, learned["int8_layers"])
+    callbacks = make_callbacks(
+        cfg, env, run_dir, manager, val, learned["int8_layers"], corpus.tokenizer_dir
+    )
     healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor, healer

@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | prepare | plan | report | ckpt | export.
+"""bigtrain's command line: train | prepare | plan | report | ckpt | export | generate.
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
@@ -101,7 +101,49 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load the result with transformers and compare logits with bigtrain's (FP32)",
     )
+    _generate_parser(sub)
     return p
+
+
+def _number(kind: type, low: float, high: float | None = None, low_open: bool = False):
+    """An argparse type: a `kind` number in [low, high] ((low, high] with low_open)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            above = f"> {low}" if low_open else f">= {low}"
+            raise argparse.ArgumentTypeError(
+                f"got {text}, expected a number {above}" + (f" and <= {high}" if high else "")
+            )
+        return value
+
+    return parse
+
+
+def _generate_parser(sub) -> None:
+    gen = sub.add_parser(
+        "generate", help="text from a checkpoint (a run directory: its newest checkpoint)"
+    )
+    gen.add_argument("path", type=Path, metavar="CKPT_OR_RUN_DIR")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", type=Path, metavar="FILE", help="one prompt per line")
+    gen.add_argument("--max-new-tokens", type=_number(int, 1), default=64, metavar="N")
+    gen.add_argument(
+        "--temperature", type=_number(float, 0.0), default=1.0, help="0: greedy (default 1)"
+    )
+    gen.add_argument("--top-k", type=_number(int, 0), default=0, help="0: off (default)")
+    gen.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=1.0)
+    gen.add_argument("--seed", type=int, default=0, help="seeds each prompt's sampling")
+    gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    gen.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: FP32 on the CPU, the checkpoint's compute dtype on a GPU",
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="one JSON line per prompt: prompt, text, tokens, stop"
+    )
 
 
 def _train(items: list[str], local_rank: int | None) -> int:
@@ -179,6 +221,30 @@ def _export(path: Path, out: Path, max_shard_size: str, check: bool) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from bigtrain.model.generate import Sampling
+    from bigtrain.store.generate_checkpoint import load_checkpoint_model
+    from bigtrain.utils.logs import setup_console
+
+    setup_console(0, sys.stderr)  # stdout holds the generated text alone
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            raise ConfigError(f"--prompts-file '{args.prompts_file}' is not a file")
+        lines = args.prompts_file.read_text().splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompt: expected --prompt TEXT or --prompts-file FILE")
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    loaded = load_checkpoint_model(args.path, args.device, args.dtype)
+    for number, sample in enumerate(loaded.generate(prompts, sampling, args.seed)):
+        if args.json:
+            print(json.dumps(sample.to_dict()), flush=True)
+        else:
+            print(("" if number == 0 else "\n-----\n") + sample.prompt + sample.text, flush=True)
+    return 0
+
+
 def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
     from bigtrain.store.checkpoint import verify
 
@@ -234,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "export":
             return _export(args.path, args.hf, args.max_shard_size, args.check)
+        if args.command == "generate":
+            return _generate(args)
         return _ckpt(args.ckpt_command, args.path, args)
     except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost) as e:
         # One line, no traceback, the documented exit code.

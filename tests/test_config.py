@@ -127,6 +127,20 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
         (["fault.kill_step=soon"], "key 'fault.kill_step"),
         (["max_steps"], "override 'max_steps' must look like key.sub=value"),
         (["checkpoint.every=-2"], "key 'checkpoint.every' got -2, expected N >= 0 or -1 (never)"),
+        (["eval.sample_every=-1"], "key 'eval.sample_every' got -1, expected N >= 0 (0: off)"),
+        (
+            ["eval.sample_temperature=-0.5"],
+            "key 'eval.sample_temperature' got -0.5, expected >= 0 (0: greedy)",
+        ),
+        (
+            ["eval.sample_max_new_tokens=0"],
+            "key 'eval.sample_max_new_tokens' got 0, expected >= 1",
+        ),
+        (
+            ["eval.sample_every=5", "eval.sample_prompts=[]"],
+            "key 'eval.sample_prompts' is empty but eval.sample_every is set",
+        ),
+        (["eval.sample_evry=5"], "(did you mean 'eval.sample_every'?)"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):

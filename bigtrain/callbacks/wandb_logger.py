@@ -1,5 +1,6 @@
-"""wandb: metrics at log steps and every event, online, offline (files under out_dir/wandb) or
-disabled. The run id is kept in the run directory so a restarted run continues the same wandb run.
+"""wandb: metrics at log steps, every event and text samples (a `samples` table), online, offline
+(files under out_dir/wandb) or disabled. The run id is kept in the run directory so a restarted
+run continues the same wandb run.
 
 wandb's own step only ever increases (a row logged at a lower step is dropped), and its history
 cannot be rewritten offline, so the training step travels as the metric `train/step`, the x-axis of
@@ -90,6 +91,16 @@ class WandbLogger(Callback):
         if record and record["step"] <= trainer.step:
             self.held.append(wandb_record(record))
         self.send_until(trainer.step - self.hold_steps)
+        if result.samples:
+            self._log_samples(trainer.step, result.samples)
+
+    def _log_samples(self, step: int, samples: list) -> None:
+        """Text samples as a `samples` table, sent at once (like events)."""
+        import wandb
+
+        rows = [[step, s.prompt, s.text, s.stop] for s in samples]
+        table = wandb.Table(columns=["step", "prompt", "text", "stop"], data=rows)
+        self.run.log({"samples": table, STEP_KEY: step})
 
     def send_until(self, step: float) -> None:
         """Send the held records of steps up to `step`, oldest first."""

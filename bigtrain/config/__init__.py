@@ -1,4 +1,5 @@
 from bigtrain.config.data import MixtureSource
+from bigtrain.config.eval import EvalConfig
 from bigtrain.config.load import (
     for_world_size,
     load_config,
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "EvalConfig",
     "FaultConfig",
     "for_world_size",
     "MixtureSource",

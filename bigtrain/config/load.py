@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from bigtrain.config.data import MixtureSource, check_data
+from bigtrain.config.eval import check_eval
 from bigtrain.config.mesh import check_mesh
 from bigtrain.config.resilience import check_rules
 from bigtrain.config.schema import Config, FaultConfig
@@ -220,6 +221,7 @@ def validate(config: Config) -> None:
     _check_checkpoints_and_hangs(config)
     _check_optim_and_data(config)
     check_data(config.data)
+    check_eval(config.eval)
     _check_monitor_and_int8(config)
     _check_parallel_and_train(config)
 

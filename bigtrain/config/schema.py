@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigtrain.config.data import DataConfig
+from bigtrain.config.eval import EvalConfig
 from bigtrain.config.faults import FaultConfig
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 
@@ -342,6 +343,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)

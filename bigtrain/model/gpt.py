@@ -3,7 +3,9 @@
 GPT-2 style (learned positions, LayerNorm, GELU, biases) and Llama style (rotary positions,
 RMSNorm, SwiGLU, no biases) from one config. Precision, sharding and checkpointing of activations
 are applied from outside: the only precision knob here is `CausalSelfAttention.fp32_softmax`, a
-module attribute that the precision policy sets after the model is built.
+module attribute that the precision policy sets after the model is built. For generation,
+`forward(idx, cache)` with a `KVCache` feeds only the new tokens: the keys and values of the
+earlier ones are kept, so each generated token costs one position, not the whole prefix.
 """
 
 from __future__ import annotations
@@ -86,9 +88,11 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """mask: None (causal), or (batch, 1, seq, seq) booleans, True where attention is
-        allowed (causal within each document, see GPT.document_eos).
+        allowed (causal within each document, see GPT.document_eos). With a `cache`, x holds the
+        new tokens only and mask is KVCache.mask's (None: one new token, which sees them all).
 
         Head counts come from the projections' outputs: under tensor parallelism each rank holds
         its share of the heads (parallel/tensor_parallel.py)."""
@@ -99,30 +103,40 @@ class CausalSelfAttention(nn.Module):
         )
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        causal = mask is None and cache is None
         p = self.dropout if self.training else 0.0
         grouped = self.n_kv_heads != self.n_heads
         if self.fp32_softmax:
             if grouped:  # each key/value head serves n_heads / n_kv_heads query heads
                 groups = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            y = self._explicit_fp32(q, k, v, p, mask)
+            y = self._explicit_fp32(q, k, v, p, mask, causal)
         else:
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=grouped
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=grouped
             )
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.proj(y))
 
     def _explicit_fp32(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: float,
+        mask: torch.Tensor | None,
+        causal: bool,
     ) -> torch.Tensor:
         seq = q.shape[-2]
-        if mask is None:
+        if causal:
             mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         with autocast_off(q.device.type):
             scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-            probs = F.dropout(probs, p=p, training=p > 0)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = F.dropout(scores.softmax(dim=-1), p=p, training=p > 0)
         # The weighted sum of values goes back to the compute dtype like any other matmul.
         return probs.to(v.dtype) @ v
 
@@ -159,8 +173,10 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, mask)
+        # cache by keyword: tensor parallelism prepares the positional inputs (x, rope, mask)
+        x = x + self.attn(self.norm1(x), rope, mask, cache=cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -249,31 +265,91 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def _positions_and_mask(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _positions_and_mask(
+        self, idx: torch.Tensor, cache: KVCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seq = idx.shape[1]
+        if cache is not None:
+            if self.document_eos is not None:
+                # Positions and masks restart at each EOS; the cache keeps one causal stream.
+                raise ValueError(
+                    "a KV cache does not apply the document mask (data.document_mask): feed the "
+                    "last document alone (generate.last_document) to a model without document_eos"
+                )
+            start = cache.length
+            return torch.arange(start, start + seq, device=idx.device), cache.mask(seq, idx.device)
         if self.document_eos is None:
-            return torch.arange(idx.shape[1], device=idx.device), None
+            return torch.arange(seq, device=idx.device), None
         return document_positions(idx, self.document_eos)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype. With a
+        `cache`, idx holds the tokens after the cached ones, which it then holds too."""
         seq = idx.shape[1]
-        if seq > self.cfg.seq_len:
+        start = cache.length if cache is not None else 0
+        if start + seq > self.cfg.seq_len:
             raise ValueError(
-                f"sequence of {seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
+                f"sequence of {start + seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
             )
-        positions, mask = self._positions_and_mask(idx)
+        positions, mask = self._positions_and_mask(idx, cache)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         x = self.drop(x)
         rope = None
-        if self.cfg.position == "rope" and mask is None:
-            rope = (self.rope_cos[:seq], self.rope_sin[:seq])
+        if self.cfg.position == "rope" and positions.dim() == 1:  # start, start + 1, ...
+            rope = (self.rope_cos[start : start + seq], self.rope_sin[start : start + seq])
         elif self.cfg.position == "rope":  # per-token positions, broadcast over heads
             rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        for block in self.blocks:
-            x = block(x, rope, mask)
+        layers = cache.layers if cache is not None else [None] * len(self.blocks)
+        for block, layer_cache in zip(self.blocks, layers, strict=True):
+            x = block(x, rope, mask, cache=layer_cache)
         return self.lm_head(self.norm_f(x))
+
+
+class LayerCache:
+    """One attention layer's keys and values so far, (batch, kv heads, positions, head dim)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys and values; all of them so far (views of the buffers)."""
+        end = self.length + k.shape[2]
+        if self.keys is None or self.values is None:
+            # Made at first use: on the device and in the dtype of the keys (the compute dtype).
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Every layer's keys and values of the tokens fed so far, for generation with the GPT:
+    `GPT.forward(new_tokens, cache)` feeds the new tokens at positions `length`, `length + 1`,
+    ...; they attend to the cached tokens and causally to each other. Learned and rotary
+    positions alike; buffers of `max_len` positions (model.seq_len) are made at first use."""
+
+    def __init__(self, num_layers: int, max_len: int) -> None:
+        self.layers = [LayerCache(max_len) for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached: the position of the next token fed."""
+        return self.layers[0].length
+
+    def mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """(seq, length + seq) booleans, True where new token i may attend: every cached token
+        and the new ones up to itself. None for a single new token, which attends to all."""
+        if seq == 1:
+            return None
+        ones = torch.ones(seq, self.length + seq, dtype=torch.bool, device=device)
+        return ones.tril(diagonal=self.length)
 
 
 def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:

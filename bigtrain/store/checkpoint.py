@@ -182,14 +182,7 @@ class CheckpointManager:
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""
-        if not self.root.is_dir():
-            return []
-        dirs = [
-            p
-            for p in self.root.iterdir()
-            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
-        ]
-        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+        return committed_dirs(self.root)
 
     def save(
         self,
@@ -348,6 +341,42 @@ class CheckpointManager:
         if not rng_file.exists():
             backend.borrowed_rng(int(manifest["step"]))
         return trainer_state
+
+
+def committed_dirs(root: Path) -> list[Path]:
+    """The committed checkpoint directories under `root` (a run's checkpoints/), oldest first."""
+    if not root.is_dir():
+        return []
+    dirs = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+    ]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def checkpoint_path(path: Path) -> Path:
+    """The checkpoint that `path` names: itself when it holds a manifest.json, else, for a run
+    directory, its newest committed checkpoint (wherever a checkpoint path is taken, a run
+    directory means that one). Not verified here: the caller verifies what it reads."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    committed = committed_dirs(path / "checkpoints")
+    if committed:
+        return committed[-1]
+    if not path.exists():
+        found = "does not exist"
+    elif not path.is_dir():
+        found = "is a file"
+    elif (path / "checkpoints").is_dir():
+        found = "is a run directory without committed checkpoints"
+    else:
+        found = f"has no {MANIFEST} and no checkpoints/ directory"
+    raise CheckpointError(
+        f"'{path}' {found}: expected a checkpoint directory (with {MANIFEST}) or a run "
+        "directory with committed checkpoints under checkpoints/"
+    )
 
 
 def copy_into(paths: list[Path], directory: Path) -> list[str]:

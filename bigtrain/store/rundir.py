@@ -54,6 +54,10 @@ class RunDir:
     def metrics(self, record: dict[str, Any]) -> None:
         self._append("metrics.jsonl", record)
 
+    def sample(self, record: dict[str, Any]) -> None:
+        """A line of samples.jsonl: text generated during training (callbacks/samples.py)."""
+        self._append("samples.jsonl", record)
+
     def event(
         self, step: int, kind: str, /, any_rank: bool = False, **details: Any
     ) -> dict[str, Any]:

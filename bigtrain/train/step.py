@@ -3,8 +3,8 @@
 The loop fills what it measured, the healer (bigtrain/resilience) what it decided (`action`,
 `rolled_back`, `checkpoint_now`) before any callback runs; callbacks read typed fields, and the few
 that add to the step write their own field (evaluation `val_loss`, the straggler report
-`step_time_by_rank`, the metrics logger `record`). Who writes a field runs before who reads it
-(callback priorities, train/hooks.py).
+`step_time_by_rank`, the metrics logger `record`, text samples `samples`). Who writes a field runs
+before who reads it (callback priorities, train/hooks.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from bigtrain.model.generate import Sample
     from bigtrain.precision.scaler import ScaleUpdate
     from bigtrain.resilience.detect import Anomaly
 
@@ -60,6 +61,8 @@ class StepResult:
     step_time_by_rank: dict[str, list[float]] | None = None
     record: dict[str, Any] | None = None
     """The metrics line written at this step, if one was (console and wandb read it)."""
+    samples: list[Sample] | None = None
+    """Text generated at this step (eval.sample_every), one per prompt; wandb reads it."""
 
     def logged(self) -> dict[str, Any]:
         """The step's numbers for a metrics line (device tensors not yet read)."""

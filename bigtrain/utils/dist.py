@@ -29,3 +29,11 @@ def all_true(flag: bool) -> bool:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value of `t` (a tensor on the process group's device) on every rank; `t` in one
+    process."""
+    if dist.is_initialized():
+        dist.broadcast(t, src=0)
+    return t

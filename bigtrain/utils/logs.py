@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TextIO
 
 ROOT = "bigtrain"
 
 
-def setup_console(rank: int) -> None:
-    """Console output for this process (once, by the CLI)."""
+def setup_console(rank: int, stream: TextIO | None = None) -> None:
+    """Console output for this process (once, by the CLI). `stream`: where rank 0's records go
+    (default stdout; stderr for a command whose stdout is its result)."""
     logger = logging.getLogger(ROOT)
     logger.setLevel(logging.INFO)
     if any(getattr(h, "bigtrain_console", False) for h in logger.handlers):
         return
     if rank == 0:
-        handler: logging.Handler = logging.StreamHandler(sys.stdout)
+        handler: logging.Handler = logging.StreamHandler(stream or sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)

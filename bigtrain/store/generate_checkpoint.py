@@ -1,0 +1,150 @@
+"""`bigtrain generate CKPT_OR_RUN_DIR`: text from a checkpoint of any backend and world size, in
+one process.
+
+A run directory means its newest committed checkpoint (checkpoint.checkpoint_path). The checkpoint
+is verified; its config.yaml says which model it holds, and its tokenizer/ encodes the prompts as
+training encoded text. The weights stream from the checkpoint's source one tensor at a time into
+the model built on the host in FP32 (export_checkpoint.model_from_source), which then moves to the
+device. bigtrain's GPT decodes with its KV cache, a model.kind=hf model with transformers'
+`generate` (model/generate.py). Prompts run one at a time, each with a generator of its own seeded
+with `seed`: a prompt's text does not depend on the prompts before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigtrain.config import Config, load_saved_config
+from bigtrain.data.tokens import load_tokenizer
+from bigtrain.errors import ConfigError
+from bigtrain.model import num_params
+from bigtrain.model.fused import unfused_shapes
+from bigtrain.model.generate import (
+    Generation,
+    Sample,
+    Sampling,
+    as_sample,
+    cached_step,
+    decode,
+    encode_prompt,
+    generate_hf,
+    last_document,
+)
+from bigtrain.model.gpt import GPT
+from bigtrain.parallel.env import DistEnv, pick_device
+from bigtrain.parallel.sources import checkpoint_source
+from bigtrain.precision import apply_to_model, detect_hardware, resolve_policy
+from bigtrain.precision.policy import DTYPES
+from bigtrain.store.checkpoint import checkpoint_path, verify
+from bigtrain.store.export_checkpoint import model_from_source, vocab_size_of, with_saved_hf_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointModel:
+    """A checkpoint's model in eval mode on `device`, with its tokenizer and config."""
+
+    path: Path
+    step: int
+    cfg: Config
+    model: nn.Module
+    tokenizer: Any
+    device: torch.device
+    compute_dtype: torch.dtype
+
+    @property
+    def max_len(self) -> int:
+        """Positions the model has: model.seq_len for the GPT (its position tables), the
+        transformers config's own limit for a model.kind=hf model where it states one."""
+        if isinstance(self.model, GPT):
+            return self.cfg.model.seq_len
+        hf_config = self.model.hf.config  # type: ignore[union-attr]
+        limit = getattr(hf_config, "max_position_embeddings", None)
+        return limit or getattr(hf_config, "n_positions", None) or self.cfg.model.seq_len
+
+    def generate(self, prompts: list[str], sampling: Sampling, seed: int = 0) -> Iterator[Sample]:
+        """One sample per prompt, as each is done (an empty prompt starts a new document)."""
+        for number, prompt in enumerate(prompts, start=1):
+            ids = encode_prompt(self.tokenizer, prompt)
+            generation = self._generate(self._context(ids, number), sampling, seed)
+            yield as_sample(self.tokenizer, prompt, ids, generation)
+
+    def _context(self, ids: list[int], number: int) -> list[int]:
+        """What the model reads of a prompt: under data.document_mask, its last document."""
+        if self.cfg.data.document_mask:
+            ids = last_document(ids, self.tokenizer.eos_token_id)
+        if len(ids) > self.max_len:
+            raise ConfigError(
+                f"prompt {number} encodes to {len(ids)} tokens, more than the model's "
+                f"{self.max_len} positions (model.seq_len): expected a shorter prompt"
+            )
+        return ids
+
+    @torch.no_grad()
+    def _generate(self, ids: list[int], sampling: Sampling, seed: int) -> Generation:
+        prompt = torch.tensor([ids], device=self.device)
+        eos_id = self.tokenizer.eos_token_id
+        low_precision = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=low_precision):
+            if isinstance(self.model, GPT):
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                step = cached_step(self.model)
+                return decode(step, prompt, sampling, eos_id, self.max_len, generator)
+            return generate_hf(self.model, prompt, sampling, eos_id, self.max_len, seed)  # type: ignore[arg-type]
+
+
+def load_checkpoint_model(path: Path, device: str = "auto", dtype: str = "auto") -> CheckpointModel:
+    """The model of checkpoint `path` (or of a run directory's newest), verified, on `device`
+    (`auto`: CUDA when there is one); `dtype`: `auto` (FP32 on the CPU, the checkpoint's
+    precision policy on a GPU), `fp32`, `bf16` or `fp16`."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "device 'cuda' asked for, but no CUDA device is visible (use auto or cpu)"
+        )
+    on = pick_device(device, DistEnv())
+    path = checkpoint_path(path)
+    manifest = verify(path)
+    cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
+    tokenizer_dir = path / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise ConfigError(
+            f"checkpoint '{path}' has no tokenizer/ directory (expected the one every run's "
+            "checkpoints carry, to encode the prompts)"
+        )
+    source = checkpoint_source(path, manifest["backend"])
+    shapes = unfused_shapes(manifest.get("shapes") or source.shapes)
+    model = model_from_source(cfg, vocab_size_of(cfg, shapes, tokenizer_dir), source)
+    compute_dtype, reason = _compute_dtype(cfg, model, on, dtype)
+    logger.info(
+        "generate: %s (step %d, %.2fM parameters) on %s in %s: %s",
+        path,
+        manifest["step"],
+        num_params(model) / 1e6,
+        on,
+        str(compute_dtype).removeprefix("torch."),
+        reason,
+    )
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    model = model.to(on).eval()
+    return CheckpointModel(path, manifest["step"], cfg, model, tokenizer, on, compute_dtype)
+
+
+def _compute_dtype(
+    cfg: Config, model: nn.Module, device: torch.device, choice: str
+) -> tuple[torch.dtype, str]:
+    """The dtype generation computes in, and why."""
+    if choice != "auto":
+        return DTYPES[choice], "as asked"
+    if device.type != "cuda":
+        return torch.float32, "auto: FP32 on the CPU"
+    policy = resolve_policy(cfg.precision, detect_hardware(device), num_params(model))
+    apply_to_model(model, policy)  # FP32 softmax where training had it
+    return policy.compute_dtype, f"auto: the checkpoint's policy ({policy.reasons['compute']})"

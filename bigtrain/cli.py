@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | prepare | plan | report | ckpt | export.
+"""bigtrain's command line: train | prepare | plan | report | ckpt | export | config.
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
@@ -75,6 +75,28 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
     report.add_argument("run_dir", type=Path)
 
+    _add_config_command(sub)
+    _add_checkpoint_commands(sub)
+    return p
+
+
+def _add_config_command(sub) -> None:
+    """`config show`."""
+    config = sub.add_parser("config", help="the resolved config")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="the config that train would run, merged and checked, as YAML"
+    )
+    show.add_argument(
+        "items", nargs="*", metavar="CONFIG|key=value", help="as for train (none: the defaults)"
+    )
+    show.add_argument(
+        "--docs", action="store_true", help="each key's documentation as a comment above it"
+    )
+
+
+def _add_checkpoint_commands(sub) -> None:
+    """`ckpt verify|inspect|convert` and `export`: each takes a checkpoint or a run directory."""
     ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
@@ -101,18 +123,22 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load the result with transformers and compare logits with bigtrain's (FP32)",
     )
-    return p
+
+
+def _load(items: list[str]):
+    """The config of YAML files and key=value overrides, merged and validated: the one path of
+    train, prepare, plan and config show."""
+    from bigtrain.config import load_config
+
+    return load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
 
 
 def _train(items: list[str], local_rank: int | None) -> int:
     from bigtrain.build import run
-    from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
     from bigtrain.utils.logs import setup_console
 
-    files = [i for i in items if "=" not in i]
-    overrides = [i for i in items if "=" in i]
-    cfg = load_config(files, overrides)
+    cfg = _load(items)
     env = read_env(local_rank)
     setup_console(env.rank)
     final = run(cfg, env)
@@ -122,12 +148,11 @@ def _train(items: list[str], local_rank: int | None) -> int:
 
 
 def _prepare(items: list[str], out: Path) -> int:
-    from bigtrain.config import load_config
     from bigtrain.data.prepare import prepare
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
-    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    cfg = _load(items)
     started = time.perf_counter()
     manifest = prepare(cfg.data, out)
     summary = {
@@ -145,7 +170,6 @@ def _prepare(items: list[str], out: Path) -> int:
 
 
 def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
-    from bigtrain.config import load_config
     from bigtrain.parallel.env import DistEnv, pick_device
     from bigtrain.plan import parse_bytes, plan_text
     from bigtrain.precision import Hardware, detect_hardware
@@ -153,12 +177,21 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     if world_size < 1:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    cfg = _load(items)
     device = pick_device(cfg.train.device, DistEnv())
     hardware = detect_hardware(device)
     if memory is not None and device.type != "cuda":
         hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
     print(plan_text(cfg, world_size, hardware, memory))
+    return 0
+
+
+def _config_show(items: list[str], docs: bool) -> int:
+    from bigtrain.config import to_dict, to_yaml
+    from bigtrain.config.docs import yaml_with_docs
+
+    cfg = _load(items)
+    print(yaml_with_docs(to_dict(cfg)) if docs else to_yaml(cfg), end="")
     return 0
 
 
@@ -229,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_report(args.run_dir))
             return 0
+        if args.command == "config":
+            return _config_show(args.items, args.docs)
         if args.command == "export":
             return _export(args.path, args.hf, args.max_shard_size, args.check)
         return _ckpt(args.ckpt_command, args.path, args)

@@ -56,3 +56,31 @@ def test_export_a_transformers_model_without_its_source_directory(micro, tmp_pat
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["architecture"] == "LlamaForCausalLM" and result["check"]["ok"]
+
+
+GPT2_STYLE = ["model.position=learned", "model.norm=layernorm", "model.mlp=gelu"]
+LLAMA_STYLE = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false"]
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "found", "built"),
+    [
+        (GPT2_STYLE, LLAMA_STYLE, "GPT2LMHeadModel", "LlamaForCausalLM"),
+        (LLAMA_STYLE, GPT2_STYLE, "LlamaForCausalLM", "GPT2LMHeadModel"),
+    ],
+    ids=["gpt2-into-llama", "llama-into-gpt2"],
+)
+def test_init_from_an_export_of_the_other_layout_exits_2_naming_both(
+    micro, micro_args, tmp_path, source, target, found, built
+):
+    cfg = micro("train.max_steps=1", "checkpoint.every=1", *source, out="source")
+    run(cfg, read_env())
+    hf = tmp_path / "hf"
+    checkpoint = Path(cfg.train.out_dir) / "checkpoints" / "step_00000001"
+    done = run_cli("export", str(checkpoint), "--hf", str(hf))
+    assert done.returncode == 0, done.stderr
+    started = run_cli("train", *micro_args("train.max_steps=1", *target, f"model.init_from={hf}"))
+    assert started.returncode == 2, started.stderr[-2000:]
+    (line,) = started.stderr.strip().splitlines()
+    assert line.startswith("bigtrain: error: key 'model.init_from'") and str(hf) in line
+    assert found in line and built in line  # what the directory holds, what the config builds

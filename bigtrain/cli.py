@@ -23,6 +23,8 @@ from bigtrain.errors import (
     SuspectHost,
 )
 
+PATH_HELP = "a checkpoint directory, or a run directory: its newest committed checkpoint"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bigtrain", description="Train GPT-style language models.")
@@ -97,23 +99,25 @@ def _add_config_command(sub) -> None:
 
 def _add_checkpoint_commands(sub) -> None:
     """`ckpt verify|inspect|convert` and `export`: each takes a checkpoint or a run directory."""
-    ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
+    ckpt = sub.add_parser(
+        "ckpt", help="verify, inspect or convert a checkpoint (a run directory: its newest)"
+    )
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
         ("verify", "recompute every file's sha256 against the manifest"),
         ("inspect", "print the manifest summary"),
     ):
         c = ckpt_sub.add_parser(name, help=text)
-        c.add_argument("path", type=Path)
+        c.add_argument("path", type=Path, help=PATH_HELP)
     convert = ckpt_sub.add_parser(
         "convert", help="write any checkpoint as a consolidated local checkpoint (world size 1)"
     )
-    convert.add_argument("path", type=Path)
+    convert.add_argument("path", type=Path, help=PATH_HELP)
     convert.add_argument("--to", choices=["local"], required=True, help="the target layout")
     convert.add_argument("out", type=Path, help="a new directory")
 
     export = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
-    export.add_argument("path", type=Path, metavar="CHECKPOINT")
+    export.add_argument("path", type=Path, metavar="CHECKPOINT", help=PATH_HELP)
     export.add_argument("--hf", type=Path, required=True, metavar="OUT_DIR", help="a new directory")
     export.add_argument(
         "--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)"
@@ -210,7 +214,7 @@ def _export(path: Path, out: Path, max_shard_size: str, check: bool) -> int:
 
 
 def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
-    from bigtrain.store.checkpoint import verify
+    from bigtrain.store.checkpoint import checkpoint_path, verify
 
     if command == "convert":
         from bigtrain.store.convert import convert_to_local
@@ -218,11 +222,12 @@ def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
         manifest = convert_to_local(path, args.out)
         print(f"ok: {args.out} (local, step {manifest['step']}, {len(manifest['files'])} files)")
         return 0
+    path = checkpoint_path(path)
     manifest = verify(path)
     if command == "verify":
         print(f"ok: {path} ({len(manifest['files'])} files verified, step {manifest['step']})")
     else:
-        summary = {
+        summary = {"path": str(path)} | {
             k: manifest[k]
             for k in (
                 "step",

@@ -18,11 +18,13 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import platform
 import random
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ from bigtrain.model.fused import is_fused
 from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
 from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -112,6 +116,47 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def committed_dirs(root: Path) -> list[Path]:
+    """Committed checkpoint directories under `root` (a run's checkpoints/), oldest first
+    (verification not implied)."""
+    if not root.is_dir():
+        return []
+    dirs = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+    ]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def checkpoint_path(path: Path, verify: Callable[[Path], dict[str, Any]] = verify) -> Path:
+    """The checkpoint a user's path names, wherever a command takes one: a checkpoint directory
+    (it has manifest.json) as it is (its caller verifies it); a run directory: its newest
+    committed checkpoint that verifies (`verify`, sha256 of every file; a newer one that fails
+    is logged and passed over). CheckpointError (exit 2) for anything else."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    committed = committed_dirs(path / "checkpoints")
+    failures = []
+    for candidate in reversed(committed):
+        try:
+            verify(candidate)
+            return candidate
+        except CheckpointError as e:
+            logger.warning("bigtrain: passed over %s: %s", candidate, e)
+            failures.append(str(e))
+    if committed:
+        raise CheckpointError(
+            f"run directory '{path}': none of its {len(committed)} committed checkpoints "
+            f"verifies (the newest: {failures[0]})"
+        )
+    raise CheckpointError(
+        f"'{path}' is neither a checkpoint (no {MANIFEST}) nor a run directory with committed "
+        f"checkpoints (no {path}/checkpoints/{PREFIX}*)"
+    )
+
+
 def _list_files(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
@@ -182,14 +227,7 @@ class CheckpointManager:
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""
-        if not self.root.is_dir():
-            return []
-        dirs = [
-            p
-            for p in self.root.iterdir()
-            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
-        ]
-        return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+        return committed_dirs(self.root)
 
     def save(
         self,

@@ -25,6 +25,7 @@ from bigtrain.data.corpus import corpus_fingerprint
 from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import MANIFEST, PreparedData
 from bigtrain.data.tokenizer import EOS, load_tokenizer, tokenizer_key, train_bpe
+from bigtrain.utils.files import usual_permissions
 
 __all__ = [
     "EOS",
@@ -99,6 +100,7 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
         prepare(cfg, tmp)
+        usual_permissions(tmp)  # mkdtemp made it 0700: a cache others may share
         try:
             tmp.rename(entry)
         except OSError:  # another process built the same entry first: keep theirs

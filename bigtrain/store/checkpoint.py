@@ -35,7 +35,7 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.fused import is_fused
 from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
-from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file
+from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file, usual_permissions
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +200,11 @@ def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
+    """Permissions, fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
     out = {}
     for name in names:
         path = directory / name
+        usual_permissions(path)  # safetensors writes 0600
         fsync_file(path)
         out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return out

@@ -24,6 +24,7 @@ from torch import nn
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model.hf_layout import Layout
+from bigtrain.utils.files import usual_permissions
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def export_hf(
         _write_generation_config(tmp, {**ids, **(generation or {})})
         if tokenizer is not None:
             _save_tokenizer(tokenizer, layout.config, tmp)
+        usual_permissions(tmp)  # mkdtemp made it 0700, safetensors its files 0600
         _refuse_existing(out_dir)  # someone may have made it meanwhile
         if out_dir.exists():
             out_dir.rmdir()  # empty: the rename below needs the name free

@@ -70,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory",
         default=None,
-        help="memory of one GPU (e.g. 80GiB): also print the largest micro-batch that fits "
-        "(planned for an sm90 GPU when run without one)",
+        help="memory of one GPU, with its unit: 80GiB (nvidia-smi's 81559MiB) or 80GB; also "
+        "print the largest micro-batch that fits (planned for an sm90 GPU when run without "
+        "one). A bare number is refused: GB and GiB differ by 7%%, which can change the answer",
     )
 
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")

@@ -360,6 +360,10 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
         _setup_events(trainer, cfg, env)
+        if trainer.state.step >= cfg.train.max_steps:  # resumed from the last step's checkpoint
+            final = _already_finished(trainer, started)
+            clean = True
+            return final
         try:
             state = trainer.fit(resumed=ctx["resume_from"] is not None)
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
@@ -373,25 +377,10 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
             )
             clean = True
             return {"step": state.step, "stopped": True}
-        fingerprint = trainer.backend.fingerprint()
-        fingerprints = all_gather_objects(fingerprint)
-        if len(set(fingerprints)) != 1:
-            trainer.event(
-                "error", reason="replicas disagree on the final weights", fingerprints=fingerprints
-            )
-            raise ReplicaMismatch(f"ranks hold different final weights: {fingerprints}")
-        final = {
-            "step": state.step,
-            "loss": state.last_loss,
-            "tokens": state.tokens_seen,
-            "samples": state.samples_seen,
-            "anomalies": state.anomalies,
-            "rollbacks": state.rollbacks,
-            "skipped_steps": state.skipped_steps,
-            "fingerprint": fingerprint,
-            "wall_s": round(time.time() - started, 2),
-        }
-        trainer.event("finish", loss=final["loss"], tokens=final["tokens"], fingerprint=fingerprint)
+        final = _final_record(trainer, started)
+        trainer.event(
+            "finish", loss=final["loss"], tokens=final["tokens"], fingerprint=final["fingerprint"]
+        )
         trainer.run_dir.write_json("final.json", final)
         clean = True
         return final
@@ -401,3 +390,46 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
             ctx["lock"].release()
         remove_handler(ctx["log_file"])
         shutdown(clean)
+
+
+def _final_record(trainer: Trainer, started: float) -> dict[str, Any]:
+    """final.json's data from the trainer's state; every rank computes the fingerprint and the
+    ranks compare it (ReplicaMismatch when they differ)."""
+    fingerprint = trainer.backend.fingerprint()
+    fingerprints = all_gather_objects(fingerprint)
+    if len(set(fingerprints)) != 1:
+        trainer.event(
+            "error", reason="replicas disagree on the final weights", fingerprints=fingerprints
+        )
+        raise ReplicaMismatch(f"ranks hold different final weights: {fingerprints}")
+    state = trainer.state
+    return {
+        "step": state.step,
+        "loss": state.last_loss,
+        "tokens": state.tokens_seen,
+        "samples": state.samples_seen,
+        "anomalies": state.anomalies,
+        "rollbacks": state.rollbacks,
+        "skipped_steps": state.skipped_steps,
+        "fingerprint": fingerprint,
+        "wall_s": round(time.time() - started, 2),
+    }
+
+
+def _already_finished(trainer: Trainer, started: float) -> dict[str, Any]:
+    """A run started again after its last step: nothing to train. final.json stays as the run
+    wrote it; one lost after the last checkpoint is written from the checkpoint's state (every
+    rank takes this path: the state they resumed is the same)."""
+    final = _final_record(trainer, started)
+    path = trainer.run_dir.path / "final.json"
+    logger.info(
+        "bigtrain: already finished at step %d (train.max_steps=%d): nothing to train; %s",
+        trainer.state.step,
+        trainer.cfg.train.max_steps,
+        f"{path} kept" if path.is_file() else f"{path} written again",
+    )
+    if trainer.env.is_main:
+        if path.is_file():
+            return json.loads(path.read_text())
+        trainer.run_dir.write_json("final.json", final)
+    return final

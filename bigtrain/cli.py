@@ -1,4 +1,4 @@
-"""bigtrain's command line: train | prepare | plan | report | ckpt | export | generate.
+"""bigtrain's command line: train | prepare | plan | report | ckpt | export | generate | config.
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
@@ -22,6 +22,8 @@ from bigtrain.errors import (
     ReplicaMismatch,
     SuspectHost,
 )
+
+PATH_HELP = "a checkpoint directory, or a run directory: its newest committed checkpoint"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,30 +70,56 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory",
         default=None,
-        help="memory of one GPU (e.g. 80GiB): also print the largest micro-batch that fits "
-        "(planned for an sm90 GPU when run without one)",
+        help="memory of one GPU, with its unit: 80GiB (nvidia-smi's 81559MiB) or 80GB; also "
+        "print the largest micro-batch that fits (planned for an sm90 GPU when run without "
+        "one). A bare number is refused: GB and GiB differ by 7%%, which can change the answer",
     )
 
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
     report.add_argument("run_dir", type=Path)
 
-    ckpt = sub.add_parser("ckpt", help="inspect or verify a checkpoint directory")
+    _add_config_command(sub)
+    _add_checkpoint_commands(sub)
+    _generate_parser(sub)
+    return p
+
+
+def _add_config_command(sub) -> None:
+    """`config show`."""
+    config = sub.add_parser("config", help="the resolved config")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="the config that train would run, merged and checked, as YAML"
+    )
+    show.add_argument(
+        "items", nargs="*", metavar="CONFIG|key=value", help="as for train (none: the defaults)"
+    )
+    show.add_argument(
+        "--docs", action="store_true", help="each key's documentation as a comment above it"
+    )
+
+
+def _add_checkpoint_commands(sub) -> None:
+    """`ckpt verify|inspect|convert` and `export`: each takes a checkpoint or a run directory."""
+    ckpt = sub.add_parser(
+        "ckpt", help="verify, inspect or convert a checkpoint (a run directory: its newest)"
+    )
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
         ("verify", "recompute every file's sha256 against the manifest"),
         ("inspect", "print the manifest summary"),
     ):
         c = ckpt_sub.add_parser(name, help=text)
-        c.add_argument("path", type=Path)
+        c.add_argument("path", type=Path, help=PATH_HELP)
     convert = ckpt_sub.add_parser(
         "convert", help="write any checkpoint as a consolidated local checkpoint (world size 1)"
     )
-    convert.add_argument("path", type=Path)
+    convert.add_argument("path", type=Path, help=PATH_HELP)
     convert.add_argument("--to", choices=["local"], required=True, help="the target layout")
     convert.add_argument("out", type=Path, help="a new directory")
 
     export = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
-    export.add_argument("path", type=Path, metavar="CHECKPOINT")
+    export.add_argument("path", type=Path, metavar="CHECKPOINT", help=PATH_HELP)
     export.add_argument("--hf", type=Path, required=True, metavar="OUT_DIR", help="a new directory")
     export.add_argument(
         "--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)"
@@ -101,8 +129,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load the result with transformers and compare logits with bigtrain's (FP32)",
     )
-    _generate_parser(sub)
-    return p
+
+
+def _load(items: list[str]):
+    """The config of YAML files and key=value overrides, merged and validated: the one path of
+    train, prepare, plan and config show."""
+    from bigtrain.config import load_config
+
+    return load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
 
 
 def _number(kind: type, low: float, high: float | None = None, low_open: bool = False):
@@ -148,13 +182,10 @@ def _generate_parser(sub) -> None:
 
 def _train(items: list[str], local_rank: int | None) -> int:
     from bigtrain.build import run
-    from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
     from bigtrain.utils.logs import setup_console
 
-    files = [i for i in items if "=" not in i]
-    overrides = [i for i in items if "=" in i]
-    cfg = load_config(files, overrides)
+    cfg = _load(items)
     env = read_env(local_rank)
     setup_console(env.rank)
     final = run(cfg, env)
@@ -164,14 +195,13 @@ def _train(items: list[str], local_rank: int | None) -> int:
 
 
 def _prepare(items: list[str], out: Path) -> int:
-    from bigtrain.config import load_config
     from bigtrain.data.corpus import corpus_inputs, source_files
     from bigtrain.data.prepare import prepare
     from bigtrain.data.summary import CorpusSummary
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
-    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    cfg = _load(items)
     started = time.perf_counter()
     manifest = prepare(cfg.data, out)
     inputs = corpus_inputs(cfg.data, source_files(cfg.data))
@@ -190,7 +220,6 @@ def _prepare(items: list[str], out: Path) -> int:
 
 
 def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
-    from bigtrain.config import load_config
     from bigtrain.parallel.env import DistEnv, pick_device
     from bigtrain.plan import parse_bytes, plan_text
     from bigtrain.precision import Hardware, detect_hardware
@@ -198,12 +227,21 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     if world_size < 1:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    cfg = load_config([i for i in items if "=" not in i], [i for i in items if "=" in i])
+    cfg = _load(items)
     device = pick_device(cfg.train.device, DistEnv())
     hardware = detect_hardware(device)
     if memory is not None and device.type != "cuda":
         hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
     print(plan_text(cfg, world_size, hardware, memory))
+    return 0
+
+
+def _config_show(items: list[str], docs: bool) -> int:
+    from bigtrain.config import to_dict, to_yaml
+    from bigtrain.config.docs import yaml_with_docs
+
+    cfg = _load(items)
+    print(yaml_with_docs(to_dict(cfg)) if docs else to_yaml(cfg), end="")
     return 0
 
 
@@ -246,7 +284,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
-    from bigtrain.store.checkpoint import verify
+    from bigtrain.store.checkpoint import checkpoint_path, verify
 
     if command == "convert":
         from bigtrain.store.convert import convert_to_local
@@ -254,11 +292,12 @@ def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
         manifest = convert_to_local(path, args.out)
         print(f"ok: {args.out} (local, step {manifest['step']}, {len(manifest['files'])} files)")
         return 0
+    path = checkpoint_path(path)
     manifest = verify(path)
     if command == "verify":
         print(f"ok: {path} ({len(manifest['files'])} files verified, step {manifest['step']})")
     else:
-        summary = {
+        summary = {"path": str(path)} | {
             k: manifest[k]
             for k in (
                 "step",
@@ -298,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_report(args.run_dir))
             return 0
+        if args.command == "config":
+            return _config_show(args.items, args.docs)
         if args.command == "export":
             return _export(args.path, args.hf, args.max_shard_size, args.check)
         if args.command == "generate":

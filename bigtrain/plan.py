@@ -203,8 +203,10 @@ CHECKPOINTING = ("none", "selective", "block")
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB', '80 GB', '81920MiB' or a plain number of bytes."""
-    return parse_size(text, "--gpu-memory")
+    """GPU memory: '80GiB', '80 GB', '81920MiB'. A plain number is refused: nobody means bytes,
+    and GB (data sheets) and GiB (nvidia-smi, in MiB) differ by 7%, enough to change the largest
+    micro-batch; guessing one would plan silently wrong half the time."""
+    return parse_size(text, "--gpu-memory", unit_required=True)
 
 
 def reserve_bytes(gpu_memory: int) -> int:

@@ -31,7 +31,10 @@ from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.sources import HFSource, InitialValues, checkpoint_source
 from bigtrain.store.checkpoint import (
     MANIFEST,
+    PREFIX,
     CheckpointManager,
+    checkpoint_path,
+    committed_dirs,
     identity_changes,
     shape_changes,
 )
@@ -116,7 +119,7 @@ def _resume_target(
         )
         trainer.context["invalid_checkpoints"] = invalid
         return found
-    path = Path(choice)
+    path = checkpoint_path(Path(choice), verify=manager.verify)  # a run directory: its newest
     return path, manager.verify(path)  # CheckpointError (exit 2) names the file that fails
 
 
@@ -156,7 +159,10 @@ def init_source(
     details."""
     path = Path(cfg.model.init_from)
     details: dict[str, Any] = {"path": str(path)}
-    if (path / MANIFEST).is_file():
+    if (path / MANIFEST).is_file() or committed_dirs(path / "checkpoints"):
+        path = checkpoint_path(path, verify=manager.verify)  # a run directory: its newest
+        if str(path) != details["path"]:
+            details["checkpoint"] = str(path)
         manifest = manager.verify(path)
         _check_shapes(path, manifest, shapes)
         source = checkpoint_source(path, manifest["backend"])
@@ -193,8 +199,9 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
     built-in GPT, transformers' own names (under `hf.`) for model.kind=hf."""
     if not (path / "config.json").is_file():
         raise ConfigError(
-            f"key 'model.init_from': '{path}' is neither a bigtrain checkpoint (no {MANIFEST}) "
-            "nor a Hugging Face model directory (no config.json)"
+            f"key 'model.init_from': '{path}' is neither a bigtrain checkpoint (no {MANIFEST}), "
+            f"a run directory with committed checkpoints (no {path}/checkpoints/{PREFIX}*) nor a "
+            "Hugging Face model directory (no config.json)"
         )
     if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
         parts = {n: Part(n.removeprefix("hf."), s[0] if s else 1) for n, s in shapes.items()}

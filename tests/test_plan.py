@@ -194,6 +194,12 @@ def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
     assert "largest micro-batch on 74.5 GiB per GPU" in ok.stdout
     bad = run_cli("plan", "configs/llama-1b.yaml", "--gpu-memory", "lots")
     assert bad.returncode == 2 and "--gpu-memory got 'lots'" in bad.stderr
+    bare = run_cli("plan", "configs/llama-1b.yaml", "--gpu-memory", "80")  # was 80 bytes
+    assert bare.returncode == 2 and bare.stdout == "", bare.stdout
+    assert bare.stderr == (
+        "bigtrain: error: --gpu-memory got '80' without a unit: give one, e.g. 80GiB or 80GB "
+        "(they differ by 7%; nvidia-smi shows MiB)\n"
+    )
 
 
 @pytest.mark.unit

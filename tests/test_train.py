@@ -240,3 +240,35 @@ def test_skipped_bad_rows_reach_the_run_as_an_event(micro, corpus_files, tmp_pat
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
     (skipped,) = [e for e in events if e["kind"] == "data_skipped_rows"]
     assert skipped["files"] == {str(data.resolve()): 2} and skipped["rows"] == 2
+
+
+@pytest.mark.e2e
+def test_every_checkpoint_holds_the_loss_of_its_own_step(micro):
+    """The loop records each step's loss at the step's one host read: a checkpoint written
+    before that step's metrics line (or at a step without one) holds it, not an older one."""
+    cfg = micro("train.max_steps=7", "train.log_every=1", "checkpoint.every=3", "checkpoint.keep=5")
+    final = run(cfg, ENV)
+    out = Path(cfg.train.out_dir)
+    logged = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
+    for step in (3, 6, 7):
+        saved = json.loads((out / f"checkpoints/step_{step:08d}/trainer.json").read_text())
+        assert saved["state"]["last_loss"] == logged[step], step
+    assert final["loss"] == logged[7]
+
+
+@pytest.mark.e2e
+def test_a_finished_run_started_again_says_so_and_keeps_final_json(micro, micro_args):
+    cfg = micro("train.max_steps=4", "train.log_every=3", "checkpoint.every=2")
+    run(cfg, ENV)
+    final_json = Path(cfg.train.out_dir) / "final.json"
+    before, mtime = final_json.read_text(), final_json.stat().st_mtime_ns
+    again = run_cli(
+        "train", *micro_args("train.max_steps=4", "train.log_every=3", "checkpoint.every=2")
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already finished at step 4" in again.stdout
+    assert final_json.read_text() == before and final_json.stat().st_mtime_ns == mtime
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == json.loads(before)
+    # without final.json (lost after the last checkpoint): written again with the true values
+    final_json.unlink()
+    assert run(cfg, ENV) | {"wall_s": 0} == json.loads(before) | {"wall_s": 0}

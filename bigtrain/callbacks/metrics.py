@@ -90,7 +90,6 @@ class MetricsLogger(Callback):
                 trainer.context["peak_flops"],
                 trainer.env.world_size,
             )
-        trainer.state.last_loss = record["loss"]
         self.interval_time, self.interval_tokens = 0.0, 0
         trainer.run_dir.metrics(record)
         result.record = record

@@ -45,3 +45,4 @@ class FaultConfig:
     slow_rank: int = -1
     """Rank that sleeps `slow_s` seconds in every step's forward+backward (a straggler drill)."""
     slow_s: float = 0.0
+    """Seconds `slow_rank` sleeps per step; 0: no straggler drill."""

@@ -339,14 +339,26 @@ class WandbConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The architecture (bigtrain's GPT or a transformers model) and where its weights start."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The corpus, its tokenizer and the data order."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """The dtype of each component, loss scaling, FP32 islands, INT8 layers."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, the learning-rate schedule and gradient clipping."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The run: its directory, length, batch, logging and evaluation."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Samples generated during training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are written and kept, and what a restart resumes."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """The gradient statistics of every step and the rules that call a step anomalous."""
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    """What an anomaly does: replay, rollback targets, the ladder, the hang watchdog."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The backend (local, FSDP2, ZeRO) and the mesh."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Metrics and events to Weights & Biases."""
     fault: FaultConfig = field(default_factory=FaultConfig)
+    """Injected faults for drills and tests; off by default."""

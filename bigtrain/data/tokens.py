@@ -26,6 +26,7 @@ from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import MANIFEST, PreparedData
 from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokenizer import EOS, load_tokenizer, tokenizer_key, train_bpe
+from bigtrain.utils.files import usual_permissions
 
 __all__ = [
     "EOS",
@@ -104,6 +105,7 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
         prepare(cfg, tmp)
+        usual_permissions(tmp)  # mkdtemp made it 0700: a cache others may share
         try:
             tmp.rename(entry)
         except OSError:  # another process built the same entry first: keep theirs

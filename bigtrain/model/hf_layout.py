@@ -405,6 +405,7 @@ def check_hf_config(layout: Layout, found: dict[str, Any], origin: str) -> None:
     the model this layout writes: every key that changes what the weights compute agrees, or a
     ConfigError names each difference and the model.* key that sets it. Shapes alone would pass
     an untied head, another rope theta, norm eps or activation."""
+    _check_model_type(layout, found, origin)
     keys = CHECKED_KEYS.get(layout.architecture, {})
     diffs = []
     for key, setting in keys.items():
@@ -420,3 +421,25 @@ def check_hf_config(layout: Layout, found: dict[str, Any], origin: str) -> None:
         raise ConfigError(
             f"{origin} holds another model than this config builds: {'; '.join(diffs)}"
         )
+
+
+STYLES = {"gpt2": GPT2_NEEDS, "llama": LLAMA_NEEDS}
+"""The model.* settings of bigtrain's GPT that build each transformers model type."""
+
+
+def _check_model_type(layout: Layout, found: dict[str, Any], origin: str) -> None:
+    """Another transformers model type than this layout writes: a ConfigError naming both and
+    the settings that build the directory's model (their keys differ, so no key compares)."""
+    want, have = layout.config.get("model_type"), found.get("model_type")
+    if have == want:
+        return
+    architecture = (found.get("architectures") or [f"model_type {have!r}"])[0]
+    if have in STYLES:
+        settings = " ".join(f"model.{k}={v}" for k, v in STYLES[have].items())
+        fix = f"build that with {settings}, or read it as it is with model.kind=hf"
+    else:
+        fix = "read it with model.kind=hf"
+    raise ConfigError(
+        f"{origin} holds a {architecture} (model_type {have!r}), but this config builds a "
+        f"{layout.architecture} (model_type {want!r}): {fix}"
+    )

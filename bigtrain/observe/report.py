@@ -48,7 +48,13 @@ from bigtrain.errors import ConfigError
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.store.rundir import read_jsonl
 
-EVENT_MARKERS = {"anomaly": "red", "rollback": "purple", "preempt": "orange"}  # kind: colour
+# Vertical markers by event kind, drawn in this order. A rollback happens at its anomaly's step:
+# it is a wide faint band below, the anomaly a thin dashed line on top, so both show.
+EVENT_MARKERS: dict[str, dict[str, Any]] = {
+    "rollback": {"color": "purple", "linestyle": "-", "linewidth": 6, "alpha": 0.3, "zorder": 1},
+    "preempt": {"color": "orange", "linestyle": ":", "linewidth": 1.5, "zorder": 2.5},
+    "anomaly": {"color": "red", "linestyle": "--", "linewidth": 1.2, "zorder": 3},
+}
 ABANDONED = "abandoned (rolled back)"
 ABANDONED_STYLE = {"color": "grey", "linestyle": "--", "alpha": 0.5, "linewidth": 1}
 SPIKE_FACTOR = 10.0  # a loss above SPIKE_FACTOR x the median is drawn at the edge
@@ -145,10 +151,10 @@ def _draw(ax: Axes, logs: RunLogs, key: str, **style: Any) -> None:
 
 
 def _mark_events(ax: Axes, events: list[dict[str, Any]]) -> None:
-    for kind, color in EVENT_MARKERS.items():
+    for kind, style in EVENT_MARKERS.items():
         steps = [e["step"] for e in events if e["kind"] == kind]
         for i, step in enumerate(steps):
-            ax.axvline(step, color=color, linestyle="--", label=kind if i == 0 else "_" + kind)
+            ax.axvline(step, label=kind if i == 0 else "_" + kind, **style)
 
 
 def _clip_to_bulk(ax: Axes, points: list[tuple[int, float]], key: str) -> None:

@@ -18,11 +18,13 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import platform
 import random
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,9 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.fused import is_fused
 from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
-from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file
+from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file, usual_permissions
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -112,6 +116,47 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def committed_dirs(root: Path) -> list[Path]:
+    """Committed checkpoint directories under `root` (a run's checkpoints/), oldest first
+    (verification not implied)."""
+    if not root.is_dir():
+        return []
+    dirs = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+    ]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def checkpoint_path(path: Path, verify: Callable[[Path], dict[str, Any]] = verify) -> Path:
+    """The checkpoint a user's path names, wherever a command takes one: a checkpoint directory
+    (it has manifest.json) as it is (its caller verifies it); a run directory: its newest
+    committed checkpoint that verifies (`verify`, sha256 of every file; a newer one that fails
+    is logged and passed over). CheckpointError (exit 2) for anything else."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    committed = committed_dirs(path / "checkpoints")
+    failures = []
+    for candidate in reversed(committed):
+        try:
+            verify(candidate)
+            return candidate
+        except CheckpointError as e:
+            logger.warning("bigtrain: passed over %s: %s", candidate, e)
+            failures.append(str(e))
+    if committed:
+        raise CheckpointError(
+            f"run directory '{path}': none of its {len(committed)} committed checkpoints "
+            f"verifies (the newest: {failures[0]})"
+        )
+    raise CheckpointError(
+        f"'{path}' is neither a checkpoint (no {MANIFEST}) nor a run directory with committed "
+        f"checkpoints (no {path}/checkpoints/{PREFIX}*)"
+    )
+
+
 def _list_files(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
@@ -155,10 +200,11 @@ def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
+    """Permissions, fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
     out = {}
     for name in names:
         path = directory / name
+        usual_permissions(path)  # safetensors writes 0600
         fsync_file(path)
         out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     return out
@@ -341,42 +387,6 @@ class CheckpointManager:
         if not rng_file.exists():
             backend.borrowed_rng(int(manifest["step"]))
         return trainer_state
-
-
-def committed_dirs(root: Path) -> list[Path]:
-    """The committed checkpoint directories under `root` (a run's checkpoints/), oldest first."""
-    if not root.is_dir():
-        return []
-    dirs = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
-    ]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
-
-
-def checkpoint_path(path: Path) -> Path:
-    """The checkpoint that `path` names: itself when it holds a manifest.json, else, for a run
-    directory, its newest committed checkpoint (wherever a checkpoint path is taken, a run
-    directory means that one). Not verified here: the caller verifies what it reads."""
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        return path
-    committed = committed_dirs(path / "checkpoints")
-    if committed:
-        return committed[-1]
-    if not path.exists():
-        found = "does not exist"
-    elif not path.is_dir():
-        found = "is a file"
-    elif (path / "checkpoints").is_dir():
-        found = "is a run directory without committed checkpoints"
-    else:
-        found = f"has no {MANIFEST} and no checkpoints/ directory"
-    raise CheckpointError(
-        f"'{path}' {found}: expected a checkpoint directory (with {MANIFEST}) or a run "
-        "directory with committed checkpoints under checkpoints/"
-    )
 
 
 def copy_into(paths: list[Path], directory: Path) -> list[str]:

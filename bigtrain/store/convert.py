@@ -22,17 +22,19 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.fused import unfused_shapes
 from bigtrain.parallel.optimizer import MOMENTS
 from bigtrain.parallel.sources import Source, checkpoint_source, write_local_layout
-from bigtrain.store.checkpoint import hash_files, verify, write_manifest
+from bigtrain.store.checkpoint import checkpoint_path, hash_files, verify, write_manifest
 from bigtrain.utils.files import fsync_dir
 
 
 def convert_to_local(path: Path, out: Path) -> dict:
-    """Write checkpoint `path` (verified first) as a local checkpoint at `out`, which must not
-    exist yet; returns the new manifest."""
+    """Write checkpoint `path` (verified first; a run directory: its newest committed
+    checkpoint) as a local checkpoint at `out`, which must not exist yet; returns the new
+    manifest."""
     if out.exists():
         raise ConfigError(f"output '{out}' exists already; name a new directory")
     if out.parent.exists() and not out.parent.is_dir():
         raise ConfigError(f"output '{out}': its parent is a file, expected a directory")
+    path = checkpoint_path(path)
     manifest = verify(path)
     source = checkpoint_source(path, manifest["backend"])
     tmp = out.parent / f".tmp-{out.name}"

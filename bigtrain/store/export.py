@@ -24,12 +24,15 @@ from torch import nn
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model.hf_layout import Layout
+from bigtrain.utils.files import usual_permissions
 
 logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Where transformers configs keep the longest input the model takes (the position table).
+CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
 FP32_BYTES = 4
 
 
@@ -65,7 +68,8 @@ def export_hf(
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_generation_config(tmp, {**ids, **(generation or {})})
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            _save_tokenizer(tokenizer, layout.config, tmp)
+        usual_permissions(tmp)  # mkdtemp made it 0700, safetensors its files 0600
         _refuse_existing(out_dir)  # someone may have made it meanwhile
         if out_dir.exists():
             out_dir.rmdir()  # empty: the rename below needs the name free
@@ -96,6 +100,16 @@ def _token_ids(tokenizer, vocab_size: int | None) -> dict[str, int]:
         )
     found = {key: getattr(tokenizer, key, None) for key in TOKEN_IDS}
     return {key: value for key, value in found.items() if value is not None}
+
+
+def _save_tokenizer(tokenizer, config: dict[str, Any], directory: Path) -> None:
+    """The tokenizer's files, saying the model's context length: transformers' default (1e30)
+    lets longer inputs through, which index past GPT-2's position table (an IndexError); with
+    the length, transformers truncates (truncation=True) or warns."""
+    length = next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+    if length is not None:
+        tokenizer.model_max_length = length
+    tokenizer.save_pretrained(str(directory))
 
 
 def _write_generation_config(directory: Path, fields: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from bigtrain.model import architecture_only, build_model
 from bigtrain.model.fused import unfused_shapes
 from bigtrain.model.hf_layout import Layout, layout_for, layout_for_hf
 from bigtrain.parallel.sources import Source, checkpoint_source
-from bigtrain.store.checkpoint import verify
+from bigtrain.store.checkpoint import checkpoint_path, verify
 from bigtrain.store.export import check_export, export_hf
 
 logger = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 def export_checkpoint(
     path: Path, out_dir: Path, max_shard_bytes: int, check: bool = False
 ) -> dict[str, Any]:
-    """Export checkpoint `path` (verified first) into `out_dir`; with `check`, also compare the
-    logits (FP32). Returns what was written and, with check, the comparison."""
+    """Export checkpoint `path` (verified first; a run directory: its newest committed
+    checkpoint) into `out_dir`; with `check`, also compare the logits (FP32). Returns what was
+    written and, with check, the comparison."""
+    path = checkpoint_path(path)
     manifest = verify(path)
     source = checkpoint_source(path, manifest["backend"])
     cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
@@ -46,6 +48,7 @@ def export_checkpoint(
     layout = checkpoint_layout(cfg, shapes, vocab_size)
     files = export_hf(layout, source.full, out_dir, tokenizer_dir, max_shard_bytes)
     result: dict[str, Any] = {
+        "checkpoint": str(path),
         "out_dir": str(out_dir),
         "architecture": layout.architecture,
         "files": files,

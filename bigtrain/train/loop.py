@@ -32,7 +32,7 @@ class TrainState:
     skipped_steps: int = 0
     anomalies: int = 0
     rollbacks: int = 0
-    last_loss: float = float("nan")
+    last_loss: float = float("nan")  # the last step's loss (mean over ranks)
     lr_scale: float = 1.0  # < 1 after a rollback, until backoff_until
     clip_scale: float = 1.0  # the clipping threshold's factor, likewise
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
@@ -168,6 +168,9 @@ class Trainer:
         result.finite = verdict.finite
         result.precision_phase = self.phase.name
         self.state.step += 1
+        # The step's loss as the monitor read it to the host: a checkpoint of any step, logged
+        # or not, and final.json take it from the state.
+        self.state.last_loss = health.host_loss
         self.step_in_progress = None
         self.state.samples_seen += self.loader.global_batch_size
         self.state.tokens_seen += self.tokens_per_step

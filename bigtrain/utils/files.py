@@ -1,4 +1,5 @@
-"""File helpers that checkpoints and prepared data share: hashing, durable writes."""
+"""File helpers that checkpoints, exports and prepared data share: hashing, durable writes, the
+usual permissions."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ def write_json_atomic(path: Path, obj: object) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def process_umask() -> int:
+    """The process's umask. Linux shows it in /proc/self/status; elsewhere it is read by setting
+    it, to 0o077 meanwhile, so that a file another thread creates in between is private rather
+    than open to all."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def usual_permissions(path: Path) -> None:
+    """Give `path`, and everything under a directory, the mode open() or mkdir() would have
+    given it under the process's umask (0644 and 0755 under umask 022). Some writers make
+    private files of their own accord (safetensors' save_file: 0600; tempfile.mkdtemp: 0700):
+    a checkpoint or an exported model nobody else could read."""
+    mask = process_umask()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)

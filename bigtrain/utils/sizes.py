@@ -17,12 +17,19 @@ UNITS = {
 }
 
 
-def parse_size(value: str | int, key: str) -> int:
-    """Bytes from '80GiB', '80 GB', '81920MiB', '1.5GiB' or a plain number (decimal units are
-    powers of 10, binary ones powers of 2). `key` names the option in the error message."""
+def parse_size(value: str | int, key: str, unit_required: bool = False) -> int:
+    """Bytes from '80GiB', '80 GB', '81920MiB', '1.5GiB' or a plain number of bytes (decimal
+    units are powers of 10, binary ones powers of 2). `key` names the option in the error
+    message. `unit_required`: a plain number is an error too (where it is never meant as bytes
+    and GB and GiB, 7% apart, both are in use)."""
+    t = str(value).strip().upper().replace(" ", "")
+    if unit_required and not isinstance(value, bool) and t.replace(".", "", 1).isdigit():
+        raise ConfigError(
+            f"{key} got '{value}' without a unit: give one, e.g. 80GiB or 80GB (they differ by "
+            "7%; nvidia-smi shows MiB)"
+        )
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    t = str(value).strip().upper().replace(" ", "")
     for unit in sorted(UNITS, key=len, reverse=True):
         number = t[: -len(unit)]
         if t.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:

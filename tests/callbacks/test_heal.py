@@ -155,8 +155,17 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
     ]
     r0, _ = run_distributed(train_run, 2, args)
     stragglers = kinds(r0["events"], "straggler")
-    assert {(e["rank"], e["part"]) for e in stragglers} == {(1, "forward_backward")}
-    assert [e["step"] for e in stragglers] == [10, 20]
+    reported = {(e["step"], e["rank"], e["part"]) for e in stragglers}
+    assert {(10, 1, "forward_backward"), (20, 1, "forward_backward")} <= reported
+    assert {e["step"] for e in stragglers} == {10, 20}  # judged on timing steps only
+    # At 2 ranks the median of a part is the mean of both ranks' times, so with the default
+    # factor 1.3 a rank's part is reported when it takes 1.86 x the other's and 2 x MIN_EXCESS_S
+    # (20 ms) more. Rank 1's forward+backward, t + 0.2 s, is reported while rank 0's t stays
+    # under 0.2 / 0.86 = 0.23 s (about 0.04 s here). Rank 0's would have to take 1.86 x rank
+    # 1's, which holds the sleep: never. Any other part can be: a loaded machine's scheduler
+    # stalls a rank's few-millisecond optimizer step by 20 ms now and then (seen: `optimizer`
+    # on rank 1).
+    assert all(e["part"] != "forward_backward" or e["rank"] == 1 for e in stragglers)
     metrics = read_jsonl(tmp_path / "slow" / "metrics.jsonl")
     timed = [m for m in metrics if "step_time_by_rank" in m]
     assert [m["step"] for m in timed] == [10, 20]

@@ -1,4 +1,5 @@
 import json
+import re
 import struct
 import time
 from pathlib import Path
@@ -82,7 +83,13 @@ def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch)
 
     run(micro("train.max_steps=5", "wandb.mode=offline"), DistEnv())  # resumed
     assert (out / "wandb_run_id").read_text().strip() == run_id
-    assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))
+    # One folder per wandb.init, offline-run-<start, to the second>-<run id>; wandb appends -1
+    # when that name is taken: the resume's init came within the same second as the first's.
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    for folder in runs:
+        assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", folder.name), folder
+        assert [p.name for p in folder.glob("run-*.wandb")] == [f"run-{run_id}.wandb"]
     assert json.loads((out / "final.json").read_text())["step"] == 5
 
 

@@ -127,3 +127,22 @@ def test_tensors_of_another_model_config_are_refused():
         ConfigError, match="read with shape \\(96, 16\\), the layout was made for \\(96, 32\\)"
     ):
         next(layout_for(LLAMA, shapes).split([("tok_emb.weight", torch.zeros(96, 16))]))
+
+
+@pytest.mark.parametrize(
+    ("built", "found", "hint"),
+    [(LLAMA, GPT2, "model.position=learned"), (GPT2, LLAMA, "model.position=rope")],
+    ids=["gpt2-dir-for-llama", "llama-dir-for-gpt2"],
+)
+def test_a_config_of_the_other_model_type_is_named_not_a_key_error(built, found, hint):
+    from bigtrain.model.hf_layout import check_hf_config
+
+    layout = layout_for(built, shapes_of(built))
+    theirs = layout_for(found, shapes_of(found))
+    with pytest.raises(ConfigError) as e:
+        check_hf_config(layout, theirs.config, "directory 'x'")
+    message = str(e.value)
+    assert (
+        f"holds a {theirs.architecture}" in message and f"builds a {layout.architecture}" in message
+    )
+    assert hint in message and "model.kind=hf" in message

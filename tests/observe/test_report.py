@@ -179,3 +179,27 @@ def test_report_throughput_shows_tokens_per_s_and_mfu_on_labelled_axes(tmp_path)
     assert plotted["mfu"]["x"] == [float(s) for s in KEPT_STEPS]
     expected = [_record(s, _kept_attempt(s), None)["mfu"] for s in KEPT_STEPS]
     assert plotted["mfu"]["y"] == pytest.approx(expected)  # stored as a fraction
+
+
+@pytest.mark.unit
+def test_an_anomaly_and_the_rollback_it_caused_both_show_at_one_step():
+    """They share a step (the trainer writes both there): neither marker may hide the other."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from bigtrain.observe.report import _mark_events
+
+    fig = Figure(figsize=(4, 3), dpi=100)
+    ax = fig.subplots()
+    ax.set_xlim(0, 100)
+    _mark_events(ax, [{"step": 55, "kind": "anomaly"}, {"step": 55, "kind": "rollback"}])
+    ax.set_axis_off()  # only the markers are drawn
+    FigureCanvasAgg(fig).draw()
+    rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    red = (r > 200) & (g < 80) & (b < 80)
+    purple = (r > 100) & (b > 100) & (abs(r - b) < 40) & (g < r - 25)
+    assert red.sum() > 50 and purple.sum() > 50, (red.sum(), purple.sum())
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert sorted(labels) == ["anomaly", "rollback"]  # one legend entry each

@@ -153,3 +153,25 @@ def test_a_fused_fsdp_checkpoint_reads_under_todays_names(tmp_path):
     )
     assert torch.equal(source.full("blocks.0.mlp.gate.weight"), up[:48])
     assert torch.equal(source.full("blocks.0.mlp.up.weight"), up[48:])
+
+
+def test_reading_a_dcp_checkpoint_without_a_process_group_warns_nothing(tmp_path):
+    """DCP warns on every load without a process group ("assuming the intent is to load in a
+    single process"), which is what DCPSource asks for (no_dist=True): nothing to tell a user."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from bigtrain.parallel.sources import checkpoint_source
+
+    weight = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the save's own warning is not under test
+        dcp.save(
+            {"model.tok_emb.weight": weight}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source = checkpoint_source(tmp_path, "fsdp")
+        assert torch.equal(source.full("tok_emb.weight"), weight)
+    assert [str(w.message) for w in caught] == []

@@ -159,8 +159,8 @@ def test_int8_at_tp2_trains_like_one_process(
     """A transformers Llama split by parallel.tp_plan, and bigtrain's GPT by its own plan, with
     INT8 q, k, v, gate, up and down (the attention output projection stays in the compute dtype)
     at tp 2: the losses follow one process's, also after the calibration (3 steps) switched
-    smoothing on; the checkpointed calibration holds the same whole vectors per layer as one
-    process's."""
+    smoothing on; the checkpointed calibration holds whole vectors per layer, each channel
+    within one step of the layer's INT8 grid of one process's."""
 
     def args(name: str, *extra: str) -> list[str]:
         return micro_overrides(tmp_path / name, corpus_files, cache_dir) + [
@@ -196,6 +196,18 @@ def test_int8_at_tp2_trains_like_one_process(
     ]
     assert saved[0]["steps"] == saved[1]["steps"] == 3
     assert sorted(saved[0]["act_amax"]) == sorted(saved[1]["act_amax"])
+    # act_amax is each input channel's largest |x| over the calibration steps. tp 2 sums FP32
+    # partial products in another order than one process, so an activation within an ulp of an
+    # INT8 rounding boundary can round one grid step the other way (measured on some CPUs: 1e-4
+    # relative at layer 1's gate_proj input, 6e-3 at its down_proj's). A flip moves the value it
+    # quantizes by one step of that row's grid, 1/255 of its range (affine, the default scheme);
+    # downstream, through weights of |w| << 1, norms and SiLU, it stays below one step of the
+    # next layer's own grid (measured: at most 0.32 of one, layer 1's down_proj). So each
+    # channel may differ by one step of the layer's grid, 2 x its largest channel max / 255. A tp
+    # error in the calibration is far larger: a rank's columns left out of the MAX are zeros; a
+    # channel's max over one rank's tokens is some percent low.
     for name, amax in saved[0]["act_amax"].items():
-        assert saved[1]["act_amax"][name] == pytest.approx(amax, rel=1e-5), name
+        grid_step = 2 * max(amax) / 255
+        diff = max(abs(a - b) for a, b in zip(amax, saved[1]["act_amax"][name], strict=True))
+        assert diff <= grid_step, (name, diff, grid_step)
     assert len(saved[1]["act_amax"][down]) == width

@@ -185,7 +185,7 @@ def test_ckpt_cli_verify_and_inspect(micro):
 def test_resume_from_an_explicit_bad_path_exits_2(micro_args, tmp_path):
     result = run_cli("train", *micro_args(f"checkpoint.resume={tmp_path / 'nowhere'}"))
     assert result.returncode == 2
-    assert "has no manifest.json" in result.stderr
+    assert "is neither a checkpoint (no manifest.json) nor a run directory" in result.stderr
 
 
 def test_checkpoint_every_minus_one_writes_none(micro):
@@ -266,3 +266,55 @@ def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
     CheckpointManager(path.parent, 2, rank=0, world_size=2).load(path, own)
     CheckpointManager(path.parent, 2, rank=1, world_size=2).load(path, borrowing)
     assert own.told == [] and borrowing.told == [4]
+
+
+def test_a_run_directory_means_its_newest_committed_checkpoint_that_verifies(micro, tmp_path):
+    from bigtrain.store.checkpoint import checkpoint_path
+
+    cfg = micro("train.max_steps=4", "checkpoint.every=2")
+    run(cfg, ENV)
+    out = Path(cfg.train.out_dir)
+    root = out / "checkpoints"
+    assert checkpoint_path(out) == root / "step_00000004"
+    assert checkpoint_path(root / "step_00000002") == root / "step_00000002"  # as it is
+    (root / "step_00000004" / "trainer.json").write_text("{}")  # corrupted: the older one
+    assert checkpoint_path(out) == root / "step_00000002"
+    (root / "step_00000002" / "trainer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="none of its 2 committed checkpoints verifies"):
+        checkpoint_path(out)
+    (tmp_path / "empty").mkdir()
+    for wrong in (tmp_path / "empty", root, tmp_path / "nowhere"):
+        with pytest.raises(CheckpointError) as e:
+            checkpoint_path(wrong)
+        assert str(e.value) == (
+            f"'{wrong}' is neither a checkpoint (no manifest.json) nor a run directory with "
+            f"committed checkpoints (no {wrong}/checkpoints/step_*)"
+        )
+
+
+def test_export_ckpt_and_init_from_take_a_run_directory(micro, tmp_path):
+    cfg = micro("train.max_steps=3", "checkpoint.every=2", "precision.compute_dtype=fp32")
+    done = run(cfg, ENV)
+    out = Path(cfg.train.out_dir)
+    newest = out / "checkpoints" / "step_00000003"
+    verified = run_cli("ckpt", "verify", str(out))
+    assert verified.returncode == 0 and f"ok: {newest} " in verified.stdout, verified.stderr
+    inspected = run_cli("ckpt", "inspect", str(out))
+    assert json.loads(inspected.stdout)["step"] == 3, inspected.stderr
+    converted = run_cli("ckpt", "convert", str(out), "--to", "local", str(tmp_path / "local"))
+    assert converted.returncode == 0 and "step 3" in converted.stdout, converted.stderr
+    exported = run_cli("export", str(out), "--hf", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout.strip().splitlines()[-1])["step"] == 3
+    second = micro(f"model.init_from={out}", "train.max_steps=1", out="second")
+    run(second, ENV)
+    (event,) = [
+        e
+        for e in read_jsonl(Path(second.train.out_dir) / "events.jsonl")
+        if e["kind"] == "init_from"
+    ]
+    assert event["source_step"] == 3 and event["fingerprint"] == done["fingerprint"]
+    wrong = run_cli("export", str(tmp_path), "--hf", str(tmp_path / "hf2"))
+    assert wrong.returncode == 2 and "is neither a checkpoint" in wrong.stderr
+    with pytest.raises(ConfigError, match="nor a Hugging Face model directory"):
+        run(micro(f"model.init_from={tmp_path}", out="third"), ENV)

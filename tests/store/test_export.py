@@ -190,6 +190,20 @@ def test_tokenizer_files_and_token_ids_are_exported(tmp_path, tokenizer_dir):
     assert generation["max_new_tokens"] == 20
 
 
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_the_exported_tokenizer_knows_the_models_context_length(tmp_path, tokenizer_dir, cfg):
+    """Longer inputs would index past GPT-2's position table (an IndexError in transformers):
+    the tokenizer says the length, so transformers truncates or warns instead."""
+    from transformers import AutoTokenizer
+
+    export_gpt(
+        dataclasses.replace(cfg, vocab_size=300), tmp_path / "out", tokenizer_dir=tokenizer_dir
+    )
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert saved["model_max_length"] == cfg.seq_len == 16
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).model_max_length == 16
+
+
 def test_a_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_dir):
     with pytest.raises(ConfigError, match="more than the model's vocab_size 96"):
         export_gpt(GPT2, tmp_path / "out", tokenizer_dir=tokenizer_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,61 @@ def test_export_a_transformers_model_without_its_source_directory(micro, tmp_pat
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["architecture"] == "LlamaForCausalLM" and result["check"]["ok"]
+
+
+GPT2_STYLE = ["model.position=learned", "model.norm=layernorm", "model.mlp=gelu"]
+LLAMA_STYLE = ["model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false"]
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "found", "built"),
+    [
+        (GPT2_STYLE, LLAMA_STYLE, "GPT2LMHeadModel", "LlamaForCausalLM"),
+        (LLAMA_STYLE, GPT2_STYLE, "LlamaForCausalLM", "GPT2LMHeadModel"),
+    ],
+    ids=["gpt2-into-llama", "llama-into-gpt2"],
+)
+def test_init_from_an_export_of_the_other_layout_exits_2_naming_both(
+    micro, micro_args, tmp_path, source, target, found, built
+):
+    cfg = micro("train.max_steps=1", "checkpoint.every=1", *source, out="source")
+    run(cfg, read_env())
+    hf = tmp_path / "hf"
+    checkpoint = Path(cfg.train.out_dir) / "checkpoints" / "step_00000001"
+    done = run_cli("export", str(checkpoint), "--hf", str(hf))
+    assert done.returncode == 0, done.stderr
+    started = run_cli("train", *micro_args("train.max_steps=1", *target, f"model.init_from={hf}"))
+    assert started.returncode == 2, started.stderr[-2000:]
+    (line,) = started.stderr.strip().splitlines()
+    assert line.startswith("bigtrain: error: key 'model.init_from'") and str(hf) in line
+    assert found in line and built in line  # what the directory holds, what the config builds
+
+
+def modes(root: Path) -> dict[str, set[str]]:
+    """{'files': {...}, 'dirs': {...}}: the permission bits found under root (root included)."""
+    found: dict[str, set[str]] = {"files": set(), "dirs": {oct(root.stat().st_mode & 0o777)}}
+    for p in root.rglob("*"):
+        found["dirs" if p.is_dir() else "files"].add(oct(p.stat().st_mode & 0o777))
+    return found
+
+
+def test_checkpoints_and_exports_get_the_usual_permissions_of_the_umask(micro, tmp_path):
+    """Nothing private: files as open() makes them, directories as mkdir() does (safetensors
+    writes 0600 files and tempfile.mkdtemp 0700 directories of its own accord)."""
+    from bigtrain.store.export_checkpoint import export_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        cache = tmp_path / "cache"  # a token cache of its own: built under this umask
+        cfg = micro("train.max_steps=2", "checkpoint.every=2", f"data.cache_dir={cache}")
+        run(cfg, read_env())
+        checkpoint = Path(cfg.train.out_dir) / "checkpoints" / "step_00000002"
+        assert modes(checkpoint) == {"files": {"0o644"}, "dirs": {"0o755"}}
+        assert modes(cache) == {"files": {"0o644"}, "dirs": {"0o755"}}
+        export_checkpoint(checkpoint, tmp_path / "hf", 1 << 16)
+        assert modes(tmp_path / "hf") == {"files": {"0o644"}, "dirs": {"0o755"}}
+        os.umask(0o027)  # the umask, not a fixed mode
+        export_checkpoint(checkpoint, tmp_path / "hf-group", 1 << 16)
+        assert modes(tmp_path / "hf-group") == {"files": {"0o640"}, "dirs": {"0o750"}}
+    finally:
+        os.umask(old)

@@ -33,3 +33,7 @@ def test_plan_keeps_its_option_name():
     assert parse_bytes("80GB") == 80 * 10**9
     with pytest.raises(ConfigError, match="--gpu-memory got 'lots'"):
         parse_bytes("lots")
+    for bare in ("80", "80.5", 85899345920):  # GB or GiB? never bytes
+        with pytest.raises(ConfigError, match="without a unit: give one, e.g. 80GiB or 80GB"):
+            parse_bytes(bare)
+    assert parse_bytes("80GiB") == 80 * 2**30

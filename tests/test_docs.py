@@ -53,3 +53,13 @@ def test_every_config_key_is_in_the_docs():
     leaves = [k for k in all_keys() if not any(o.startswith(k + ".") for o in all_keys())]
     missing = [k for k in leaves if k not in text]
     assert not missing, f"{len(missing)} config keys not in docs/: {missing[:20]}"
+
+
+def test_the_config_reference_is_current():
+    from bigtrain.config.docs import reference_markdown
+
+    page = (ROOT / "docs" / "config-reference.md").read_text()
+    assert page == reference_markdown(), (
+        "docs/config-reference.md is out of date: python -m bigtrain.config.docs > "
+        "docs/config-reference.md"
+    )

@@ -8,6 +8,7 @@ define the dataclasses, as the string statement right under each field.
 from __future__ import annotations
 
 import ast
+import json
 import inspect
 import sys
 from dataclasses import fields, is_dataclass
@@ -88,3 +89,32 @@ def _lines(
         dumped = yaml.safe_dump({name: value}, default_flow_style=False, sort_keys=False)
         lines += [pad + line for line in dumped.rstrip("\n").splitlines()]
     return lines
+
+
+def reference_markdown() -> str:
+    """docs/config-reference.md: every key of the schema, section by section, with its default
+    and docstring. tests/test_docs.py checks that the page equals this (regenerate it with
+    `python -m bigtrain.config.docs > docs/config-reference.md`)."""
+    from bigtrain.config.load import flatten, to_dict
+
+    docs, defaults = field_docs(), flatten(to_dict(Config()))
+    lines = [
+        "# Config reference",
+        "",
+        "Every key, its default and what it does, from the schema's docstrings (also printed by",
+        "`bigtrain config show --docs`). Generated: `python -m bigtrain.config.docs >",
+        "docs/config-reference.md`.",
+    ]
+    for section in (f.name for f in fields(Config)):
+        lines += ["", f"## {section}", "", docs[section].replace("\n", " "), ""]
+        lines += ["| key | default | what it does |", "| --- | --- | --- |"]
+        for key, doc in docs.items():
+            if key.startswith(section + ".") and key in defaults:
+                default = json.dumps(defaults[key]).replace("|", "\\|")
+                text = " ".join(doc.split()).replace("|", "\\|")
+                lines.append(f"| `{key}` | `{default}` | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_markdown())

@@ -38,54 +38,25 @@ class GradStats:
         return self.sum_sq.sum().sqrt()
 
 
-# ATen splits a CPU reduction over more than this many values (its GRAIN_SIZE) across its threads
-# and waits for all of them: while another process holds a core, each such call waits out a
-# scheduler time slice (4-12 ms per tensor on a shared 2-core machine, measured). `_foreach_norm`
-# stays on one thread at any size for FP32; max |g| is taken over pieces of at most this many.
-SERIAL_NUMEL = 32768
 # One core's L2 cache here: a full step reads each span of tensors of this size twice back to back,
 # the second time (the sums of squares) from the cache.
 CACHE_BYTES = 1 << 20
 
 
-@dataclass
-class TensorSpan:
-    """Consecutive tensors `grads[tensors]`, the views their max |g| is taken over (`pieces`) and
-    for each view the index of its tensor (`owners`)."""
-
-    tensors: slice
-    pieces: list[torch.Tensor]
-    owners: list[int]
-
-
-def full_step_spans(grads: list[torch.Tensor], device: torch.device) -> list[TensorSpan]:
-    """On CPU spans of at most CACHE_BYTES (a larger tensor alone) and, with several threads,
-    pieces of at most SERIAL_NUMEL values; elsewhere one span of the tensors themselves (on CUDA one
-    launch per tensor, as before)."""
+def full_step_spans(grads: list[torch.Tensor], device: torch.device) -> list[slice]:
+    """On CPU consecutive spans of tensors of at most CACHE_BYTES (a larger tensor alone); on
+    other devices one span of all of them."""
     if device.type != "cpu":
-        return [TensorSpan(slice(0, len(grads)), grads, list(range(len(grads))))]
-    split = torch.get_num_threads() > 1
-    spans, start, size, pieces, owners = [], 0, 0, [], []
+        return [slice(0, len(grads))]
+    spans, start, size = [], 0, 0
     for i, g in enumerate(grads):
-        numel = g.numel()
-        nbytes = numel * g.element_size()
+        nbytes = g.numel() * g.element_size()
         if size + nbytes > CACHE_BYTES and i > start:
-            spans.append(TensorSpan(slice(start, i), pieces, owners))
-            start, size, pieces, owners = i, 0, [], []
+            spans.append(slice(start, i))
+            start, size = i, 0
         size += nbytes
-        part = g.reshape(-1).split(SERIAL_NUMEL) if split and numel > SERIAL_NUMEL else (g,)
-        pieces += part
-        owners += [i] * len(part)
-    spans.append(TensorSpan(slice(start, len(grads)), pieces, owners))
+    spans.append(slice(start, len(grads)))
     return spans
-
-
-def per_tensor_max(piece_max: torch.Tensor, owners: list[int], num_tensors: int) -> torch.Tensor:
-    """The max over each tensor's pieces (`piece_max` >= 0; a NaN is overwritten by the caller)."""
-    if len(owners) == num_tensors:
-        return piece_max
-    owner = torch.tensor(owners, device=piece_max.device)
-    return piece_max.new_zeros(num_tensors).scatter_reduce_(0, owner, piece_max, "amax")
 
 
 def torch_grad_stats(
@@ -102,17 +73,15 @@ def torch_grad_stats(
     present = [grads[i] for i in index]
     where = slice(None) if len(index) == n else torch.tensor(index, device=device)
     if full:
-        norms, ends, owners = [], [], []
+        norms, ends = [], []
         for span in full_step_spans(present, device):
-            # aminmax reads each piece once for both ends (no foreach op yields a min, and
+            # aminmax reads each tensor once for both ends (no foreach op yields a min, and
             # _foreach_norm(inf) is ~5x slower on CPU) and leaves the span in the cache for the
             # sums of squares.
-            ends.extend(map(torch.aminmax, span.pieces))
-            norms.extend(torch._foreach_norm(present[span.tensors], 2, dtype=torch.float32))
-            owners.extend(span.owners)
+            ends.extend(map(torch.aminmax, present[span]))
+            norms.extend(torch._foreach_norm(present[span], 2, dtype=torch.float32))
         lows, highs = zip(*ends, strict=True)
-        piece_max = torch.stack(lows + highs).float().abs().view(2, -1).amax(dim=0)
-        max_abs[where] = per_tensor_max(piece_max, owners, len(present))
+        max_abs[where] = torch.stack(lows + highs).float().abs().view(2, -1).amax(dim=0)
     else:  # the same per-tensor sums, bit for bit
         norms = torch._foreach_norm(present, 2, dtype=torch.float32)
     sum_sq[where] = torch.stack(norms).square()

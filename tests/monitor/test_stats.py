@@ -149,9 +149,9 @@ def test_triton_kernel_on_cuda_against_the_reference(dtype):
 @pytest.mark.unit
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tensors_above_one_slice_of_the_cpu_path_against_the_reference(threads):
-    """On CPU max |g| of a tensor above 32768 values is taken over slices (a reduction that large
-    would be split over threads that wait for each other): a NaN in a later slice, an all-negative
-    tensor whose largest |g| is a minimum, a tensor of exactly two slices."""
+    """Tensors above ATen's grain size (32768 values, where a CPU reduction splits over threads),
+    with 1 and 2 threads: a NaN in a later part, an all-negative tensor whose largest |g| is a
+    minimum, the largest value in the second half."""
     g = torch.Generator().manual_seed(1)
     grads = [
         torch.randn(70_001, generator=g),

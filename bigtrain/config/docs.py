@@ -8,8 +8,8 @@ define the dataclasses, as the string statement right under each field.
 from __future__ import annotations
 
 import ast
-import json
 import inspect
+import json
 import sys
 from dataclasses import fields, is_dataclass
 from functools import cache

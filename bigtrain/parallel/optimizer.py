@@ -78,9 +78,9 @@ def set_fp32_optimizer_state(
     if isinstance(optimizer, LowPrecisionAdamW):
         optimizer.load_fp32(param, step, moments)
         return
+    if not optimizer.state.get(param):
+        fresh_optimizer_state(optimizer, param)  # a new dict: read it after
     state = optimizer.state[param]
-    if not state:
-        fresh_optimizer_state(optimizer, param)
     state["step"].fill_(step)
     for key, value in moments.items():
         local_tensor(state[key]).copy_(value)

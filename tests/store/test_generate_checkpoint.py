@@ -25,9 +25,16 @@ def test_checkpoint_path_takes_a_checkpoint_or_a_run_directorys_newest(tmp_path)
         (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").write_text("{}")
     (run_dir / "checkpoints" / ".tmp-step_00000200").mkdir()  # never committed
     newest = run_dir / "checkpoints" / "step_00000100"
-    assert checkpoint_path(run_dir) == newest
     older = run_dir / "checkpoints" / "step_00000020"
-    assert checkpoint_path(older) == older
+    assert checkpoint_path(run_dir, verify=lambda path: {}) == newest
+    assert checkpoint_path(older) == older  # a checkpoint as it is: its caller verifies it
+
+    def damaged_newest(path):
+        if path == newest:
+            raise CheckpointError(f"checkpoint '{path}': sha256 mismatch")
+        return {}
+
+    assert checkpoint_path(run_dir, verify=damaged_newest) == older
 
 
 @pytest.mark.unit

@@ -109,18 +109,30 @@ POSITIVE = {"days", "gpus_per_node", "step_s", *(k for k in SCALARS if k.endswit
 KEYS = sorted([*SCALARS, *(f"rate.{k}" for k in KINDS)])
 
 
+SHORT = {
+    "async_save": "checkpoint.async_save",
+    "ckpt_every_steps": "checkpoint.every (steps)",
+    "ckpt_gb_per_gpu": "checkpoint GB per GPU",
+    "confirm_steps": "resilience.confirm_steps",
+    "days": "wall days per simulated run",
+    "gpus_per_node": "GPUs per node",
+    "hang_timeout_s": "hang detection, healing (s)",
+    "load_gbps_per_node": "checkpoint read GB/s per node",
+    "plain_hang_timeout_s": "hang detection, plain (s)",
+    "replay_steps": "steps one replay costs",
+    "restart_s": "restart to first step (s)",
+    "restore_gbps": "snapshot restore GB/s per GPU",
+    "save_gbps_per_node": "checkpoint write GB/s per node",
+    "snapshot_every": "resilience.snapshot_every",
+    "snapshot_gbps": "snapshot copy GB/s per GPU",
+    "stall_gbps": "async save's blocking GB/s/GPU",
+    "step_s": "step time (s)",
+}
+
+
 def doc(key: str) -> str:
-    """First sentence of an input's docstring (for the printed table)."""
-    if key.startswith("rate."):
-        return "failures per GPU-hour"
-    return {
-        "ckpt_every_steps": "checkpoint.every",
-        "snapshot_every": "resilience.snapshot_every",
-        "confirm_steps": "resilience.confirm_steps",
-        "async_save": "checkpoint.async_save",
-        "gpus_per_node": "GPUs per node",
-        "days": "simulated wall time per run",
-    }.get(key, key)
+    """A short description of an input (the printed table)."""
+    return "failures per GPU-hour" if key.startswith("rate.") else SHORT[key]
 
 
 def parse_value(key: str, text: str) -> float | int | bool:

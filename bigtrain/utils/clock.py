@@ -61,12 +61,12 @@ class StartupClock:
         out["total_s"] = round(first_step_end - self.started, 3)
         if self.previous_end is not None:
             out["restart_gap_s"] = round(max(0.0, self.started - self.previous_end), 3)
-        restarts = {
+        launcher = {  # restart counts, and ranks per node (for bandwidths per node)
             k.lower(): int(os.environ[k])
-            for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+            for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "LOCAL_WORLD_SIZE")
             if os.environ.get(k, "").isdigit()
         }
-        return out | restarts
+        return out | launcher
 
 
 @dataclass

@@ -181,6 +181,7 @@ class GoodputPlan:
             },
             "cut_first": self.cuts[0][0] if self.cuts and self.cuts[0][1] > 0 else None,
             "inputs": {k: self.src.values[k] for k in KEYS},
+            "sources": {k: self.src.sources[k] for k in KEYS},
         }
 
     def text(self) -> str:

@@ -1,7 +1,7 @@
 """What failures and their insurance cost this process, measured: events and final.json's `costs`.
 
 - `startup` (after the first step): seconds from process start to the first step by phase
-  (utils/clock.py STARTUP_PHASES, then `first_step_s`), the restart gap since the previous
+  (utils/clock.py STARTUP_PHASES, then `first_step_s`, of which `step_1_s` is the step itself), the restart gap since the previous
   process of the run directory wrote its last event, and the launcher's restart counts.
 - `recovered` (after the first step that follows a rollback): `restore_s` (anomaly to the restored
   state: the rollback's own work), `seconds` (anomaly to the end of the first resumed step),
@@ -44,7 +44,7 @@ class CostLedger(Callback):
         now = time.time()
         self.step_times.append(result.step_time)
         if self.startup is None:
-            self.startup = self.clock.record(now)
+            self.startup = self.clock.record(now) | {"step_1_s": round(result.step_time, 4)}
             trainer.event("startup", **self.startup)
         if self.pending is not None and not result.rolled_back:
             pending, self.pending = self.pending, None

@@ -67,7 +67,7 @@ def time_lost(events: list[dict[str, Any]]) -> dict[str, float] | None:
         if startup is None:
             continue
         started = startup["time"] - startup["total_s"]
-        rows["startup"] += startup["total_s"]
+        rows["startup"] += startup["total_s"] - startup.get("step_1_s", 0.0)  # the step: below
         rows["restart_gap"] += startup.get("restart_gap_s", 0.0)
         rows["wall"] += startup.get("restart_gap_s", 0.0)
         hangs = {e["step"]: e["waited_s"] for e in proc.all("hang")}

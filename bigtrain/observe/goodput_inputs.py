@@ -49,6 +49,11 @@ class GoodputInputs:
     stall_gbps: float = 0.57
     """Per GPU (GB/s): the blocking part of an asynchronous save. Default: PyTorch DCP's
     process-based async save blocked a 70B run on 1,856 H200s for 0.78 s, 446 MB per GPU."""
+    stall_fixed_s: float = 0.0
+    """Seconds every save stalls whatever its size (planning, collectives, the commit's
+    barrier); none assumed by default; measured from a run whose checkpoint is small."""
+    write_fixed_s: float = 0.0
+    """Seconds every background write takes whatever its size (fsync, hashing, the manifest)."""
     snapshot_gbps: float = 20.0
     """Per GPU (GB/s): an in-memory snapshot's device-to-host copy (PCIe Gen5 x16 into pinned
     memory, about a third of its 64 GB/s: assumed)."""
@@ -74,14 +79,16 @@ class GoodputInputs:
         """The simulation's seconds: checkpoint bytes over the bandwidths, rates for the job."""
         per_gpu = self.ckpt_gb_per_gpu * GB
         per_node = per_gpu * self.gpus_per_node
-        write_s = per_node / (self.save_gbps_per_node * GB)
+        write_s = self.write_fixed_s + per_node / (self.save_gbps_per_node * GB)
         load_s = per_node / (self.load_gbps_per_node * GB)
         snapshot_s = per_gpu / (self.snapshot_gbps * GB) if self.snapshot_every else 0.0
         return SimParams(
             horizon_s=self.days * 86400,
             rates={k: r * self.gpus / 3600 for k, r in self.rates.items()},
             step_s=self.step_s,
-            stall_s=per_gpu / (self.stall_gbps * GB) if self.async_save else write_s,
+            stall_s=self.stall_fixed_s + per_gpu / (self.stall_gbps * GB)
+            if self.async_save
+            else write_s,
             write_s=write_s,
             async_save=self.async_save,
             restart_s=self.restart_s + load_s,
@@ -126,6 +133,8 @@ SHORT = {
     "snapshot_every": "resilience.snapshot_every",
     "snapshot_gbps": "snapshot copy GB/s per GPU",
     "stall_gbps": "async save's blocking GB/s/GPU",
+    "stall_fixed_s": "async save's fixed stall (s)",
+    "write_fixed_s": "checkpoint write's fixed time (s)",
     "step_s": "step time (s)",
 }
 

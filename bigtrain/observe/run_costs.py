@@ -18,6 +18,7 @@ from bigtrain.errors import ConfigError
 from bigtrain.store.rundir import read_jsonl
 
 GB = 1e9
+SMALL_BYTES = 100e6  # per rank: below it a checkpoint's time measures overhead, not bandwidth
 LOSSES = (
     ("startup", "process start to the first step"),
     ("restart_gap", "between a process's last event and the next one's start"),
@@ -130,18 +131,36 @@ def measured_costs(run_dir: Path) -> dict[str, tuple[float, str]]:
             "bigtrain with at least one committed checkpoint writes them)"
         )
     per_node = startups[0].get("local_world_size") or _world_size(events)
-    out: dict[str, tuple[float, str]] = {}
-    node_rates = [sum(c["bytes_per_rank"][:per_node]) / c["write_s"] for c in checkpoints]
-    out["save_gbps_per_node"] = _median(node_rates, "checkpoint writes", per_node)
-    stalls = [
-        c["bytes_per_rank"][0] / c["stall_s"]
-        for c in checkpoints
-        if c["stall_s"] > 0 and c["write_s"] > c["stall_s"]
-    ]  # asynchronous saves: the stall is their blocking part
-    if stalls:
-        out["stall_gbps"] = _median(stalls, "asynchronous checkpoint stalls")
+    small = statistics.median(max(c["bytes_per_rank"]) for c in checkpoints) < SMALL_BYTES
+    out = _checkpoint_costs(checkpoints, per_node, small)
     out.update(_from_costs(events, checkpoints, per_node))
+    if small:  # fixed costs dominate small copies: their bandwidths would mislead
+        for key in ("snapshot_gbps", "restore_gbps", "load_gbps_per_node"):
+            out.pop(key, None)
     return out
+
+
+def _checkpoint_costs(checkpoints, per_node: int, small: bool) -> dict[str, tuple[float, str]]:
+    """Bandwidths of large checkpoints; the fixed seconds of small ones (under SMALL_BYTES per
+    rank, the time does not grow with the bytes: it measures the per-save overhead)."""
+    asynchronous = [c for c in checkpoints if 0 < c["stall_s"] < c["write_s"]]
+    if small:
+        out = {"write_fixed_s": _seconds([c["write_s"] for c in checkpoints], "checkpoint writes")}
+        if asynchronous:
+            stalls = [c["stall_s"] for c in asynchronous]
+            out["stall_fixed_s"] = _seconds(stalls, "asynchronous checkpoint stalls")
+        return out
+    rates = [sum(c["bytes_per_rank"][:per_node]) / c["write_s"] for c in checkpoints]
+    out = {"save_gbps_per_node": _median(rates, "checkpoint writes", per_node)}
+    if asynchronous:
+        stalls = [c["bytes_per_rank"][0] / c["stall_s"] for c in asynchronous]
+        out["stall_gbps"] = _median(stalls, "asynchronous checkpoint stalls")
+    return out
+
+
+def _seconds(values: list[float], what: str) -> tuple[float, str]:
+    how = f"measured: median of {len(values)} {what} (small checkpoints: a fixed cost)"
+    return statistics.median(values), how
 
 
 def _median(rates: list[float], what: str, per_node: int | None = None) -> tuple[float, str]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from bigtrain.callbacks.checkpointing import CheckpointCallback
+from bigtrain.callbacks.costs import CostLedger
 from bigtrain.callbacks.evaluate import EvalCallback
 from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
@@ -58,6 +59,7 @@ from bigtrain.store.rundir import RunDir, check_out_dir
 from bigtrain.store.runlock import RunLock, lock_run_dir
 from bigtrain.train import Trainer
 from bigtrain.train.hooks import Callback, Callbacks
+from bigtrain.utils.clock import StartupClock, last_event_time
 from bigtrain.utils.dist import all_gather_objects, barrier
 from bigtrain.utils.logs import add_rank_file, remove_handler
 from bigtrain.utils.names import canonical_name
@@ -105,6 +107,8 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
+    clock = StartupClock()
+    clock.mark("process")  # the interpreter, imports and the config
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
     # A mesh that does not divide the world: exit 2 before any work. tp ranks share a batch.
@@ -122,12 +126,14 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     init_process_group(
         env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
     )
+    clock.mark("process_group")
     created = not out.exists()
     run_dir = RunDir(out, env.is_main)
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
+    clock.previous_end = last_event_time(out / "events.jsonl")  # a restart's gap starts there
     log_file = add_rank_file(out, env.rank)
     try:
-        return _build_trainer(cfg, env, run_dir, device, lock, log_file, config_yaml)
+        return _build_trainer(cfg, env, run_dir, device, lock, log_file, config_yaml, clock)
     except BaseException:
         remove_handler(log_file)
         if lock is not None:
@@ -236,6 +242,7 @@ def _build_trainer(
     lock: RunLock | None,
     log_file: logging.Handler,
     config_yaml: str,
+    clock: StartupClock,
 ) -> Trainer:
     manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     _check_run_dir(cfg, run_dir, manager)
@@ -243,6 +250,7 @@ def _build_trainer(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
     corpus, loader, val = make_data(cfg, env, device)
+    clock.mark("data")
     model, learned = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
     manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
     backend = make_backend(cfg, model, learned["policy"], device)
@@ -255,6 +263,8 @@ def _build_trainer(
         cfg.train.peak_flops,
     )
     monitor = make_monitor(cfg, backend, device)
+    clock.mark("model")
+    ledger = CostLedger(clock)  # what failures and their insurance cost (callbacks/costs.py)
     context = {
         **learned,
         "lock": lock,
@@ -266,10 +276,11 @@ def _build_trainer(
         "skipped_rows": corpus.skipped_rows,
         "corpus": corpus.summary,
         "monitor_kernel": "triton" if monitor.use_kernel else "torch",
+        "costs": ledger,
     }
     callbacks = make_callbacks(
         cfg, env, run_dir, manager, val, learned["int8_layers"], corpus.tokenizer_dir
-    )
+    ) + [ledger]
     healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor, healer
@@ -280,7 +291,9 @@ def _build_trainer(
                 run_dir.checkpoints, run_dir.path
             )
         barrier()
+    clock.mark("setup_other")
     context["resume_from"] = start_state(cfg, trainer, manager)
+    clock.mark("checkpoint_load")  # or model.init_from's weights; with the data position
     return trainer
 
 
@@ -360,6 +373,7 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
     try:
         trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
         _setup_events(trainer, cfg, env)
+        ctx["costs"].clock.mark("setup_other")
         if trainer.state.step >= cfg.train.max_steps:  # resumed from the last step's checkpoint
             final = _already_finished(trainer, started)
             clean = True
@@ -378,6 +392,7 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
             clean = True
             return {"step": state.step, "stopped": True}
         final = _final_record(trainer, started)
+        final["costs"] = ctx["costs"].summary(trainer)  # measured: callbacks/costs.py
         trainer.event(
             "finish", loss=final["loss"], tokens=final["tokens"], fingerprint=final["fingerprint"]
         )

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="precision policy and memory per rank, without building the model"
     )
-    plan.add_argument("items", nargs="+", metavar="CONFIG|key=value")
+    plan.add_argument("items", nargs="*", metavar="CONFIG|key=value")
     plan.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
     plan.add_argument(
         "--gpu-memory",
@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "one). A bare number is refused: GB and GiB differ by 7%%, which can change the answer",
     )
 
+    _add_goodput_options(plan)
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
     report.add_argument("run_dir", type=Path)
 
@@ -82,6 +83,32 @@ def _parser() -> argparse.ArgumentParser:
     _add_checkpoint_commands(sub)
     _generate_parser(sub)
     return p
+
+
+def _add_goodput_options(plan) -> None:
+    """`plan --goodput`: the simulated goodput of a long run (plan_goodput.py)."""
+    g = plan.add_argument_group("goodput (docs/goodput.md)")
+    g.add_argument("--goodput", action="store_true", help="simulate goodput at --gpus GPUs")
+    g.add_argument("--gpus", type=int, default=None, help="GPUs of the planned run")
+    g.add_argument(
+        "--from",
+        dest="from_dir",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="take the costs measured in a run directory (its config when no CONFIG is given)",
+    )
+    g.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a simulation input (repeatable), e.g. restart_s=180 or rate.hang=1e-6",
+    )
+    g.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    g.add_argument("--seed", type=int, default=0, help="the Monte Carlo's seed (default 0)")
+    g.add_argument("--trials", type=_number(int, 2), default=200, help="simulated runs")
 
 
 def _add_config_command(sub) -> None:
@@ -236,6 +263,21 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     return 0
 
 
+def _plan_goodput(args: argparse.Namespace) -> int:
+    from bigtrain.plan_goodput import plan_goodput
+
+    if args.gpus is None:
+        raise ConfigError("--goodput needs --gpus N: the GPUs of the planned run")
+    items = list(args.items)
+    if args.from_dir is not None and not (args.from_dir / "events.jsonl").is_file():
+        raise ConfigError(f"--from: '{args.from_dir / 'events.jsonl'}' does not exist")
+    if not [i for i in items if "=" not in i] and args.from_dir is not None:
+        items.insert(0, str(args.from_dir / "config.yaml"))  # the run's own config
+    plan = plan_goodput(_load(items), args.gpus, args.from_dir, args.sets, args.trials, args.seed)
+    print(json.dumps(plan.to_json()) if args.json else plan.text())
+    return 0
+
+
 def _config_show(items: list[str], docs: bool) -> int:
     from bigtrain.config import to_dict, to_yaml
     from bigtrain.config.docs import yaml_with_docs
@@ -330,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.items, local_rank)
         if args.command == "prepare":
             return _prepare(args.items, args.out)
+        if args.command == "plan" and args.goodput:
+            return _plan_goodput(args)
         if args.command == "plan":
+            if not args.items:
+                parser.error("plan needs a CONFIG")
             return _plan(args.items, args.world_size, args.gpu_memory)
         if args.command == "report":
             from bigtrain.observe.report import build_report

@@ -32,6 +32,7 @@ class CheckpointCallback(Callback):
     def __init__(self, manager: CheckpointManager, cfg: CheckpointConfig) -> None:
         self.manager, self.cfg = manager, cfg
         self.started = 0.0
+        self.stall_s = 0.0  # how long the last save held the loop (a synchronous one: all of it)
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         committed = self.manager.poll_pending()
@@ -60,15 +61,21 @@ class CheckpointCallback(Callback):
             host_state=trainer.healer.host_state(trainer),
             shapes=trainer.context.get("shapes"),
         )
+        self.stall_s = time.perf_counter() - self.started
         if path is None:
-            stall = time.perf_counter() - self.started
-            trainer.event("checkpoint_started", stall_s=round(stall, 3))
+            trainer.event("checkpoint_started", stall_s=round(self.stall_s, 3))
             return
         self._committed(trainer, path)
 
     def _committed(self, trainer, path) -> None:
+        """`seconds`: from the save's start to its commit; `write_s`: to this rank's files
+        written and hashed; `stall_s`: what the loop waited; `bytes_per_rank`: what each wrote."""
         trainer.event(
-            "checkpoint", path=str(path), seconds=round(time.perf_counter() - self.started, 3)
+            "checkpoint",
+            path=str(path),
+            seconds=round(time.perf_counter() - self.started, 3),
+            stall_s=round(self.stall_s, 4),
+            **self.manager.last_save,
         )
 
     def on_finish(self, trainer) -> None:

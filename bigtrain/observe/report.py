@@ -45,6 +45,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from bigtrain.errors import ConfigError
+from bigtrain.observe.run_costs import time_lost, time_lost_table
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.store.rundir import read_jsonl
 
@@ -93,9 +94,28 @@ def build_report(run_dir: Path) -> Path:
         fig.savefig(out / f"{name}.png", dpi=100)
         plotted[name] = {**_plotted(fig), **extra}
     (out / "plotted.json").write_text(json.dumps(plotted))
+    lost = time_lost(logs.events)  # None for a run of an older bigtrain
+    if lost is not None:
+        (out / "time_lost.json").write_text(json.dumps(lost))
     page = out / "index.html"
-    page.write_text(_html(run_dir, logs.events, list(plotted)))
+    text = _html(run_dir, logs.events, list(plotted))
+    page.write_text(text.replace("</body>", _time_lost_html(lost) + "</body>"))
     return page
+
+
+def _time_lost_html(rows: dict[str, float] | None) -> str:
+    """The time-lost table (observe/run_costs.py): productive step time and each loss, in
+    seconds and as a fraction of the wall time."""
+    if rows is None:
+        return ""
+    body = "".join(
+        f"<tr><td>{name}</td><td>{seconds:.2f}</td><td>{fraction:.2%}</td><td>{text}</td></tr>"
+        for name, seconds, fraction, text in time_lost_table(rows)
+    )
+    return (
+        f"<h2>time lost (wall {rows['wall']:.1f} s)</h2><table><tr><th>where</th><th>s</th>"
+        f"<th>of wall</th><th></th></tr>{body}</table>"
+    )
 
 
 def _figures(logs: RunLogs) -> Iterator[tuple[str, Figure, dict[str, Any]]]:

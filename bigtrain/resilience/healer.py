@@ -12,6 +12,7 @@ The states and transitions are in bigtrain/resilience/__init__.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -23,6 +24,7 @@ from bigtrain.resilience.recover import Recovery, hold, origin_record
 from bigtrain.resilience.replay import Replay
 from bigtrain.resilience.targets import Target, Targets
 from bigtrain.store.checkpoint import CheckpointManager
+from bigtrain.utils.clock import Tally, nested_bytes
 
 if TYPE_CHECKING:
     from bigtrain.train.step import StepResult
@@ -60,6 +62,7 @@ class Healer:
         self.arrival: dict[str, Any] | None = None
         self.health: Health | None = None  # the current step's numbers, from judge to after_step
         self.pending: Target | None = None  # a target of this step whose snapshot is still due
+        self.snapshots = Tally()  # the snapshots' host copies: count, seconds, bytes (this rank)
 
     # --- the loop's calls ---------------------------------------------------------------------
 
@@ -92,9 +95,11 @@ class Healer:
         verdict = self.detector.verdict(health, loss_scaled)
         if self.replay.wanted(verdict):
             first = verdict.anomaly
+            started = time.perf_counter()
             result, health, moved = self.replay.run(trainer, rng, rerun)
+            seconds = time.perf_counter() - started
             verdict = self.detector.verdict(health, loss_scaled)
-            self.replay.report(trainer, first, verdict.anomaly, moved)
+            self.replay.report(trainer, first, verdict.anomaly, moved, seconds)
         if verdict.anomaly is not None:
             max_abs = health.host_max_abs
             if max_abs is None:  # a step without max |g|: the report names tensors by it
@@ -148,7 +153,11 @@ class Healer:
     def _hold_pending(self, trainer) -> None:
         target, self.pending = self.pending, None
         if target is not None and target.held is None and target.step == trainer.step:
-            target.held = hold(trainer)
+            started = time.perf_counter()
+            target.held = hold(trainer)  # on CUDA non-blocking: the loop's share of the copy
+            self.snapshots.add(
+                time.perf_counter() - started, nested_bytes(target.held.backend_state)
+            )
 
     def _anomalous(self, trainer, result: StepResult) -> None:
         anomaly = result.anomaly

@@ -20,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bigtrain.resilience.targets import Held, Target
-from bigtrain.store.checkpoint import (
-    PREFIX,
-    CheckpointError,
-    CheckpointManager,
-    rng_from_json,
-    rng_state,
-    rng_to_json,
-    set_rng_state,
-)
+from bigtrain.store.checkpoint import PREFIX, CheckpointError, CheckpointManager
+from bigtrain.store.rng import rng_from_json, rng_state, rng_to_json, set_rng_state
 
 
 def hold(trainer) -> Held:

@@ -31,7 +31,7 @@ from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import SuspectHost
 from bigtrain.monitor.monitor import Health
 from bigtrain.resilience.detect import Anomaly, Verdict
-from bigtrain.store.checkpoint import rng_state, set_rng_state
+from bigtrain.store.rng import rng_state, set_rng_state
 from bigtrain.utils.dist import all_gather_objects
 
 MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed
@@ -78,8 +78,15 @@ class Replay:
         )
         return result, health, moved
 
-    def report(self, trainer, first: Anomaly, second: Anomaly | None, moved: list[int]) -> None:
-        """The `replay` event; a transient fault counts against the host of the rank that moved
+    def report(
+        self,
+        trainer,
+        first: Anomaly,
+        second: Anomaly | None,
+        moved: list[int],
+        seconds: float = 0.0,
+    ) -> None:
+        """The `replay` event (with the replay's `seconds`); a transient fault counts against the host of the rank that moved
         most (exit 6 after resilience.max_transient_per_rank on one host)."""
         rank = moved[0] if moved else None
         trainer.event(
@@ -90,6 +97,7 @@ class Replay:
             metric=first.metric,
             first=first.value,
             second=second.value if second is not None else None,
+            seconds=round(seconds, 4),
         )
         if second is None and rank is not None:
             self._count(trainer, rank)

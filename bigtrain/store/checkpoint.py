@@ -14,13 +14,11 @@ boundary once every rank's background work is done (`poll_pending`).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
 import logging
 import platform
-import random
 import shutil
 import subprocess
 import time
@@ -34,6 +32,7 @@ import torch
 from bigtrain.errors import ConfigError
 from bigtrain.model.fused import is_fused
 from bigtrain.parallel.sources import checkpoint_source
+from bigtrain.store.rng import rng_state, set_rng_state
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
 from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file, usual_permissions
 
@@ -161,44 +160,6 @@ def _list_files(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
-    """rng_state() as JSON (a trainer state travels in trainer.json)."""
-
-    def encode(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode()
-
-    version, internal, gauss = state["python"]
-    out = {"torch": encode(state["torch"]), "python": [version, list(internal), gauss]}
-    if "cuda" in state:
-        out["cuda"] = [encode(t) for t in state["cuda"]]
-    return out
-
-
-def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
-    def decode(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    version, internal, gauss = data["python"]
-    state = {"torch": decode(data["torch"]), "python": (version, tuple(internal), gauss)}
-    if "cuda" in data:
-        state["cuda"] = [decode(t) for t in data["cuda"]]
-    return state
-
-
 def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """Permissions, fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
     out = {}
@@ -225,6 +186,8 @@ class CheckpointManager:
         tokenizer, a transformers model's config), so that an export or a conversion needs
         nothing but the checkpoint."""
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
+        self.write_s = 0.0  # this rank's last save: its start to its files written and hashed
+        self.last_save: dict[str, Any] = {}  # the last commit's bytes_per_rank and write_s
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""
@@ -247,6 +210,7 @@ class CheckpointManager:
         files are written in the background: the commit happens in
         `poll_pending`/`finish_pending` once every rank finished; returns None then."""
         self.finish_pending()  # one checkpoint in flight at a time
+        started = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         if self.rank == 0:
@@ -263,10 +227,17 @@ class CheckpointManager:
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
             written = backend.save_async(tmp, host_state)
-            hashes = self._hasher.submit(lambda: hash_files(tmp, own + written.result()))
+            hashes = self._hasher.submit(lambda: self._hashed(tmp, own + written.result(), started))
             self.pending = (hashes, commit)
             return None
-        return self._commit(*commit, hash_files(tmp, own + backend.save(tmp, host_state)))
+        return self._commit(
+            *commit, self._hashed(tmp, own + backend.save(tmp, host_state), started)
+        )
+
+    def _hashed(self, tmp: Path, names: list[str], started: float) -> dict[str, Any]:
+        hashes = hash_files(tmp, names)
+        self.write_s = time.perf_counter() - started
+        return hashes
 
     def poll_pending(self) -> Path | None:
         """Commit the checkpoint in flight if every rank finished writing it (a tiny collective,
@@ -297,7 +268,12 @@ class CheckpointManager:
         shapes: dict[str, list[int]] | None,
         mine: dict[str, dict[str, Any]],
     ) -> Path:
-        files = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+        parts = all_gather_objects(mine)
+        files = {k: v for part in parts for k, v in part.items()}
+        self.last_save = {
+            "bytes_per_rank": [sum(f["size"] for f in part.values()) for part in parts],
+            "write_s": round(self.write_s, 4),
+        }
         if self.rank == 0:
             unlisted = sorted(set(_list_files(tmp)) - set(files))
             assert not unlisted, f"files no rank reported writing: {unlisted}"

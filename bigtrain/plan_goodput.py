@@ -1,0 +1,240 @@
+"""`bigtrain plan CONFIG --goodput --gpus N [--from RUN_DIR] [--set key=value ...] [--json]`.
+
+The inputs of the simulation (observe/goodput_inputs.py) come from, in order: defaults (the Llama
+3 report's failure rates, public cost figures), the config (checkpoint size per GPU from `plan`'s
+memory model, the step time, the snapshot and checkpoint cadence), costs measured in a run
+directory (observe/run_costs.py), and the user's `--set`. A measured fixed cost (the restart) is
+taken only from a run at least as large as the plan: a 2-rank restart says nothing of a
+16,384-GPU one; bandwidths, steps and timeouts carry over.
+
+The step time is the config's work per GPU (micro_batch_size x grad_accum_steps sequences, split
+over tensor parallelism) at the model's FLOPs per token, on H100/H200 BF16 (989 TFLOP/s dense)
+at 40% MFU (Llama 3 405B ran at 38-43%): the per-GPU work is held as the GPUs grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bigtrain.config.schema import Config
+from bigtrain.errors import ConfigError
+from bigtrain.model import model_flops_per_token
+from bigtrain.observe.goodput import (
+    CAUSES,
+    best_interval,
+    daly_interval,
+    simulate,
+    young_interval,
+)
+from bigtrain.observe.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
+from bigtrain.observe.run_costs import measured_costs
+from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.plan import bigtrain_layout, count_params, meta_model, sharding_degree
+from bigtrain.plan_comm import TPLayout, tp_layout
+from bigtrain.precision.policy import Hardware, resolve_policy
+
+PEAK_FLOPS, MFU = 989e12, 0.40
+FIXED = ("restart_s",)  # measured fixed costs: only from a run at least as large
+# Each cost halved (a bandwidth doubled), to say which one to cut first.
+CUTS = {
+    "restart_s": 0.5,
+    "save_gbps_per_node": 2.0,
+    "load_gbps_per_node": 2.0,
+    "stall_gbps": 2.0,
+    "snapshot_gbps": 2.0,
+    "hang_timeout_s": 0.5,
+}
+
+
+def config_inputs(cfg: Config, gpus: int) -> Sourced:
+    """Defaults, then what the config says: checkpoint bytes per GPU, step time, cadence."""
+    try:
+        shape = mesh_shape(cfg.parallel, gpus)
+    except ConfigError as e:
+        raise ConfigError(f"--gpus {gpus} is not a multiple of the config's mesh: {e}") from None
+    model = meta_model(cfg)
+    n, _ = count_params(cfg, model)
+    tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()
+    policy = resolve_policy(cfg.precision, Hardware("cuda", "sm90", cuda_capability=(9, 0)), n)
+    layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
+    saved = layout.bytes_per_param["master weights"] + layout.bytes_per_param["optimizer states"]
+    degree = sharding_degree(cfg, gpus, n, tp)
+    src = Sourced(gpus)
+    src.set(
+        "ckpt_gb_per_gpu",
+        n * saved / degree / 1e9,
+        f"plan: {n / 1e9:.2f}B params x {saved:g} B (master + optimizer states) / {degree:.4g}",
+    )
+    t = cfg.train
+    tokens = t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len / shape.tp
+    flops = model_flops_per_token(model, cfg.model)
+    step_s = flops * tokens / (PEAK_FLOPS * MFU)
+    src.set(
+        "step_s",
+        step_s,
+        f"config: {tokens:.0f} tokens/GPU x {flops / 1e9:.3g} GFLOP/token at 40% of 989 TFLOP/s",
+    )
+    hang = cfg.resilience.hang_timeout_s
+    hang_how = "resilience.hang_timeout_s" if hang else "max(300 s, 10 x step): the watchdog"
+    src.set("hang_timeout_s", hang or max(300.0, 10 * step_s), f"config: {hang_how}")
+    for key, value, name in (
+        ("ckpt_every_steps", cfg.checkpoint.every, "checkpoint.every"),
+        ("snapshot_every", cfg.resilience.snapshot_every, "resilience.snapshot_every"),
+        ("confirm_steps", cfg.resilience.confirm_steps, "resilience.confirm_steps"),
+        ("async_save", cfg.checkpoint.async_save, "checkpoint.async_save"),
+    ):
+        src.set(key, value, f"config: {name}")
+    if cfg.checkpoint.every <= 0:
+        raise ConfigError("key 'checkpoint.every' must be > 0 for a goodput plan")
+    return src
+
+
+def add_measured(src: Sourced, run_dir: Path) -> None:
+    measured = measured_costs(run_dir)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    world = max((e.get("world_size", 1) for e in events if e["kind"] == "start"), default=1)
+    for key, (value, how) in measured.items():
+        if key in FIXED and world < src.gpus:
+            src.sources[key] += f" (measured {value:.3g} s at {world} ranks: not used)"
+            continue
+        src.set(key, value, f"{how} in {run_dir}")
+
+
+@dataclass
+class ModeResult:
+    healing: bool
+    goodput: float
+    band: tuple[float, float]
+    best_interval_s: float
+    goodput_at_best: float
+    lost: dict[str, float]
+    mtbf_s: float
+    stall_s: float
+
+
+def run_mode(inputs: GoodputInputs, healing: bool, trials: int, seed: int) -> ModeResult:
+    p = inputs.sim_params(healing)
+    mtbf = inputs.mtbf_s(healing)
+    cost = max(p.stall_s if p.async_save else p.write_s, 1e-3)
+    center = daly_interval(cost, mtbf) if np.isfinite(mtbf) else 3600.0
+    lo = max(inputs.step_s, p.write_s if p.async_save else 0.0)
+    grid = np.unique(np.maximum(lo, center * np.geomspace(1 / 32, 32, 41)))
+    best = best_interval(grid, simulate(p, grid, healing, trials, seed).mean())
+    configured = inputs.ckpt_every_steps * inputs.step_s
+    out = simulate(p, np.array([configured, best]), healing, trials, seed)
+    per_trial = out.goodput[0]
+    return ModeResult(
+        healing,
+        float(per_trial.mean()),
+        (float(np.percentile(per_trial, 5)), float(np.percentile(per_trial, 95))),
+        best,
+        float(out.goodput[1].mean()),
+        out.lost_fractions(0),
+        mtbf,
+        p.stall_s if p.async_save else p.write_s,
+    )
+
+
+def cut_first(src: Sourced, result: ModeResult, trials: int, seed: int) -> list[tuple[str, float]]:
+    """Goodput gained by each cut (a cost halved, or the best checkpoint interval), largest first."""
+    gains = []
+    base = src.inputs()
+    for key, factor in CUTS.items():
+        changed = dataclasses.replace(base, **{key: getattr(base, key) * factor})
+        p = changed.sim_params(result.healing)
+        configured = changed.ckpt_every_steps * changed.step_s
+        g = simulate(p, np.array([configured]), result.healing, trials, seed).mean()[0]
+        verb = "halve" if factor < 1 else "double"
+        gains.append((f"{verb} {key}", float(g - result.goodput)))
+    steps = max(1, round(result.best_interval_s / base.step_s))
+    gains.append((f"checkpoint.every={steps}", result.goodput_at_best - result.goodput))
+    return sorted(gains, key=lambda g: -g[1])
+
+
+@dataclass
+class GoodputPlan:
+    src: Sourced
+    healing: ModeResult
+    plain: ModeResult
+    cuts: list[tuple[str, float]]
+
+    def to_json(self) -> dict:
+        h = self.healing
+        return {
+            "goodput": round(h.goodput, 5),
+            "goodput_band": [round(h.band[0], 5), round(h.band[1], 5)],
+            "best_interval_s": round(h.best_interval_s, 2),
+            "young_interval_s": round(young_interval(h.stall_s, h.mtbf_s), 2),
+            "daly_interval_s": round(daly_interval(h.stall_s, h.mtbf_s), 2),
+            "lost_by_cause": {k: round(v, 6) for k, v in h.lost.items()},
+            "goodput_at_best": round(h.goodput_at_best, 5),
+            "plain": {
+                "goodput": round(self.plain.goodput, 5),
+                "goodput_band": [round(x, 5) for x in self.plain.band],
+                "best_interval_s": round(self.plain.best_interval_s, 2),
+                "lost_by_cause": {k: round(v, 6) for k, v in self.plain.lost.items()},
+            },
+            "cut_first": self.cuts[0][0] if self.cuts and self.cuts[0][1] > 0 else None,
+            "inputs": {k: self.src.values[k] for k in KEYS},
+            "sources": {k: self.src.sources[k] for k in KEYS},
+        }
+
+    def text(self) -> str:
+        src, h, p = self.src, self.healing, self.plain
+        lines = [f"goodput plan at {src.gpus} GPUs; inputs (--set key=value to change):"]
+        for key in KEYS:
+            value = src.values[key]
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            lines.append(f"  {key:<21} {shown:>9}  {doc(key):<31} {src.sources[key]}")
+        step = src.values["step_s"]
+        lines += [
+            "",
+            f"{'':<34} {'healing':>10} {'plain C/R':>10}",
+            f"{'goodput (checkpoint.every)':<34} {h.goodput:>10.2%} {p.goodput:>10.2%}",
+            f"{'  5-95% of simulated runs':<34} {_band(h):>10} {_band(p):>10}",
+            f"{'best checkpoint interval (s)':<34} {h.best_interval_s:>10.1f} "
+            f"{p.best_interval_s:>10.1f}",
+            f"{'  in steps':<34} {h.best_interval_s / step:>10.1f} {p.best_interval_s / step:>10.1f}",
+            f"{'goodput at the best interval':<34} {h.goodput_at_best:>10.2%} "
+            f"{p.goodput_at_best:>10.2%}",
+            f"{'Young sqrt(2 C M) (s)':<34} {young_interval(h.stall_s, h.mtbf_s):>10.1f} "
+            f"{young_interval(p.stall_s, p.mtbf_s):>10.1f}",
+            f"{'Daly (s)':<34} {daly_interval(h.stall_s, h.mtbf_s):>10.1f} "
+            f"{daly_interval(p.stall_s, p.mtbf_s):>10.1f}",
+            "",
+            "wall time lost by cause (fraction of wall time, at checkpoint.every):",
+        ]
+        for cause in CAUSES:
+            lines.append(f"  {cause:<32} {h.lost[cause]:>10.3%} {p.lost[cause]:>10.3%}")
+        lines += ["", "what to cut first (healing; goodput gained):"]
+        lines += [f"  {name:<32} {gain:>+10.3%}" for name, gain in self.cuts[:4]]
+        return "\n".join(lines)
+
+
+def _band(m: ModeResult) -> str:
+    return f"{m.band[0]:.1%}-{m.band[1]:.1%}"
+
+
+def plan_goodput(
+    cfg: Config,
+    gpus: int,
+    run_dir: Path | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+    trials: int = 200,
+    seed: int = 0,
+) -> GoodputPlan:
+    if gpus < 1:
+        raise ConfigError(f"--gpus got {gpus}, expected a positive integer")
+    src = config_inputs(cfg, gpus)
+    if run_dir is not None:
+        add_measured(src, run_dir)
+    src.override(list(sets))
+    inputs = src.inputs()
+    healing = run_mode(inputs, True, trials, seed)
+    plain = run_mode(inputs, False, trials, seed)
+    return GoodputPlan(src, healing, plain, cut_first(src, healing, trials, seed))

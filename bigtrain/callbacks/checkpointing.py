@@ -49,6 +49,7 @@ class CheckpointCallback(Callback):
                 trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
                 return
         self.started = time.perf_counter()
+        trainer.ranges.begin("checkpoint_save")  # a named range while profiling
         path = self.manager.save(
             trainer.step,
             trainer.backend,
@@ -60,6 +61,7 @@ class CheckpointCallback(Callback):
             host_state=trainer.healer.host_state(trainer),
             shapes=trainer.context.get("shapes"),
         )
+        trainer.ranges.end()
         if path is None:
             stall = time.perf_counter() - self.started
             trainer.event("checkpoint_started", stall_s=round(stall, 3))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bigtrain.callbacks.sources import SourceEvents
-from bigtrain.callbacks.wandb_logger import wandb_record
+from bigtrain.observe.sinks import flat_record
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
@@ -210,7 +210,7 @@ def test_tokens_by_source_leave_out_skip_windows_and_rolled_back_steps(tmp_path)
 
 
 def test_tokens_by_source_reach_wandb_by_source_name():
-    record = wandb_record({"step": 4, "tokens_by_source": {"web": 640, "code": 128}})
+    record = flat_record({"step": 4, "tokens_by_source": {"web": 640, "code": 128}})
     assert record["data/tokens_by_source/web"] == 640
     assert record["data/tokens_by_source/code"] == 128
 

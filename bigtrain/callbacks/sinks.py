@@ -21,6 +21,7 @@ from bigtrain.observe.sinks import (
     MetricSink,
     SinkRun,
     flat_event,
+    flat_figures,
     flat_record,
     require_packages,
 )
@@ -116,7 +117,7 @@ class SinkLogger(Callback):
             sink.log_event(record["step"], record, flat)
         if record["kind"] == "finish":  # final.json's figures: the run's summary
             self.flush()
-            figures = {k: v for k, v in record.items() if k not in ("time", "kind")}
+            figures = flat_figures(record)
             for sink in self.sinks:
                 sink.log_summary(figures)
 

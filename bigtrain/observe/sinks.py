@@ -121,6 +121,19 @@ def flat_event(record: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def flat_figures(record: dict[str, Any]) -> dict[str, Any]:
+    """final.json's figures from the `finish` event: lists by rank as `<key>/rank<r>`."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in ("time", "kind"):
+            continue
+        if isinstance(value, list):
+            out.update({f"{key.removesuffix('_by_rank')}/rank{r}": v for r, v in enumerate(value)})
+        else:
+            out[key] = value
+    return out
+
+
 def numbers(flat: dict[str, Any]) -> dict[str, float]:
     """The numeric values of a flat record (sinks that chart numbers only; bools count)."""
     return {k: float(v) for k, v in flat.items() if isinstance(v, int | float)}

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from bigtrain.callbacks.sources import SourceEvents
-from bigtrain.observe.sinks import flat_record
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
@@ -27,6 +26,7 @@ from bigtrain.data.tokenizer import (
     train_bpe,
 )
 from bigtrain.errors import ConfigError
+from bigtrain.observe.sinks import flat_record
 from bigtrain.plan import vocab_size_for_plan
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite, stub_healer

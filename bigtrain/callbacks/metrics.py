@@ -31,6 +31,7 @@ CONSOLE_EVENTS = {
     "checkpoint_refused",
     "lr_restore",
     "source_exhausted",
+    "profile",
 }
 
 

@@ -3,6 +3,7 @@ loop's phases, and no profiler object at all when profiling is off."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from bigtrain.config.observe import ProfileConfig
 from bigtrain.observe.profile import PHASES, Window, profile_window, trace_path
 from bigtrain.parallel.env import DistEnv
 from bigtrain.store.rundir import read_jsonl
+from tests.conftest import micro_overrides
+from tests.distributed import run_distributed, train_run
 
 
 @pytest.mark.unit
@@ -76,3 +79,25 @@ def test_profiling_off_creates_no_profiler_objects(micro, monkeypatch):
     # A profile window on another rank only: this rank makes nothing either.
     cfg = micro("train.max_steps=3", "profile.steps=[1,2]", "profile.ranks=[1]", out="other")
     assert run(cfg, DistEnv())["step"] == 3 and made == []
+
+
+@pytest.mark.distributed
+def test_each_profiling_rank_writes_its_trace_and_event(tmp_path, corpus_files, cache_dir):
+    args = micro_overrides(tmp_path / "fsdp", corpus_files, cache_dir) + [
+        "parallel.backend=fsdp",
+        "train.max_steps=4",
+        "checkpoint.every=-1",
+        "profile.steps=[2,3]",
+        "profile.ranks=[0,1]",
+        "profile.gzip=true",
+    ]
+    r0, _ = run_distributed(train_run, 2, args)
+    events = sorted((e for e in r0["events"] if e["kind"] == "profile"), key=lambda e: e["rank"])
+    assert [(e["rank"], e["step"], e["steps"]) for e in events] == [(0, 3, [2, 3]), (1, 3, [2, 3])]
+    for rank, event in enumerate(events):
+        assert event["trace"] == str(
+            tmp_path / "fsdp" / "profile" / f"rank{rank}.2.pt.trace.json.gz"
+        )
+        trace = json.loads(gzip.decompress(Path(event["trace"]).read_bytes()))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"forward_backward", "monitor", "optimizer"} <= names

@@ -45,7 +45,10 @@ class ProfilerCallback(Callback):
         self.window = profile_window(self.cfg, trainer.step)
         if self.cfg.steps and self.window is None:
             logger.info("profile.steps=%s: already behind step %d", self.cfg.steps, trainer.step)
-        if self.cfg.memory and (self.window is None or self.window.first_step <= trainer.step + 1):
+        # profile.memory: over the window, or from the first step when there is none.
+        whole_run = not self.cfg.steps
+        ahead = self.window is not None and self.window.first_step <= trainer.step + 1
+        if self.cfg.memory and (whole_run or ahead):
             self.recording_memory = memory.start_history(trainer.device)
         if self.window is None:
             return

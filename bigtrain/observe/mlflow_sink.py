@@ -1,6 +1,7 @@
 """The MLflow sink (`pip install bigtrain[mlflow]`): no server needed. The tracking store is
 MLFLOW_TRACKING_URI when set (a server, a database, a folder), else a SQLite file in the run
-directory, sqlite:///RUN_DIR/mlflow.db, with artifacts under RUN_DIR/mlartifacts.
+directory, sqlite:///RUN_DIR/mlflow.db; a SQLite store's new experiment keeps its artifacts
+beside the database (RUN_DIR/mlartifacts).
 
 Metrics by the training step (the same keys as wandb's); events as marker metrics `events/<kind>`
 = 1 with their numeric details, and RUN_DIR/events.jsonl as an artifact when the process ends; the
@@ -29,6 +30,14 @@ BATCH = 100  # params per log_batch (MLflow's limit)
 def tracking_uri(run_dir: Path) -> str:
     """MLFLOW_TRACKING_URI, else a SQLite store in the run directory."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+
+
+def artifact_root(uri: str) -> str | None:
+    """Artifacts of a new experiment in a SQLite store go beside the database file (MLflow's
+    default, ./mlruns, depends on the working directory); elsewhere the store decides."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
 
 
 def param_value(value: Any) -> str:
@@ -73,9 +82,7 @@ class MlflowSink:
         if found is not None:
             experiment_id = found.experiment_id
         else:
-            own_store = uri.startswith("sqlite:") and "MLFLOW_TRACKING_URI" not in os.environ
-            artifacts = (run.path / "mlartifacts").resolve().as_uri() if own_store else None
-            experiment_id = self.client.create_experiment(self.experiment, artifacts)
+            experiment_id = self.client.create_experiment(self.experiment, artifact_root(uri))
         created = self.client.create_run(experiment_id, run_name=run.name)
         id_file.write_text(created.info.run_id + "\n")
         return created.info.run_id

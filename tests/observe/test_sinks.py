@@ -185,6 +185,7 @@ def test_a_restarted_run_continues_its_mlflow_run_at_mlflow_tracking_uri(
     shutil.rmtree(out / "checkpoints" / "step_00000006")  # as if it crashed after step 6
     run(cfg, DistEnv())  # resumes at the checkpoint of step 4: steps 5..8 again
     assert not (out / "mlflow.db").exists()  # the store is the environment's
+    assert (tmp_path / "mlartifacts").is_dir()  # beside its database, not in the working dir
     client = MlflowClient(uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("bigtrain").experiment_id])
     assert mlrun.info.run_id == (out / "mlflow_run_id").read_text().strip()

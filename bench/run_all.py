@@ -37,6 +37,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "prepare": ("prepare.py", ["--copies", "2", "--rounds", "2"]),
     "detection": ("detection.py", ["--quick"]),
     "generate": ("generate.py", ["--new-tokens", "128", "--reps", "2"]),
+    "profile_off": ("profile_off.py", ["--rounds", "6"]),
+    "sinks": ("sinks.py", ["--rounds", "6"]),
 }
 
 
@@ -118,6 +120,16 @@ def headline(name: str, r: dict) -> str:
         return (
             f"KV cache {rate['kv_cache']:.0f} tok/s vs recompute {rate['recompute']:.0f} tok/s: "
             f"{r['ratio']:.2f}x ({r['new_tokens']} tokens after {r['prompt_tokens']})"
+        )
+    if name == "profile_off":
+        return (
+            f"profiling off / no range marks: {r['ratio_off_before']:.3f}; the marks alone "
+            f"{r['marks_ns_per_step']:.0f} ns/step ({r['marks_share_of_step']:.1e} of a step)"
+        )
+    if name == "sinks":
+        return (
+            f"wandb+TensorBoard+MLflow / wandb alone: {r['ratio_all_wandb']:.3f} "
+            f"(log_every={r['log_every']})"
         )
     return json.dumps(r)[:120]
 

@@ -9,6 +9,7 @@ import logging
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,11 @@ from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.preempt import PreemptionHandler
+from bigtrain.callbacks.profile import ProfilerCallback
 from bigtrain.callbacks.samples import SampleCallback
+from bigtrain.callbacks.sinks import SinkLogger, make_sinks
 from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
-from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import (
@@ -42,6 +44,7 @@ from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
+from bigtrain.observe.memory import memory_kind, out_of_memory, peak_memory_bytes
 from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
 from bigtrain.parallel.backend import Backend
@@ -229,8 +232,11 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers, tokenizer_dir) 
         callbacks.append(SourceEvents())
     if int8_layers:
         callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
-    if cfg.wandb.mode != "disabled":
-        callbacks.append(WandbLogger(cfg.wandb, to_dict(cfg)))
+    sinks = make_sinks(cfg)  # every rank checks the packages; rank 0 logs
+    if sinks:
+        callbacks.append(SinkLogger(sinks, cfg.log.hold_steps, to_dict(cfg)))
+    if (cfg.profile.steps or cfg.profile.memory) and env.rank in cfg.profile.ranks:
+        callbacks.append(ProfilerCallback(cfg.profile, env.rank))
     return callbacks
 
 
@@ -364,8 +370,11 @@ def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
             )
 
 
-def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
-    """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data."""
+def run(
+    cfg: Config, env: DistEnv, memory_plan: Callable[[], dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data.
+    `memory_plan`: `bigtrain plan`'s prediction for an out-of-memory error's event (the CLI's)."""
     started = time.time()
     trainer = build_trainer(cfg, env)
     ctx = trainer.context
@@ -383,6 +392,8 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
             trainer.callbacks.on_stop(trainer, str(e))
             raise
+        except torch.OutOfMemoryError as e:  # this rank alone: an `oom` event, exit 8
+            raise out_of_memory(trainer, e, memory_plan) from e
         if state.step < cfg.train.max_steps:
             trainer.event(
                 "stop",
@@ -393,9 +404,7 @@ def run(cfg: Config, env: DistEnv) -> dict[str, Any]:
             return {"step": state.step, "stopped": True}
         final = _final_record(trainer, started)
         final["costs"] = ctx["costs"].summary(trainer)  # measured: callbacks/costs.py
-        trainer.event(
-            "finish", loss=final["loss"], tokens=final["tokens"], fingerprint=final["fingerprint"]
-        )
+        trainer.event("finish", **{k: v for k, v in final.items() if k != "step"})
         trainer.run_dir.write_json("final.json", final)
         clean = True
         return final
@@ -428,6 +437,8 @@ def _final_record(trainer: Trainer, started: float) -> dict[str, Any]:
         "skipped_steps": state.skipped_steps,
         "fingerprint": fingerprint,
         "wall_s": round(time.time() - started, 2),
+        "peak_memory_bytes_by_rank": all_gather_objects(peak_memory_bytes(trainer.device)),
+        "peak_memory_kind": memory_kind(trainer.device),
     }
 
 

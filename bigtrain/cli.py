@@ -2,7 +2,8 @@
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
-suspect host; 7 ranks ended with different weights; anything else is a crash.
+suspect host; 7 ranks ended with different weights; 8 a rank ran out of memory (an `oom` event);
+anything else is a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from bigtrain.errors import (
     HANG_EXIT_CODE,
     AbortRun,
     ConfigError,
+    OutOfMemory,
     Preempted,
     ReplicaMismatch,
     SuspectHost,
@@ -215,10 +217,20 @@ def _train(items: list[str], local_rank: int | None) -> int:
     cfg = _load(items)
     env = read_env(local_rank)
     setup_console(env.rank)
-    final = run(cfg, env)
+    final = run(cfg, env, memory_plan=lambda: _memory_plan(cfg, env))
     if env.is_main:
         print(json.dumps(final))
     return 0
+
+
+def _memory_plan(cfg, env) -> dict:
+    """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
+    from bigtrain.parallel.env import pick_device
+    from bigtrain.plan import predicted_memory
+    from bigtrain.precision import detect_hardware
+
+    hardware = detect_hardware(pick_device(cfg.train.device, env))
+    return predicted_memory(cfg, env.world_size, hardware)
 
 
 def _prepare(items: list[str], out: Path) -> int:
@@ -390,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _ckpt(args.ckpt_command, args.path, args)
-    except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost) as e:
+    except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost, OutOfMemory) as e:
         # One line, no traceback, the documented exit code.
         prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")
         print(f"bigtrain: {prefix}{e}", file=sys.stderr)

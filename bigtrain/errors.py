@@ -35,3 +35,11 @@ class ReplicaMismatch(RuntimeError):
 
 
 HANG_EXIT_CODE = 5  # the hang watchdog (callbacks/watchdog.py) ends the process with os._exit
+
+
+class OutOfMemory(RuntimeError):
+    """A rank ran out of device memory: its `oom` event holds the bytes in use and `bigtrain
+    plan`'s prediction for the config; on CUDA the allocator's snapshot is under RUN_DIR/memory/.
+    Exit 8 (the same config fails the same way: change it before a retry)."""
+
+    exit_code = 8

@@ -259,14 +259,9 @@ def activation_lines(
     """`tp_split`: the tp degree where tensor parallelism splits every activation (bigtrain's
     GPT: sequence-parallel stream, heads, MLP units, vocabulary), else 1 (a transformers model
     under a tp_plan keeps its norms and residual stream whole: counted whole, an upper bound)."""
-    from bigtrain.parallel.fsdp import gathers_in_compute_dtype
-
     shape = model_shape(cfg)
     c = policy.compute_dtype.itemsize
-    casts = cfg.parallel.backend == "zero" or (
-        cfg.parallel.backend == "fsdp" and gathers_in_compute_dtype(policy)
-    )
-    residual = c if casts else 4
+    residual = residual_bytes(cfg, policy)
     attention = (
         "explicit FP32-softmax attention: seq x seq probabilities kept"
         if policy.fp32_softmax
@@ -317,6 +312,42 @@ def activation_lines(
             f"activation_checkpointing={chosen}"
         )
     return lines
+
+
+def residual_bytes(cfg: Config, policy: PrecisionPolicy) -> int:
+    """Bytes per value of the residual stream: the compute dtype's where the backend casts the
+    weights (ZeRO, FSDP2 gathering in the compute dtype), else FP32 (autocast over FP32 weights)."""
+    from bigtrain.parallel.fsdp import gathers_in_compute_dtype
+
+    casts = cfg.parallel.backend == "zero" or (
+        cfg.parallel.backend == "fsdp" and gathers_in_compute_dtype(policy)
+    )
+    return policy.compute_dtype.itemsize if casts else 4
+
+
+def predicted_memory(cfg: Config, world_size: int, hardware: Hardware) -> dict[str, int]:
+    """`bigtrain plan`'s memory per rank for `cfg` as numbers (the `oom` event reports them):
+    the states (weights, gradients, optimizer), the transient weights and gradients, and the
+    activations of one micro-batch under the configured checkpointing."""
+    shape = mesh_shape(cfg.parallel, world_size)
+    cfg = for_mesh(cfg, world_size)
+    model = meta_model(cfg)
+    n, block = count_params(cfg, model)
+    tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()
+    degree = sharding_degree(cfg, world_size, n, tp)
+    policy = resolve_policy(cfg.precision, hardware, n)
+    split = shape.tp if tp.sequence_parallel else 1
+    layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
+    states = sum(layout.per_rank_bytes_per_param(degree).values()) * n
+    weights = transient_weight_bytes(cfg, policy, n, block) / split
+    c, mode = policy.compute_dtype.itemsize, cfg.parallel.activation_checkpointing
+    residual = residual_bytes(cfg, policy)
+    a = activation_bytes_per_token(model_shape(cfg), mode, c, residual, policy.fp32_softmax)
+    per_sequence = (a["layers"] + a["head"] + a["transient"]) * cfg.model.seq_len / split
+    activations = per_sequence * cfg.train.micro_batch_size
+    sizes = {"states": states, "transient_weights": weights, "activations": activations}
+    sizes["total"] = states + weights + activations
+    return {"world_size": world_size} | {f"{k}_bytes": int(v) for k, v in sizes.items()}
 
 
 def sharding_degree(cfg: Config, world_size: int, n: int, tp: TPLayout) -> float:

@@ -50,6 +50,7 @@ class CheckpointCallback(Callback):
                 trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
                 return
         self.started = time.perf_counter()
+        trainer.ranges.begin("checkpoint_save")  # a named range while profiling
         path = self.manager.save(
             trainer.step,
             trainer.backend,
@@ -62,6 +63,7 @@ class CheckpointCallback(Callback):
             shapes=trainer.context.get("shapes"),
         )
         self.stall_s = time.perf_counter() - self.started
+        trainer.ranges.end()
         if path is None:
             trainer.event("checkpoint_started", stall_s=round(self.stall_s, 3))
             return

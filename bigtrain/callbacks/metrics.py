@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from bigtrain.data.mixture import MixtureStream
+from bigtrain.observe.memory import peak_memory_bytes
 from bigtrain.observe.mfu import mfu
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
@@ -30,6 +31,7 @@ CONSOLE_EVENTS = {
     "checkpoint_refused",
     "lr_restore",
     "source_exhausted",
+    "profile",
 }
 
 
@@ -78,6 +80,7 @@ class MetricsLogger(Callback):
         record["samples_seen"] = trainer.state.samples_seen
         record["tokens"] = trainer.state.tokens_seen
         record["skipped_steps"] = trainer.state.skipped_steps
+        record["peak_memory_bytes"] = peak_memory_bytes(trainer.device)  # a host query, no sync
         stream = trainer.loader.stream
         if isinstance(stream, MixtureStream):  # tokens trained per source: skip windows left out
             seq_len = trainer.cfg.model.seq_len

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 
+from bigtrain.observe.memory import peak_memory_bytes
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import PARTS
@@ -15,6 +16,7 @@ from bigtrain.utils.dist import all_gather_objects
 
 JUDGED = ("data", "forward_backward", "optimizer", "other")
 MIN_EXCESS_S = 0.01  # a straggler's part exceeds the median by at least this much
+PEAK = "peak_memory_bytes"
 
 
 def find_stragglers(
@@ -32,8 +34,9 @@ def find_stragglers(
 
 
 class StragglerReport(Callback):
-    """On timing steps: gathers every rank's parts into `result.step_time_by_rank` (logged)
-    and writes `straggler` events."""
+    """On timing steps: gathers every rank's parts into `result.step_time_by_rank` and its peak
+    memory into `result.peak_memory_bytes_by_rank` (both logged), and writes `straggler`
+    events."""
 
     priority = 70  # before metrics (80), so the per-rank times land in the step's record
 
@@ -44,10 +47,12 @@ class StragglerReport(Callback):
         timing = result.step_timing
         if timing is None:
             return
-        by_rank = all_gather_objects(timing)
+        # Each rank's peak memory travels in the same gather.
+        by_rank = all_gather_objects({**timing, PEAK: peak_memory_bytes(trainer.device)})
         result.step_time_by_rank = {
             part: [round(times[part], 6) for times in by_rank] for part in PARTS
         }
+        result.peak_memory_bytes_by_rank = [times[PEAK] for times in by_rank]
         for straggler in find_stragglers(by_rank, self.factor):
             trainer.event(
                 "straggler",

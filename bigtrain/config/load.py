@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
 from bigtrain.config.mesh import check_mesh
+from bigtrain.config.observe import check_observe
 from bigtrain.config.resilience import check_rules
 from bigtrain.config.schema import Config, FaultConfig
 from bigtrain.errors import ConfigError
@@ -70,7 +71,7 @@ def all_keys(schema: Any = Config, prefix: str = "") -> list[str]:
     return keys
 
 
-MOVED = {"checkpoint.init_from": "model.init_from"}
+MOVED = {"checkpoint.init_from": "model.init_from", "wandb.hold_steps": "log.hold_steps"}
 _OLD_DETECTION = (
     "spike detection was redesigned from measurements (docs/healing.md): set monitor.rules, "
     "monitor.loss.* and monitor.grad_norm.*"
@@ -222,6 +223,7 @@ def validate(config: Config) -> None:
     _check_optim_and_data(config)
     check_data(config.data)
     check_eval(config.eval)
+    check_observe(config.profile, config.log)
     _check_monitor_and_int8(config)
     _check_parallel_and_train(config)
 
@@ -292,7 +294,6 @@ def _check_signs(config: Config) -> None:
         "resilience.window": config.resilience.window,
         "resilience.max_rollbacks": config.resilience.max_rollbacks,
         "optim.warmup_steps": config.optim.warmup_steps,
-        "wandb.hold_steps": config.wandb.hold_steps or 0,
         "optim.grad_clip": config.optim.grad_clip,
         "optim.weight_decay": config.optim.weight_decay,
     }

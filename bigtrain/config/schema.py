@@ -13,6 +13,7 @@ from typing import Any
 from bigtrain.config.data import DataConfig
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.faults import FaultConfig
+from bigtrain.config.observe import LogConfig, ProfileConfig
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 
 
@@ -329,11 +330,6 @@ class WandbConfig:
     """Run tags."""
     notes: str | None = None
     """Run notes (a description shown on the wandb run page)."""
-    hold_steps: int | None = None
-    """Metric records reach wandb this many steps after their own step, so that a rollback can
-    drop those of the steps it abandons first (wandb's history cannot be rewritten). None:
-    resilience.snapshot_every + resilience.confirm_steps, which covers a rollback to the newest
-    good snapshot; 0: send at once. Whatever is held is sent when the run ends or stops. At start."""
 
 
 @dataclass
@@ -358,7 +354,12 @@ class Config:
     """What an anomaly does: replay, rollback targets, the ladder, the hang watchdog."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The backend (local, FSDP2, ZeRO) and the mesh."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Where metrics, events and the run's figures go besides metrics.jsonl: wandb, TensorBoard,
+    MLflow."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    """Metrics and events to Weights & Biases."""
+    """The wandb sink's settings (log.sinks names the sinks)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Profiler traces of chosen steps and CUDA memory snapshots; off by default."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults for drills and tests; off by default."""

@@ -28,7 +28,8 @@ trainer state (checkpoints and rollback targets) under that key.
 Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
 another reads has a lower priority: evaluation (10, `val_loss`), checkpointing (50), the straggler
 report (70, `step_time_by_rank`) and metrics logging (80, `record`) run before the console and
-wandb (90) and the preemption handler (95).
+metric sinks (90), the preemption handler (95) and the profiler (99, last: it
+ends the step's trace).
 """
 
 from __future__ import annotations

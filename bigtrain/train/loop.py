@@ -12,6 +12,7 @@ import torch
 from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
 from bigtrain.monitor.monitor import GradMonitor, Health
+from bigtrain.observe.profile import NO_RANGES
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.clip import ClipThreshold
@@ -93,6 +94,7 @@ class Trainer:
         self.replaying = False  # True while a step's micro-batches run the second time
         self.step_in_progress: int | None = None  # the step train_step is running
         self.timer = StepTimer(device, cfg.monitor.timing_every)
+        self.ranges = NO_RANGES  # phases as profiler ranges while profiling (observe/profile.py)
 
     @property
     def step(self) -> int:
@@ -127,7 +129,9 @@ class Trainer:
             result = self.train_step()
             self.healer.after_step(self, result)  # events, the action, a rollback
             self.callbacks.on_step_end(self, result)
+            self.ranges.begin("checkpoint_copy")
             self.healer.end_step(self)  # a new rollback target's snapshot
+            self.ranges.end()
         self.callbacks.on_finish(self)
         return self.state
 
@@ -139,6 +143,7 @@ class Trainer:
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
         step = self.step_in_progress = self.state.step + 1
         self.timer.start(step)
+        self.ranges.begin("data")
         micro_batches = self.loader.next_step()
         self.timer.mark("data")
         rng = self.healer.replay.before_step()  # the step's RNG state, kept for a replay
@@ -153,7 +158,9 @@ class Trainer:
             backend.skip_step()
             self.state.skipped_steps += 1
         else:
+            self.ranges.begin("clip")
             backend.clip_grads(self.clip.value() * self.state.clip_scale, health.grad_norm)
+            self.ranges.begin("optimizer")
             backend.step(lr)
             if self.clip.adaptive:
                 self.clip.record(health.host_grad_norm)
@@ -163,6 +170,7 @@ class Trainer:
             result.loss_scale, result.scale_update = scale.scale, scale
             if scale.at_min:  # overflow at the minimum scale: halving again would loop forever
                 self.healer.overflow_at_minimum(verdict, scale.scale)
+        self.ranges.end()
         result.anomaly, result.overflow = verdict.anomaly, verdict.overflow
         result.skipped, result.preempt = verdict.skip, health.stop_requested
         result.finite = verdict.finite
@@ -184,11 +192,13 @@ class Trainer:
     ) -> tuple[StepResult, Health]:
         """Forward and backward of the step's micro-batches, then the monitor's numbers."""
         backend = self.backend
+        self.ranges.begin("forward_backward")
         n = len(micro_batches)
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
         result = StepResult(step, lr, local_loss=torch.stack(losses).mean())
         self.callbacks.on_after_backward(self, result)
         self.timer.mark("forward_backward")
+        self.ranges.begin("monitor")
         grad_factor = backend.unscale_grads()
         log_step = step % self.cfg.train.log_every == 0 or step >= self.end_step
         # One pass over the gradients and one or two small all-reduces; every rank then holds the

@@ -3,8 +3,8 @@
 The loop fills what it measured, the healer (bigtrain/resilience) what it decided (`action`,
 `rolled_back`, `checkpoint_now`) before any callback runs; callbacks read typed fields, and the few
 that add to the step write their own field (evaluation `val_loss`, the straggler report
-`step_time_by_rank`, the metrics logger `record`, text samples `samples`). Who writes a field runs
-before who reads it (callback priorities, train/hooks.py).
+`step_time_by_rank` and `peak_memory_bytes_by_rank`, the metrics logger `record`, text samples
+`samples`). Who writes a field runs before who reads it (callback priorities, train/hooks.py).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class StepResult:
     # Written by callbacks:
     val_loss: float | None = None
     step_time_by_rank: dict[str, list[float]] | None = None
+    peak_memory_bytes_by_rank: list[int] | None = None
+    """Each rank's peak memory (observe/memory.py), on timing steps (the straggler report)."""
     record: dict[str, Any] | None = None
     """The metrics line written at this step, if one was (console and wandb read it)."""
     samples: list[Sample] | None = None
@@ -75,4 +77,6 @@ class StepResult:
             out["val_loss"] = self.val_loss
         if self.step_time_by_rank is not None:
             out["step_time_by_rank"] = self.step_time_by_rank
+        if self.peak_memory_bytes_by_rank is not None:
+            out["peak_memory_bytes_by_rank"] = self.peak_memory_bytes_by_rank
         return out

@@ -171,6 +171,10 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
     assert [m["step"] for m in timed] == [10, 20]
     fwd = timed[-1]["step_time_by_rank"]["forward_backward"]
     assert fwd[1] - fwd[0] > 0.15  # rank 1 sleeps 0.2 s in its forward+backward
+    # Each rank's peak memory travels in the same gather, and every rank's is in final.json.
+    assert all(len(m["peak_memory_bytes_by_rank"]) == 2 for m in timed)
+    assert min(timed[-1]["peak_memory_bytes_by_rank"]) > 2**20
+    assert len(r0["final"]["peak_memory_bytes_by_rank"]) == 2
 
 
 @pytest.mark.unit

@@ -12,9 +12,8 @@ import torch
 
 from bigtrain.build import run
 from bigtrain.callbacks.samples import SampleCallback
-from bigtrain.callbacks.wandb_logger import WandbLogger
 from bigtrain.config.eval import EvalConfig
-from bigtrain.config.schema import ModelConfig, WandbConfig
+from bigtrain.config.schema import ModelConfig
 from bigtrain.data.tokens import train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.model.generate import Sample, Sampling, cached_step, decode, encode_prompt
@@ -23,7 +22,7 @@ from bigtrain.parallel.env import read_env
 from bigtrain.store.generate_checkpoint import load_checkpoint_model
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.train.step import StepResult
-from tests.callbacks.test_wandb import StubRun
+from tests.callbacks.test_wandb import wandb_logger
 
 PROMPTS = ["To be, or not", ""]
 
@@ -108,14 +107,12 @@ def test_a_prompt_longer_than_the_model_is_refused_at_setup(tokenizer_dir):
 
 @pytest.mark.unit
 def test_wandb_gets_the_samples_as_a_table():
-    logger = WandbLogger(WandbConfig(), {})
-    logger.run = StubRun()
+    logger, stub = wandb_logger()
     samples = [Sample("To be", ", or", [5, 6], "max_new_tokens")]
     logger.on_step_end(SimpleNamespace(step=4), StepResult(4, lr=0.1, samples=samples))
-    (logged,) = logger.run.logged
+    (logged,) = stub.logged
     assert logged["train/step"] == 4
     assert logged["samples"].data == [[4, "To be", ", or", "max_new_tokens"]]
-    logger.run = None
 
 
 @pytest.mark.e2e

@@ -9,8 +9,10 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from bigtrain.build import run
-from bigtrain.callbacks.wandb_logger import WandbLogger, wandb_record
+from bigtrain.callbacks.sinks import SinkLogger
 from bigtrain.config.schema import WandbConfig
+from bigtrain.observe.sinks import flat_record
+from bigtrain.observe.wandb_sink import WandbSink
 from bigtrain.parallel.env import DistEnv
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train.step import StepResult
@@ -96,7 +98,7 @@ def test_wandb_offline_writes_run_files_and_keeps_the_run_id(micro, monkeypatch)
 @pytest.mark.unit
 def test_per_layer_dicts_become_keys_that_sort_in_model_order():
     layers = {f"blocks.{i}": float(i) for i in range(11)}
-    out = wandb_record({"step": 7, "loss": 2.5, "layer_grad_norm": {"tok_emb": 9.0, **layers}})
+    out = flat_record({"step": 7, "loss": 2.5, "layer_grad_norm": {"tok_emb": 9.0, **layers}})
     assert out["train/step"] == 7 and out["train/loss"] == 2.5
     keys = [k for k in out if k.startswith("layers/")]
     assert keys[0] == "layers/grad_norm/00.tok_emb" and keys[-1] == "layers/grad_norm/11.blocks.10"
@@ -105,7 +107,7 @@ def test_per_layer_dicts_become_keys_that_sort_in_model_order():
 
 
 class StubRun:
-    """What WandbLogger calls on a wandb run, recorded."""
+    """What WandbSink calls on a wandb run, recorded."""
 
     def __init__(self):
         self.logged, self.alerts = [], []
@@ -120,18 +122,25 @@ class StubRun:
         self.logged.append("finished")
 
 
+def wandb_logger(cfg: WandbConfig | None = None, hold_steps: int = 0):
+    """(a started SinkLogger whose one sink is wandb on a StubRun, the stub)."""
+    sink = WandbSink(cfg or WandbConfig())
+    sink.run = StubRun()
+    logger = SinkLogger([sink], hold_steps, {})
+    logger.active, logger.early, logger.hold_steps = True, None, hold_steps
+    return logger, sink.run
+
+
 @pytest.mark.unit
 def test_online_runs_raise_an_alert_on_rollback_abort_and_preempt():
-    logger = WandbLogger(WandbConfig(mode="online"), {})
-    logger.run = StubRun()
+    logger, stub = wandb_logger(WandbConfig(mode="online"))
     for kind in ("checkpoint", "rollback", "preempt"):
         logger.on_event(None, {"time": 0, "step": 5, "kind": kind, "to_step": 5, "from_step": 12})
-    assert logger.run.alerts == ["bigtrain rollback at step 5", "bigtrain preempt at step 5"]
-    assert logger.run.logged[1]["events/rollback/to_step"] == 5
-    logger.run = None  # nothing to finish
+    assert stub.alerts == ["bigtrain rollback at step 5", "bigtrain preempt at step 5"]
+    assert stub.logged[1]["events/rollback/to_step"] == 5
 
 
-def step_records(logger: WandbLogger, steps, loss_offset: float = 0.0) -> None:
+def step_records(logger: SinkLogger, steps, loss_offset: float = 0.0) -> None:
     """Steps with a record each, as MetricsLogger hands them over (record step = trainer step)."""
     for step in steps:
         result = StepResult(step, lr=0.1, record={"step": step, "loss": step + loss_offset})
@@ -140,41 +149,38 @@ def step_records(logger: WandbLogger, steps, loss_offset: float = 0.0) -> None:
 
 @pytest.mark.unit
 def test_held_records_of_abandoned_steps_never_reach_wandb():
-    logger = WandbLogger(WandbConfig(), {})
-    logger.run, logger.hold_steps = StubRun(), 4
+    logger, stub = wandb_logger(hold_steps=4)
     step_records(logger, range(1, 10))
-    assert [d["train/step"] for d in logger.run.logged] == [1, 2, 3, 4, 5]  # 6..9 held
+    assert [d["train/step"] for d in stub.logged] == [1, 2, 3, 4, 5]  # 6..9 held
     # An anomaly at step 10 rolls back to 6: the event comes during step 10's callbacks (the
     # trainer is at 6 by then), then MetricsLogger's record of step 10.
     rollback = {"time": 0, "step": 10, "kind": "rollback", "from_step": 10, "to_step": 6}
     logger.on_event(None, rollback)
     late = StepResult(10, lr=0.1, record={"step": 10, "loss": 10.0})
     logger.on_step_end(SimpleNamespace(step=6), late)
-    mark = logger.run.logged[-1]
+    mark = stub.logged[-1]
     assert mark["train/step"] == 10 and mark["events/rollback"] == 1
     assert mark["events/rollback/to_step"] == 6 and mark["events/rollback/abandoned_sent"] == 0
     step_records(logger, range(7, 13), loss_offset=0.5)  # the replay
     logger.on_stop(None, "abort")  # sends what is held
-    logged = [d for d in logger.run.logged if "train/loss" in d]
+    logged = [d for d in stub.logged if "train/loss" in d]
     assert [d["train/step"] for d in logged] == list(range(1, 13))
     assert [d["train/loss"] for d in logged] == [1, 2, 3, 4, 5, 6] + [s + 0.5 for s in range(7, 13)]
-    stub = logger.run
     logger.close()
-    assert stub.logged[-1] == "finished" and logger.run is None
+    assert stub.logged[-1] == "finished" and logger.sinks[0].run is None
 
 
 @pytest.mark.unit
 def test_a_rollback_deeper_than_the_hold_counts_the_records_wandb_keeps():
-    logger = WandbLogger(WandbConfig(), {})
-    logger.run, logger.hold_steps = StubRun(), 0
+    logger, stub = wandb_logger(hold_steps=0)
     step_records(logger, range(1, 9))
     rollback = {"time": 0, "step": 8, "kind": "rollback", "from_step": 8, "to_step": 5}
     logger.on_event(None, rollback)
-    assert logger.run.logged[-1]["events/rollback/abandoned_sent"] == 3  # steps 6, 7, 8
+    assert stub.logged[-1]["events/rollback/abandoned_sent"] == 3  # steps 6, 7, 8
     step_records(logger, range(6, 10), loss_offset=0.5)
     logger.on_event(None, {**rollback, "from_step": 9, "to_step": 7})
-    assert logger.run.logged[-1]["events/rollback/abandoned_sent"] == 2  # replayed 8, 9 only
-    steps = [d["train/step"] for d in logger.run.logged if "train/loss" in d]
+    assert stub.logged[-1]["events/rollback/abandoned_sent"] == 2  # replayed 8, 9 only
+    steps = [d["train/step"] for d in stub.logged if "train/loss" in d]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 6, 7, 8, 9]  # all in wandb: its own step increases
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from bigtrain.callbacks.sources import SourceEvents
-from bigtrain.callbacks.wandb_logger import wandb_record
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
@@ -27,6 +26,7 @@ from bigtrain.data.tokenizer import (
     train_bpe,
 )
 from bigtrain.errors import ConfigError
+from bigtrain.observe.sinks import flat_record
 from bigtrain.plan import vocab_size_for_plan
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite, stub_healer
@@ -210,7 +210,7 @@ def test_tokens_by_source_leave_out_skip_windows_and_rolled_back_steps(tmp_path)
 
 
 def test_tokens_by_source_reach_wandb_by_source_name():
-    record = wandb_record({"step": 4, "tokens_by_source": {"web": 640, "code": 128}})
+    record = flat_record({"step": 4, "tokens_by_source": {"web": 640, "code": 128}})
     assert record["data/tokens_by_source/web"] == 640
     assert record["data/tokens_by_source/code"] == 128
 

@@ -26,9 +26,9 @@ def test_the_slow_part_of_the_slow_rank_is_named():
 
 
 def test_per_rank_times_become_one_wandb_key_per_part_and_rank():
-    from bigtrain.callbacks.wandb_logger import wandb_record
+    from bigtrain.observe.sinks import flat_record
 
-    out = wandb_record({"step": 50, "step_time_by_rank": {"data": [0.1, 0.2], "sync": [0.0, 0.3]}})
+    out = flat_record({"step": 50, "step_time_by_rank": {"data": [0.1, 0.2], "sync": [0.0, 0.3]}})
     assert out == {
         "train/step": 50,
         "timing/data/rank0": 0.1,

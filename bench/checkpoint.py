@@ -45,8 +45,8 @@ def timed_saves(
 ) -> dict[str, float]:
     t: dict[str, list[float]] = {"sync_s": [], "async_stall_s": [], "async_write_s": []}
     t["async_from_snapshot_stall_s"] = []
-    ctx = trainer.context
-    args = (trainer.backend, trainer.trainer_state(), ctx["identity"], ctx["config_yaml"])
+    setup = trainer.setup
+    args = (trainer.backend, trainer.trainer_state(), setup.identity, setup.config_yaml)
     step = trainer.step
     for _ in range(rounds):
         for mode in modes:

@@ -103,8 +103,8 @@ def matmul_speed(m: int, k: int, n: int, device: torch.device) -> dict[str, floa
 
 def child(files: list[str], overrides: list[str]) -> None:
     """Train one variant; print its numbers as JSON (runs in its own process)."""
-    from bigtrain.build import run
     from bigtrain.parallel.env import DistEnv
+    from bigtrain.runner import run
     from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config(files, overrides)

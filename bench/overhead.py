@@ -91,7 +91,7 @@ def main() -> None:
         ],
     )
     trainer = build_trainer(cfg, DistEnv())
-    policy = trainer.context["policy"]
+    policy = trainer.setup.policy
     from bigtrain.data import prepare_corpus
 
     corpus = prepare_corpus(cfg.data)

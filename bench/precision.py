@@ -21,11 +21,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.build import run  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv, pick_device  # noqa: E402
 from bigtrain.plan import COMPONENTS, bigtrain_layout, count_params  # noqa: E402
 from bigtrain.precision import detect_hardware, resolve_policy  # noqa: E402
+from bigtrain.runner import run  # noqa: E402
 from bigtrain.store.rundir import read_jsonl  # noqa: E402
 
 VARIANTS = {

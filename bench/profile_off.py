@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.build import build_trainer  # noqa: E402
+from bigtrain.build import build  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.observe.profile import NO_RANGES, PhaseRanges  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
@@ -113,7 +113,8 @@ def main() -> None:
             *overrides,
         ],
     )
-    trainer = build_trainer(cfg, DistEnv())
+    built = build(cfg, DistEnv())
+    trainer = built.trainer
     before, num_marks = trainer_before()
     trainer.__class__ = before
     steps(trainer, 3)  # warm-up (allocator, autocast caches)
@@ -140,7 +141,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
     }
     trainer.callbacks.close()
-    trainer.context["lock"].release()
+    built.release()
     print(f"profiling off: {result['step_ms_off']:.2f} ms/step")
     print(f"before (no range marks): {result['step_ms_before']:.2f} ms/step")
     print(f"ratio off / before: {result['ratio_off_before']:.4f} (1.0: no cost)")

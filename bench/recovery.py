@@ -127,8 +127,8 @@ def checkpoint_stall() -> dict:
         args = (
             trainer.backend,
             trainer.trainer_state(),
-            trainer.context["identity"],
-            trainer.context["config_yaml"],
+            trainer.setup.identity,
+            trainer.setup.config_yaml,
         )
         nbytes = sum(t.numel() * t.element_size() for _, t in trainer.backend.state_tensors())
         sync, stall = [], []

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.build import build_trainer  # noqa: E402
+from bigtrain.build import build  # noqa: E402
 from bigtrain.callbacks.sinks import SinkLogger  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
@@ -83,7 +83,8 @@ def main() -> None:
             *[i for i in args.items if "=" in i],
         ],
     )
-    trainer = build_trainer(cfg, DistEnv())
+    built = build(cfg, DistEnv())
+    trainer = built.trainer
     (logger,) = [c for c in trainer.callbacks.items if isinstance(c, SinkLogger)]
     logger.on_start(trainer)  # opens the sinks
     all_sinks = logger.sinks
@@ -113,7 +114,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
     }
     trainer.callbacks.close()
-    trainer.context["lock"].release()
+    built.release()
     print(f"wandb alone: {result['step_ms_wandb_alone']:.2f} ms/step")
     print(f"wandb + TensorBoard + MLflow: {result['step_ms_all_three']:.2f} ms/step")
     print(f"ratio all three / wandb alone: {result['ratio_all_wandb']:.3f}")

@@ -25,9 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.build import run  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
+from bigtrain.runner import run  # noqa: E402
 from bigtrain.store.rundir import read_jsonl  # noqa: E402
 
 PLAIN = [

@@ -1,5 +1,5 @@
-"""Setup of a run from its config: data, model, precision, backend, resume, callbacks; and `run()`,
-which drives a whole training run and writes final.json."""
+"""Assembling a run from its config: data, model, precision, backend, callbacks, where it starts.
+`build()` returns it as a frozen Run; bigtrain.runner drives it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import json
 import logging
 import random
 import shutil
-import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,14 +39,13 @@ from bigtrain.data import (
     split_samples,
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
-from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SuspectHost
+from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
-from bigtrain.observe.memory import memory_kind, out_of_memory, peak_memory_bytes
 from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
 from bigtrain.parallel.backend import Backend
-from bigtrain.parallel.env import DistEnv, init_process_group, pick_device, shutdown
+from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
 from bigtrain.parallel.fsdp import FSDPBackend
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
@@ -62,8 +59,9 @@ from bigtrain.store.rundir import RunDir, check_out_dir
 from bigtrain.store.runlock import RunLock, lock_run_dir
 from bigtrain.train import Trainer
 from bigtrain.train.hooks import Callback, Callbacks
+from bigtrain.train.setup import RunSetup, StartPoint
 from bigtrain.utils.clock import StartupClock, last_event_time
-from bigtrain.utils.dist import all_gather_objects, barrier
+from bigtrain.utils.dist import barrier
 from bigtrain.utils.logs import add_rank_file, remove_handler
 from bigtrain.utils.names import canonical_name
 
@@ -109,7 +107,32 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
     return GradMonitor(cfg.monitor, names, device, use_kernel, replicas, backend.replica_group)
 
 
+@dataclass(frozen=True)
+class Run:
+    """A run as setup leaves it: the trainer (which holds what was built, `trainer.setup`), where
+    it starts, and what the driver releases at the end."""
+
+    trainer: Trainer
+    start: StartPoint
+    lock: RunLock | None  # None on ranks other than 0
+    log_file: logging.Handler
+    costs: CostLedger  # what failures and their insurance cost (callbacks/costs.py)
+
+    def release(self) -> None:
+        """The run directory's lock and this rank's log file."""
+        if self.lock is not None:
+            self.lock.release()
+        remove_handler(self.log_file)
+
+
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
+    """The trainer alone (tests and benches): the run directory stays locked by this process."""
+    return build(cfg, env).trainer
+
+
+def build(cfg: Config, env: DistEnv) -> Run:
+    """Everything a run needs, in the order it needs it; on an error nothing of it stays behind
+    (a run directory this call created is removed again)."""
     clock = StartupClock()
     clock.mark("process")  # the interpreter, imports and the config
     # Saved as given: a config with train.global_batch_size runs again at any world size.
@@ -136,7 +159,7 @@ def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
     clock.previous_end = last_event_time(out / "events.jsonl")  # a restart's gap starts there
     log_file = add_rank_file(out, env.rank)
     try:
-        return _build_trainer(cfg, env, run_dir, device, lock, log_file, config_yaml, clock)
+        return _assemble(cfg, env, run_dir, device, lock, log_file, config_yaml, clock)
     except BaseException:
         remove_handler(log_file)
         if lock is not None:
@@ -240,7 +263,7 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers, tokenizer_dir) 
     return callbacks
 
 
-def _build_trainer(
+def _assemble(
     cfg: Config,
     env: DistEnv,
     run_dir: RunDir,
@@ -249,7 +272,7 @@ def _build_trainer(
     log_file: logging.Handler,
     config_yaml: str,
     clock: StartupClock,
-) -> Trainer:
+) -> Run:
     manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
     _check_run_dir(cfg, run_dir, manager)
     if cfg.train.num_threads > 0:
@@ -257,50 +280,50 @@ def _build_trainer(
     seed_everything(cfg.train.seed)
     corpus, loader, val = make_data(cfg, env, device)
     clock.mark("data")
-    model, learned = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
+    model, facts = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
     manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
-    backend = make_backend(cfg, model, learned["policy"], device)
+    backend = make_backend(cfg, model, facts.policy, device)
     if cfg.parallel.tensor_parallel > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, env.rank))
     peak_flops, peak_source = resolve_peak_flops(
         device,
-        dtype_name(learned["policy"].compute_dtype),
-        learned["policy"].allow_tf32,
+        dtype_name(facts.policy.compute_dtype),
+        facts.policy.allow_tf32,
         cfg.train.peak_flops,
     )
     monitor = make_monitor(cfg, backend, device)
     clock.mark("model")
-    ledger = CostLedger(clock)  # what failures and their insurance cost (callbacks/costs.py)
-    context = {
-        **learned,
-        "lock": lock,
-        "log_file": log_file,
-        "peak_flops": peak_flops,
-        "peak_flops_source": peak_source,
-        "identity": run_identity(cfg, corpus.key, loader.global_batch_size),
-        "config_yaml": config_yaml,
-        "skipped_rows": corpus.skipped_rows,
-        "corpus": corpus.summary,
-        "monitor_kernel": "triton" if monitor.use_kernel else "torch",
-        "costs": ledger,
-    }
+    setup = RunSetup(
+        policy=facts.policy,
+        num_params=facts.num_params,
+        shapes=facts.shapes,
+        flops_per_token=facts.flops_per_token,
+        peak_flops=peak_flops,
+        peak_flops_source=peak_source,
+        identity=run_identity(cfg, corpus.key, loader.global_batch_size),
+        config_yaml=config_yaml,
+        corpus=corpus.summary,
+        monitor_kernel="triton" if monitor.use_kernel else "torch",
+        build_site=facts.build_site,
+        skipped_rows=corpus.skipped_rows,
+    )
+    ledger = CostLedger(clock)
     callbacks = make_callbacks(
-        cfg, env, run_dir, manager, val, learned["int8_layers"], corpus.tokenizer_dir
+        cfg, env, run_dir, manager, val, facts.int8_layers, corpus.tokenizer_dir
     ) + [ledger]
     healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
     trainer = Trainer(
-        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, context, monitor, healer
+        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, setup, monitor, healer
     )
+    corrupted = None
     if cfg.fault.corrupt_checkpoint:
         if env.is_main:
-            context["fault_corrupted"] = corrupt_newest_checkpoint(
-                run_dir.checkpoints, run_dir.path
-            )
+            corrupted = corrupt_newest_checkpoint(run_dir.checkpoints, run_dir.path)
         barrier()
     clock.mark("setup_other")
-    context["resume_from"] = start_state(cfg, trainer, manager)
+    start = start_state(cfg, trainer, manager, corrupted)
     clock.mark("checkpoint_load")  # or model.init_from's weights; with the data position
-    return trainer
+    return Run(trainer, start, lock, log_file, ledger)
 
 
 def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: bool) -> list[Path]:
@@ -315,147 +338,3 @@ def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: boo
             config = {k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"}
             hf_config.write_text(json.dumps(config, indent=1))
     return [tokenizer, hf_config] if hf is not None else [tokenizer]
-
-
-def _setup_events(trainer: Trainer, cfg: Config, env: DistEnv) -> None:
-    """What setup found, printed (rank 0) and as events: start (with the corpus), lock takeover,
-    skipped rows,
-    init_from, corrupted or invalid checkpoints, resume."""
-    ctx = trainer.context
-    logger.info(
-        "bigtrain: %.2fM parameters, backend %s, world size %d, device %s\nprecision policy:\n%s",
-        ctx["num_params"] / 1e6,
-        trainer.backend.name,
-        env.world_size,
-        trainer.device,
-        ctx["policy"].table(),
-    )
-    logger.info("data: training on %s", ctx["corpus"].describe())
-    trainer.event(
-        "start",
-        backend=trainer.backend.name,
-        world_size=env.world_size,
-        device=str(trainer.device),
-        num_params=ctx["num_params"],
-        max_steps=cfg.train.max_steps,
-        precision=ctx["policy"].to_dict(),
-        global_batch_size=trainer.loader.global_batch_size,
-        monitor_kernel=ctx["monitor_kernel"],
-        flops_per_token=ctx["flops_per_token"],
-        peak_flops=ctx["peak_flops"],
-        peak_flops_source=ctx["peak_flops_source"],
-        corpus=ctx["corpus"].to_event(),
-    )
-    lock = ctx["lock"]
-    if lock is not None and lock.taken_over is not None:
-        trainer.event(
-            "lock_takeover", previous=lock.taken_over.owner, reason=lock.taken_over.reason
-        )
-    if ctx["skipped_rows"]:
-        skipped = ctx["skipped_rows"]
-        trainer.event("data_skipped_rows", files=skipped, rows=sum(skipped.values()))
-    if ctx.get("init_from"):
-        trainer.event("init_from", **ctx["init_from"])
-    if ctx.get("fault_corrupted"):
-        trainer.event("fault", type="corrupt_checkpoint", file=ctx["fault_corrupted"])
-    for bad in ctx.get("invalid_checkpoints", []):
-        trainer.event("checkpoint_invalid", **bad)
-    if ctx["resume_from"]:
-        trainer.event("resume", **ctx["resume_from"])
-        if ctx["resume_from"]["changes"]:
-            changed = ctx["resume_from"]["changes"].items()
-            logger.info(
-                "resume: config changed since the checkpoint: %s",
-                ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed),
-            )
-
-
-def run(
-    cfg: Config, env: DistEnv, memory_plan: Callable[[], dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """A whole run: setup, start/resume events, the loop, final.json. Returns final.json's data.
-    `memory_plan`: `bigtrain plan`'s prediction for an out-of-memory error's event (the CLI's)."""
-    started = time.time()
-    trainer = build_trainer(cfg, env)
-    ctx = trainer.context
-    clean = False  # every rank reached the end without an error (shutdown may then barrier)
-    try:
-        trainer.run_dir.write_text("config.yaml", ctx["config_yaml"])
-        _setup_events(trainer, cfg, env)
-        ctx["costs"].clock.mark("setup_other")
-        if trainer.state.step >= cfg.train.max_steps:  # resumed from the last step's checkpoint
-            final = _already_finished(trainer, started)
-            clean = True
-            return final
-        try:
-            state = trainer.fit(resumed=ctx["resume_from"] is not None)
-        except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
-            trainer.callbacks.on_stop(trainer, str(e))
-            raise
-        except torch.OutOfMemoryError as e:  # this rank alone: an `oom` event, exit 8
-            raise out_of_memory(trainer, e, memory_plan) from e
-        if state.step < cfg.train.max_steps:
-            trainer.event(
-                "stop",
-                reason=f"train.stop_at_step={cfg.train.stop_at_step}",
-                max_steps=cfg.train.max_steps,
-            )
-            clean = True
-            return {"step": state.step, "stopped": True}
-        final = _final_record(trainer, started)
-        final["costs"] = ctx["costs"].summary(trainer)  # measured: callbacks/costs.py
-        trainer.event("finish", **{k: v for k, v in final.items() if k != "step"})
-        trainer.run_dir.write_json("final.json", final)
-        clean = True
-        return final
-    finally:
-        trainer.callbacks.close()
-        if ctx["lock"] is not None:
-            ctx["lock"].release()
-        remove_handler(ctx["log_file"])
-        shutdown(clean)
-
-
-def _final_record(trainer: Trainer, started: float) -> dict[str, Any]:
-    """final.json's data from the trainer's state; every rank computes the fingerprint and the
-    ranks compare it (ReplicaMismatch when they differ)."""
-    fingerprint = trainer.backend.fingerprint()
-    fingerprints = all_gather_objects(fingerprint)
-    if len(set(fingerprints)) != 1:
-        trainer.event(
-            "error", reason="replicas disagree on the final weights", fingerprints=fingerprints
-        )
-        raise ReplicaMismatch(f"ranks hold different final weights: {fingerprints}")
-    state = trainer.state
-    return {
-        "step": state.step,
-        "loss": state.last_loss,
-        "tokens": state.tokens_seen,
-        "samples": state.samples_seen,
-        "anomalies": state.anomalies,
-        "rollbacks": state.rollbacks,
-        "skipped_steps": state.skipped_steps,
-        "fingerprint": fingerprint,
-        "wall_s": round(time.time() - started, 2),
-        "peak_memory_bytes_by_rank": all_gather_objects(peak_memory_bytes(trainer.device)),
-        "peak_memory_kind": memory_kind(trainer.device),
-    }
-
-
-def _already_finished(trainer: Trainer, started: float) -> dict[str, Any]:
-    """A run started again after its last step: nothing to train. final.json stays as the run
-    wrote it; one lost after the last checkpoint is written from the checkpoint's state (every
-    rank takes this path: the state they resumed is the same)."""
-    final = _final_record(trainer, started)
-    path = trainer.run_dir.path / "final.json"
-    logger.info(
-        "bigtrain: already finished at step %d (train.max_steps=%d): nothing to train; %s",
-        trainer.state.step,
-        trainer.cfg.train.max_steps,
-        f"{path} kept" if path.is_file() else f"{path} written again",
-    )
-    if trainer.env.is_main:
-        if path.is_file():
-            return json.loads(path.read_text())
-        trainer.run_dir.write_json("final.json", final)
-    return final

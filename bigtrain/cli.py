@@ -210,8 +210,8 @@ def _generate_parser(sub) -> None:
 
 
 def _train(items: list[str], local_rank: int | None) -> int:
-    from bigtrain.build import run
     from bigtrain.parallel.env import read_env
+    from bigtrain.runner import run
     from bigtrain.utils.logs import setup_console
 
     cfg = _load(items)

@@ -39,6 +39,7 @@ from bigtrain.store.checkpoint import (
     shape_changes,
 )
 from bigtrain.train import Trainer
+from bigtrain.train.setup import StartPoint
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
 
@@ -54,22 +55,24 @@ def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[s
     }
 
 
-def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any] | None:
-    """Resume or initialise `trainer`; the `resume` event's details, or None."""
-    found = _resume_target(cfg, trainer, manager)
+def start_state(
+    cfg: Config, trainer: Trainer, manager: CheckpointManager, fault_corrupted: str | None = None
+) -> StartPoint:
+    """Resume or initialise `trainer`: where the run starts."""
+    invalid: list[dict[str, str]] = []
+    found = _resume_target(cfg, manager, invalid)
     if found is None:
-        if cfg.model.init_from:
-            trainer.context["init_from"] = init_from(cfg, trainer, manager)
-        return None
+        details = init_from(cfg, trainer, manager) if cfg.model.init_from else None
+        return StartPoint(None, details, tuple(invalid), fault_corrupted)
     path, manifest = found
     _check_data_order(path, manifest, trainer)
-    changes = identity_changes(manifest["identity"], trainer.context["identity"])
+    changes = identity_changes(manifest["identity"], trainer.setup.identity)
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(
             f"checkpoint '{path}' was written with different {', '.join(changes)}; "
             "set checkpoint.allow_config_change=true to resume anyway"
         )
-    _check_shapes(path, manifest, trainer.context["shapes"])
+    _check_shapes(path, manifest, trainer.setup.shapes)
     trainer.load_trainer_state(manager.load(path, trainer.backend))
     restarts = {
         k.lower(): int(os.environ[k])
@@ -79,7 +82,7 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
     changed = config_changes((path / "config.yaml").read_text(), cfg)
     if cfg.train.global_batch_size is not None:  # derived for the world size, not a setting
         changed.pop("train.grad_accum_steps", None)
-    return {
+    resume = {
         "path": str(path),
         "changed": sorted(changed),
         "changes": changed,
@@ -87,6 +90,7 @@ def start_state(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> di
         **restarts,
         **_fused_note(manifest),
     }
+    return StartPoint(resume, None, tuple(invalid), fault_corrupted)
 
 
 def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
@@ -107,18 +111,17 @@ def _fused_note(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resume_target(
-    cfg: Config, trainer: Trainer, manager: CheckpointManager
+    cfg: Config, manager: CheckpointManager, invalid: list[dict[str, str]]
 ) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume and its manifest, or None; `invalid` gets the committed ones
+    passed over."""
     choice = cfg.checkpoint.resume
     if choice == "never":
         return None
     if choice == "auto":
-        invalid: list[dict[str, str]] = []
-        found = manager.newest_valid(
+        return manager.newest_valid(
             on_invalid=lambda p, why: invalid.append({"path": str(p), "reason": why})
         )
-        trainer.context["invalid_checkpoints"] = invalid
-        return found
     path = checkpoint_path(Path(choice), verify=manager.verify)  # a run directory: its newest
     return path, manager.verify(path)  # CheckpointError (exit 2) names the file that fails
 
@@ -146,7 +149,7 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
     """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
     Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
     step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
-    source, details = init_source(cfg, trainer.context["shapes"], manager)
+    source, details = init_source(cfg, trainer.setup.shapes, manager)
     trainer.backend.load_from(source, optimizer=False)
     details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
     return details

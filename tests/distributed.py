@@ -74,11 +74,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
 
 
 def train_run(args: list[str]) -> dict:
-    """A whole run of `bigtrain.build.run` on config overrides `args` (in a rank); its final.json
+    """A whole run of `bigtrain.runner.run` on config overrides `args` (in a rank); its final.json
     data, events and metrics."""
-    from bigtrain.build import run
     from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
+    from bigtrain.runner import run
     from bigtrain.store.rundir import read_jsonl
 
     cfg = load_config([], args)

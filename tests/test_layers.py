@@ -26,6 +26,7 @@ LAYERS = [
     ("bigtrain.train",),
     ("bigtrain.callbacks",),
     ("bigtrain.build", "bigtrain.resume"),
+    ("bigtrain.runner",),
     ("bigtrain.plan", "bigtrain.cli", "bigtrain.__main__", "bigtrain"),
 ]
 

@@ -68,7 +68,7 @@ def measure(args: list[str]) -> dict:
                     for v in s.values()
                     if torch.is_tensor(v) and v.numel() > 1
                 ),
-                "n": trainer.context["num_params"],
+                "n": trainer.setup.num_params,
             }
         opt = backend.optimizer
         return {
@@ -80,7 +80,7 @@ def measure(args: list[str]) -> dict:
                 for v in s.values()
                 if torch.is_tensor(v) and v.numel() > 1
             ),
-            "n": trainer.context["num_params"],
+            "n": trainer.setup.num_params,
         }
     finally:
         trainer.callbacks.close()

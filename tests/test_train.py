@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.config.schema import OptimConfig
 from bigtrain.errors import AbortRun
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train import lr_at
 from tests.conftest import run_cli, slow_writer_env

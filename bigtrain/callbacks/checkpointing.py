@@ -55,12 +55,12 @@ class CheckpointCallback(Callback):
             trainer.step,
             trainer.backend,
             trainer.trainer_state(),
-            trainer.context["identity"],
-            trainer.context["config_yaml"],
+            trainer.setup.identity,
+            trainer.setup.config_yaml,
             async_ok=self.cfg.async_save and not wait,
             # A snapshot of this step (a rollback target) is a host copy already: written from.
             host_state=trainer.healer.host_state(trainer),
-            shapes=trainer.context.get("shapes"),
+            shapes=trainer.setup.shapes,
         )
         self.stall_s = time.perf_counter() - self.started
         trainer.ranges.end()

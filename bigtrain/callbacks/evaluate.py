@@ -18,9 +18,8 @@ class EvalCallback(Callback):
     def on_start(self, trainer) -> None:
         if self.every > 0 and trainer.step == 0:
             # Expensive device-to-host synchronization: once, for the starting point of the curve.
-            trainer.context["initial_eval"] = {
-                "val_loss": trainer.backend.eval_loss(self.batches).item()
-            }
+            val_loss = trainer.backend.eval_loss(self.batches).item()
+            trainer.start_record = {"step": trainer.step, "val_loss": val_loss}
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         if self.due(trainer):

@@ -35,10 +35,6 @@ CONSOLE_EVENTS = {
 }
 
 
-# trainer.context key of the record MetricsLogger writes in on_start (the step-0 evaluation).
-START_RECORD = "start_record"
-
-
 def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
@@ -47,7 +43,7 @@ class MetricsLogger(Callback):
     """Turns the step's device tensors into one JSON record every `train.log_every` steps, at the
     last step and at any anomalous or non-finite step. Records go to `result.record` for the
     console and wandb, which run after this; the record of the evaluation before a fresh run's first
-    step (written in `on_start`) goes to `trainer.context[START_RECORD]`."""
+    step (EvalCallback's `trainer.start_record`) is written in `on_start`."""
 
     priority = 80
 
@@ -56,10 +52,8 @@ class MetricsLogger(Callback):
         self.interval_tokens = 0
 
     def on_start(self, trainer) -> None:
-        if "val_loss" in trainer.context.get("initial_eval", {}):
-            record = {"step": trainer.step, **trainer.context["initial_eval"]}
-            trainer.run_dir.metrics(record)
-            trainer.context[START_RECORD] = record
+        if trainer.start_record is not None:
+            trainer.run_dir.metrics(trainer.start_record)
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         self.interval_time += result.step_time
@@ -86,11 +80,12 @@ class MetricsLogger(Callback):
             seq_len = trainer.cfg.model.seq_len
             by_source = stream.samples_by_source().items()
             record["tokens_by_source"] = {name: n * seq_len for name, n in by_source}
-        if trainer.context.get("flops_per_token") and trainer.context.get("peak_flops"):
+        setup = trainer.setup
+        if setup.flops_per_token and setup.peak_flops:
             record["mfu"] = mfu(
                 record["tokens_per_s"],
-                trainer.context["flops_per_token"],
-                trainer.context["peak_flops"],
+                setup.flops_per_token,
+                setup.peak_flops,
                 trainer.env.world_size,
             )
         self.interval_time, self.interval_tokens = 0.0, 0

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bigtrain.callbacks.metrics import START_RECORD
 from bigtrain.config.schema import Config, ResilienceConfig
 from bigtrain.observe.mlflow_sink import MlflowSink, tracking_uri
 from bigtrain.observe.sinks import (
@@ -81,8 +80,8 @@ class SinkLogger(Callback):
             sink.start(run)
         self.active = True
         self.hold_steps = resolve_hold_steps(self.hold_steps_cfg, trainer.cfg.resilience)
-        if START_RECORD in trainer.context:  # MetricsLogger wrote it before the sinks started
-            self.held.add(flat_record(trainer.context[START_RECORD]))
+        if trainer.start_record is not None:  # the evaluation before a fresh run's first step
+            self.held.add(flat_record(trainer.start_record))
         for record in early:  # setup's events (start, resume, ...), in order
             self.on_event(trainer, record)
 

@@ -14,6 +14,7 @@ bigtrain's GPT gets the same initial weights on every site (model/init.py).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -70,11 +71,23 @@ def apply_int8(
     return layers
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What building the model found out."""
+
+    policy: PrecisionPolicy
+    num_params: int
+    shapes: dict[str, list[int]]  # by canonical name: the whole parameters, on every site
+    flops_per_token: float  # from the shapes: a partitioned model holds only its part
+    int8_layers: dict[str, Int8Layer]
+    build_site: str  # partitioned, meta or whole (build_site)
+
+
 def make_model(
     cfg: Config, vocab_size: int, device: torch.device, eos_id: int | None = None
-) -> tuple[nn.Module, dict]:
-    """The model with its precision policy applied (not yet wrapped), and what setup learned:
-    policy, parameter count and shapes, FLOPs per token, INT8 layers, build site."""
+) -> tuple[nn.Module, ModelFacts]:
+    """The model with its precision policy applied (not yet wrapped), and what building it found
+    out (ModelFacts)."""
     with torch.random.fork_rng(), torch.device("meta"):  # shapes only: decide how to build
         shaped = build_model(architecture_only(cfg.model), vocab_size, init_seed=None)
     n_params = num_params(shaped)
@@ -89,13 +102,11 @@ def make_model(
                 "per-document mask and positions from the EOS tokens)"
             )
         model.document_eos = eos_id
-    learned = {
-        "policy": policy,
-        "num_params": n_params,
-        "shapes": {canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
-        # from the shapes: a partitioned model's parameters hold only this rank's part
-        "flops_per_token": model_flops_per_token(shaped, cfg.model),
-        "int8_layers": apply_int8(cfg, model, policy, device),
-        "build_site": site,
-    }
-    return model, learned
+    return model, ModelFacts(
+        policy=policy,
+        num_params=n_params,
+        shapes={canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
+        flops_per_token=model_flops_per_token(shaped, cfg.model),
+        int8_layers=apply_int8(cfg, model, policy, device),
+        build_site=site,
+    )

@@ -11,7 +11,9 @@ import torch
 
 from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
+from bigtrain.errors import ReplicaMismatch
 from bigtrain.monitor.monitor import GradMonitor, Health
+from bigtrain.observe.memory import memory_kind, peak_memory_bytes
 from bigtrain.observe.profile import NO_RANGES
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
@@ -19,8 +21,10 @@ from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
 from bigtrain.train.hooks import Callbacks
+from bigtrain.train.setup import RunSetup
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import StepTimer
+from bigtrain.utils.dist import all_gather_objects
 
 
 @dataclass
@@ -54,7 +58,8 @@ def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
 
 
 class Trainer:
-    """Holds the run's parts; `fit()` runs the loop. Built by bigtrain.build.build_trainer."""
+    """Holds the run's parts; `fit()` runs the loop, `final_record()` says how it ended. Built by
+    bigtrain.build.build."""
 
     def __init__(
         self,
@@ -65,7 +70,7 @@ class Trainer:
         run_dir: RunDir,
         callbacks: Callbacks,
         device: torch.device,
-        context: dict[str, Any],
+        setup: RunSetup,
         monitor: GradMonitor,
         healer: Healer,
     ) -> None:
@@ -78,9 +83,9 @@ class Trainer:
         )
         self.callbacks, self.device, self.monitor = callbacks, device, monitor
         self.healer = healer  # detect, replay, decide, roll back: called by name (resilience/)
-        self.context = context  # what setup resolved: policy, flops per token, identity, ...
+        self.setup = setup  # what was built: policy, shapes, FLOPs per token, identity, corpus
         self.state = TrainState()
-        self.policy = context["policy"]
+        self.policy = setup.policy
         self.phase = self.policy.phases[0]  # the backend starts in the first phase
         p = cfg.precision
         self.clip = ClipThreshold(
@@ -95,6 +100,8 @@ class Trainer:
         self.step_in_progress: int | None = None  # the step train_step is running
         self.timer = StepTimer(device, cfg.monitor.timing_every)
         self.ranges = NO_RANGES  # phases as profiler ranges while profiling (observe/profile.py)
+        # The evaluation before a fresh run's first step (EvalCallback), the curve's first point.
+        self.start_record: dict[str, Any] | None = None
 
     @property
     def step(self) -> int:
@@ -134,6 +141,30 @@ class Trainer:
             self.ranges.end()
         self.callbacks.on_finish(self)
         return self.state
+
+    def final_record(self, started: float) -> dict[str, Any]:
+        """final.json's figures, from the loop's own state; every rank computes the fingerprint
+        and the ranks compare it (ReplicaMismatch when they differ)."""
+        fingerprint = self.backend.fingerprint()
+        fingerprints = all_gather_objects(fingerprint)
+        if len(set(fingerprints)) != 1:
+            reason = "replicas disagree on the final weights"
+            self.event("error", reason=reason, fingerprints=fingerprints)
+            raise ReplicaMismatch(f"ranks hold different final weights: {fingerprints}")
+        state = self.state
+        return {
+            "step": state.step,
+            "loss": state.last_loss,
+            "tokens": state.tokens_seen,
+            "samples": state.samples_seen,
+            "anomalies": state.anomalies,
+            "rollbacks": state.rollbacks,
+            "skipped_steps": state.skipped_steps,
+            "fingerprint": fingerprint,
+            "wall_s": round(time.time() - started, 2),
+            "peak_memory_bytes_by_rank": all_gather_objects(peak_memory_bytes(self.device)),
+            "peak_memory_kind": memory_kind(self.device),
+        }
 
     def train_step(self) -> StepResult:
         cfg, backend = self.cfg, self.backend

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.errors import SuspectHost
 from bigtrain.parallel.env import DistEnv, free_port
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed, train_run

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bigtrain.build import run
 from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.schema import ModelConfig
@@ -19,6 +18,7 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.generate import Sample, Sampling, cached_step, decode, encode_prompt
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.env import read_env
+from bigtrain.runner import run
 from bigtrain.store.generate_checkpoint import load_checkpoint_model
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.train.step import StepResult

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from bigtrain.build import run
 from bigtrain.callbacks.sinks import SinkLogger
 from bigtrain.config.schema import WandbConfig
 from bigtrain.observe.sinks import flat_record
 from bigtrain.observe.wandb_sink import WandbSink
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train.step import StepResult
 

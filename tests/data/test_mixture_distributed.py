@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.data.conftest import mixture_args
 from tests.distributed import run_distributed, train_run

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bigtrain.build import run
 from bigtrain.config.data import DataConfig
 from bigtrain.data.prepare import prepare
 from bigtrain.data.prepared import PreparedData
 from bigtrain.data.tokenizer import load_tokenizer, tokenizer_sha256
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 from tests.data.conftest import mixture_args, write_jsonl

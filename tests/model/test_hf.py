@@ -65,9 +65,9 @@ def test_hf_config_without_spaces_shows_what_yaml_made_of_it():
 def test_document_mask_needs_the_builtin_gpt():
     import dataclasses
 
-    from bigtrain.build import make_model
     from bigtrain.config import load_config
     from bigtrain.errors import ConfigError
+    from bigtrain.parallel.model_setup import make_model
 
     cfg = load_config([], ["data.document_mask=true", "model.seq_len=16"])
     cfg = dataclasses.replace(

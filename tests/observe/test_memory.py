@@ -118,8 +118,8 @@ def test_an_oom_in_a_cpu_run_writes_the_event_and_exits_8(micro_args, monkeypatc
 @NEEDS_CUDA
 @pytest.mark.e2e
 def test_profile_memory_dumps_a_snapshot_on_cuda(micro):
-    from bigtrain.build import run
     from bigtrain.parallel.env import DistEnv
+    from bigtrain.runner import run
 
     cfg = micro(
         "train.max_steps=4", "train.device=cuda", "profile.steps=[2,3]", "profile.memory=true"

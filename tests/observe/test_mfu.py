@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.build import run
 from bigtrain.model import build_model, model_flops_per_token
 from bigtrain.observe.mfu import gpu_peak_flops, mfu, resolve_peak_flops
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 
 
 @pytest.mark.unit

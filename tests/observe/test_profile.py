@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.build import run
 from bigtrain.config.observe import ProfileConfig
 from bigtrain.observe.profile import PHASES, Window, profile_window, trace_path
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed, train_run

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.observe.report import build_report
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 

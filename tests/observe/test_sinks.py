@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.callbacks.sinks import SinkLogger, configured_sinks, make_sinks
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from bigtrain.observe.sinks import flat_figures
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train.step import StepResult
 

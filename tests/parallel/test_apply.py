@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.build import build_trainer, run
+from bigtrain.build import build_trainer
 from bigtrain.config.schema import ModelConfig
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import (
@@ -13,6 +13,7 @@ from bigtrain.parallel.apply import (
     transformer_blocks,
 )
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.utils.names import canonical_name
 
 

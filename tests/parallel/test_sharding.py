@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from bigtrain.build import build_trainer, run
+from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env, shutdown
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import initial_fingerprint, run_distributed, train_run

@@ -68,8 +68,8 @@ def _partitioned_build_and_write(args: list[str]) -> torch.nn.Module:
     the module's own FP32 partitions (ZeroBackend writes the optimizer's; the optimizer's FP32
     copies and gradient buffers would not fit in this test's budget of half the model)."""
     cfg = load_config([], args)
-    model, learned = make_model(cfg, cfg.model.vocab_size, torch.device("cpu"))
-    assert learned["build_site"] == "partitioned" and is_partitioned(model)
+    model, facts = make_model(cfg, cfg.model.vocab_size, torch.device("cpu"))
+    assert facts.build_site == "partitioned" and is_partitioned(model)
     initial = InitialValues(model, cfg.train.seed, torch.device("cpu"))
     rank = torch.distributed.get_rank()
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_zero3_build_holds_its_partition_not_the_model(tmp_path, corpus_files, c
 def step0(args: list[str]) -> tuple[str, str, bool]:
     trainer = build_trainer(load_config([], args), read_env())
     try:
-        site = trainer.context["build_site"]
+        site = trainer.setup.build_site
         return trainer.backend.fingerprint(), site, is_partitioned(trainer.backend.model)
     finally:
         trainer.callbacks.close()

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from bigtrain.build import build_trainer, run
+from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv, read_env, shutdown
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed, train_run
@@ -261,4 +262,4 @@ def test_adaptive_clipping_in_a_run(micro):
     assert (
         len(trainer.clip.history) == 14 and trainer.clip.value() > 0.01
     )  # learned from the norms seen
-    assert trainer.context["policy"].to_dict()["gradient clipping"]["choice"] == "adaptive"
+    assert trainer.setup.policy.to_dict()["gradient clipping"]["choice"] == "adaptive"

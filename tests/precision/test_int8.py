@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from bigtrain.build import build_trainer, run
+from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
@@ -24,6 +24,7 @@ from bigtrain.precision.int8 import (
     quantize_rows_affine,
     quantize_rows_symmetric,
 )
+from bigtrain.runner import run
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed
 

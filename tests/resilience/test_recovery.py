@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.parallel.env import DistEnv
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 
 pytestmark = pytest.mark.e2e

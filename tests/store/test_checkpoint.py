@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.local import LocalBackend
+from bigtrain.runner import run
 from bigtrain.store.checkpoint import CheckpointError, CheckpointManager, verify
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
@@ -142,18 +142,19 @@ def test_resume_event_lists_every_changed_key(micro):
 
 
 def test_init_from_starts_a_new_run_from_anothers_weights(micro):
-    from bigtrain.build import build_trainer
+    from bigtrain.build import build
 
     first = micro("train.max_steps=10", out="first")
     done = run(first, ENV)
     source = Path(first.train.out_dir) / "checkpoints" / "step_00000010"
-    trainer = build_trainer(micro(f"model.init_from={source}", "optim.lr=1e-3", out="second"), ENV)
+    built = build(micro(f"model.init_from={source}", "optim.lr=1e-3", out="second"), ENV)
+    trainer = built.trainer
     try:
         assert trainer.backend.fingerprint() == done["fingerprint"]  # the weights of step 10
         assert trainer.state.step == 0 and trainer.loader.stream.cursor == 0
         states = trainer.backend.optimizer.state.values()  # fresh: no step taken, zero moments
         assert states and all(s["step"].item() == 0 and not s["exp_avg"].any() for s in states)
-        assert trainer.context["init_from"] == {
+        assert built.start.resume is None and built.start.init_from == {
             "path": str(source),
             "source": "checkpoint",
             "backend": "local",
@@ -162,7 +163,7 @@ def test_init_from_starts_a_new_run_from_anothers_weights(micro):
         }
     finally:
         trainer.callbacks.close()
-        trainer.context["lock"].release()
+        built.release()
     bad = micro(f"model.init_from={source}", "model.n_layers=3", out="third")
     with pytest.raises(ConfigError, match="blocks.2.* missing -> "):
         run(bad, ENV)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.parallel.env import read_env
+from bigtrain.runner import run
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e

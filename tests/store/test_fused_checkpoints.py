@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from bigtrain.build import run
 from bigtrain.config import load_config
 from bigtrain.parallel.backend import weights_fingerprint
 from bigtrain.parallel.env import read_env
 from bigtrain.parallel.sources import LocalSource, UnfusedSource, checkpoint_source
+from bigtrain.runner import run
 from bigtrain.store.convert import convert_to_local
 from bigtrain.store.export_checkpoint import export_checkpoint
 from bigtrain.store.rundir import read_jsonl

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.build import run
 from bigtrain.parallel.env import read_env
+from bigtrain.runner import run
 from bigtrain.store.checkpoint import CheckpointError, checkpoint_path
 from bigtrain.store.export_checkpoint import export_checkpoint
 from tests.conftest import run_cli

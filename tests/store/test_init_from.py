@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env
+from bigtrain.runner import run
 from bigtrain.store.checkpoint import verify
 from bigtrain.store.convert import convert_to_local
 from bigtrain.store.export_checkpoint import export_checkpoint

@@ -152,8 +152,8 @@ def test_a_second_run_on_a_live_run_dir_exits_2_and_changes_nothing(micro_args, 
 
 @pytest.mark.e2e
 def test_a_killed_runs_lock_is_taken_over_with_an_event(micro, tmp_path):
-    from bigtrain.build import run
     from bigtrain.parallel.env import DistEnv
+    from bigtrain.runner import run
 
     out = tmp_path / "run"
     out.mkdir()
@@ -178,9 +178,9 @@ def test_out_dir_that_is_a_file_exits_2(micro_args, tmp_path):
 
 def _refused_run(args: list[str]) -> str:
     """A rank's run on a busy run directory: the error it stopped with."""
-    from bigtrain.build import run
     from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
+    from bigtrain.runner import run
 
     try:
         run(load_config([], args), read_env())

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.build import run
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env
+from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed

@@ -43,9 +43,10 @@ def test_short_run_loss_falls_and_writes_the_run_directory(micro):
     assert train[-1]["samples_seen"] == 30 * 8
     events = read_jsonl(Path(out) / "events.jsonl")
     kinds = [e["kind"] for e in events]
-    # steps 10 and 20 are written in the background and committed at a later step; 30 (the last)
-    # synchronously
-    assert kinds == ["start"] + ["checkpoint_started", "checkpoint"] * 2 + ["checkpoint", "finish"]
+    # startup's costs after the first step; steps 10 and 20 are written in the background and
+    # committed at a later step; 30 (the last) synchronously; the process's costs before finish
+    background = ["checkpoint_started", "checkpoint"] * 2
+    assert kinds == ["start", "startup", *background, "checkpoint", "costs", "finish"]
     committed = [e["path"][-13:] for e in events if e["kind"] == "checkpoint"]
     assert committed == ["step_00000010", "step_00000020", "step_00000030"]
     saved = json.loads((Path(out) / "final.json").read_text())
@@ -146,8 +147,8 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
     ]  # none after the anomaly
     kinds = [e["kind"] for e in read_jsonl(out / "events.jsonl")]
     # the step-5 checkpoint, still being written in the background, is committed on the way out
-    assert kinds[-3:] == ["anomaly", "abort", "checkpoint"]
-    assert "checkpoint" not in kinds[:-1]
+    assert kinds[-4:] == ["anomaly", "abort", "checkpoint", "costs"]  # then the process's costs
+    assert "checkpoint" not in kinds[:-2]
     assert not (out / "final.json").exists()
     again = run_cli("train", *args)
     assert again.returncode == 3 and "ABORTED exists" in again.stderr
@@ -271,5 +272,6 @@ def test_a_finished_run_started_again_says_so_and_keeps_final_json(micro, micro_
     assert json.loads(again.stdout.strip().splitlines()[-1]) == json.loads(before)
     # without final.json (lost after the last checkpoint): written again with the true values
     final_json.unlink()
-    measured = {"wall_s": 0, "peak_memory_bytes_by_rank": 0}  # this process's, not the run's
+    # this process's, not the run's; the costs the run's processes measured are not in a checkpoint
+    measured = {"wall_s": 0, "peak_memory_bytes_by_rank": 0, "costs": None}
     assert run(cfg, ENV) | measured == json.loads(before) | measured

@@ -95,21 +95,21 @@ def train_run_probed(args: list[str], probe) -> dict:
     """train_run, plus `probe(trainer)` (a module-level function: it travels to spawned ranks by
     name) called on the trainer once it is built, before the first step: its result is
     `result["probe"]`. One run serves both the layout checks and the training checks."""
-    import bigtrain.build as build
+    import bigtrain.runner as runner
 
     seen: dict = {}
-    build_trainer = build.build_trainer
+    build = runner.build
 
     def probed(cfg, env):
-        trainer = build_trainer(cfg, env)
-        seen.update(probe(trainer))
-        return trainer
+        built = build(cfg, env)
+        seen.update(probe(built.trainer))
+        return built
 
-    build.build_trainer = probed
+    runner.build = probed
     try:
         return {**train_run(args), "probe": seen}
     finally:
-        build.build_trainer = build_trainer
+        runner.build = build
 
 
 def mesh_run_args(tmp: Path, name: str, corpus_files, cache_dir, *extra: str) -> list[str]:

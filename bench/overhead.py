@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from bigtrain.build import build_trainer  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.model import build_model  # noqa: E402
+from bigtrain.optim.optimizer import adamw_param_groups  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
-from bigtrain.parallel.optimizer import adamw_param_groups  # noqa: E402
 
 
 def raw_loop(cfg, vocab_size: int, tokens: np.ndarray, policy_dtype: torch.dtype):

@@ -25,7 +25,7 @@ from bigtrain.callbacks.preempt import PreemptionHandler
 from bigtrain.callbacks.profile import ProfilerCallback
 from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sinks import SinkLogger, make_sinks
-from bigtrain.callbacks.sources import SourceEvents
+from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.config import Config, to_dict, to_yaml

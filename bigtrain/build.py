@@ -21,11 +21,11 @@ from bigtrain.callbacks.evaluate import EvalCallback
 from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
+from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.preempt import PreemptionHandler
 from bigtrain.callbacks.profile import ProfilerCallback
 from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sinks import SinkLogger, make_sinks
-from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.config import Config, to_dict, to_yaml
@@ -43,15 +43,13 @@ from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.mfu import resolve_peak_flops
-from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
-from bigtrain.parallel.fsdp import FSDPBackend
-from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
+from bigtrain.parallel.parallelize import parallelize
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
-from bigtrain.precision import PrecisionPolicy, dtype_name
+from bigtrain.precision import dtype_name
 from bigtrain.resilience import Healer
 from bigtrain.resume import run_identity, start_state, start_weights
 from bigtrain.store.checkpoint import CheckpointManager
@@ -72,23 +70,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def make_backend(
-    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
-) -> Backend:
-    """Apply the model transforms, then wrap with the configured backend (the one place that
-    knows which backends exist)."""
-    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.compile:
-        apply_compile(model)
-    if cfg.parallel.backend == "fsdp":
-        return FSDPBackend(model, policy, cfg, device)
-    if cfg.parallel.backend == "zero":
-        from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
-
-        return ZeroBackend(model, policy, cfg, device)
-    return LocalBackend(model, policy, cfg, device)
 
 
 def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMonitor:
@@ -282,7 +263,7 @@ def _assemble(
     clock.mark("data")
     model, facts = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
     manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
-    backend = make_backend(cfg, model, facts.policy, device)
+    backend = parallelize(model, cfg, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
     if cfg.parallel.tensor_parallel > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, env.rank))
     peak_flops, peak_source = resolve_peak_flops(

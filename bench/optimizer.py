@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.precision.adamw import LowPrecisionAdamW  # noqa: E402
+from bigtrain.optim.adamw import LowPrecisionAdamW  # noqa: E402
 from bigtrain.utils.syncs import count_host_syncs  # noqa: E402
 
 

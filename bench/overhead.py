@@ -14,11 +14,9 @@ JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +26,14 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_bench  # noqa: E402
 
 from bigtrain.build import build_trainer  # noqa: E402
-from bigtrain.config import load_config  # noqa: E402
 from bigtrain.model import build_model  # noqa: E402
+from bigtrain.optim.optimizer import adamw_param_groups  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
-from bigtrain.parallel.optimizer import adamw_param_groups  # noqa: E402
 
 
 def raw_loop(cfg, vocab_size: int, tokens: np.ndarray, policy_dtype: torch.dtype):
@@ -70,26 +70,8 @@ def raw_loop(cfg, vocab_size: int, tokens: np.ndarray, policy_dtype: torch.dtype
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("items", nargs="*", default=[])
-    parser.add_argument("--steps", type=int, default=10, help="steps per round and loop")
-    parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
-    files = [i for i in args.items if "=" not in i] or [str(ROOT / "configs" / "tiny.yaml")]
-    overrides = [i for i in args.items if "=" in i]
-    out = tempfile.mkdtemp(prefix="bigtrain-bench-")
-    cfg = load_config(
-        files,
-        [
-            f"train.out_dir={out}",
-            "wandb.mode=disabled",
-            "train.progress=false",
-            "train.eval_every=0",
-            "checkpoint.every=-1",
-            "train.max_steps=1000000",
-            *overrides,
-        ],
-    )
+    args = step_bench.parse(__doc__.splitlines()[0], "steps per round and loop")
+    cfg = step_bench.endless_config(args.items, "wandb.mode=disabled")
     trainer = build_trainer(cfg, DistEnv())
     policy = trainer.setup.policy
     from bigtrain.data import prepare_corpus

@@ -13,7 +13,6 @@ Prints the step times, the ratio off / before (1.0: no cost) and the marks' own 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import platform
@@ -28,9 +27,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_bench  # noqa: E402
 
 from bigtrain.build import build  # noqa: E402
-from bigtrain.config import load_config  # noqa: E402
 from bigtrain.observe.profile import NO_RANGES, PhaseRanges  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
 from bigtrain.train import Trainer  # noqa: E402
@@ -93,26 +94,8 @@ def profiled_steps(trainer, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("items", nargs="*", default=[])
-    parser.add_argument("--steps", type=int, default=10, help="steps per round and loop")
-    parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
-    files = [i for i in args.items if "=" not in i] or [str(ROOT / "configs" / "tiny.yaml")]
-    overrides = [i for i in args.items if "=" in i]
-    out = tempfile.mkdtemp(prefix="bigtrain-bench-")
-    cfg = load_config(
-        files,
-        [
-            f"train.out_dir={out}",
-            "wandb.mode=disabled",
-            "train.progress=false",
-            "train.eval_every=0",
-            "checkpoint.every=-1",
-            "train.max_steps=1000000",
-            *overrides,
-        ],
-    )
+    args = step_bench.parse(__doc__.splitlines()[0], "steps per round and loop")
+    cfg = step_bench.endless_config(args.items, "wandb.mode=disabled")
     built = build(cfg, DistEnv())
     trainer = built.trainer
     before, num_marks = trainer_before()

@@ -14,12 +14,10 @@ last line is JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +26,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_bench  # noqa: E402
 
 from bigtrain.build import build  # noqa: E402
 from bigtrain.callbacks.sinks import SinkLogger  # noqa: E402
-from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
 
 
@@ -61,27 +61,13 @@ class Timed:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("items", nargs="*", default=[])
-    parser.add_argument("--steps", type=int, default=10, help="steps per round and arm")
-    parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
+    args = step_bench.parse(__doc__.splitlines()[0], "steps per round and arm")
     os.environ.setdefault("WANDB_SILENT", "true")
-    files = [i for i in args.items if "=" not in i] or [str(ROOT / "configs" / "tiny.yaml")]
-    out = tempfile.mkdtemp(prefix="bigtrain-bench-")
-    cfg = load_config(
-        files,
-        [
-            f"train.out_dir={out}",
-            "wandb.mode=offline",
-            "log.sinks=[wandb,tensorboard,mlflow]",
-            "train.log_every=1",
-            "train.progress=false",
-            "train.eval_every=0",
-            "checkpoint.every=-1",
-            "train.max_steps=1000000",
-            *[i for i in args.items if "=" in i],
-        ],
+    cfg = step_bench.endless_config(
+        args.items,
+        "wandb.mode=offline",
+        "log.sinks=[wandb,tensorboard,mlflow]",
+        "train.log_every=1",
     )
     built = build(cfg, DistEnv())
     trainer = built.trainer

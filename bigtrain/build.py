@@ -21,37 +21,35 @@ from bigtrain.callbacks.evaluate import EvalCallback
 from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
+from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.preempt import PreemptionHandler
 from bigtrain.callbacks.profile import ProfilerCallback
 from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sinks import SinkLogger, make_sinks
-from bigtrain.callbacks.sources import SourceEvents
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import (
     BatchLoader,
-    SampleStream,
     TokenCorpus,
+    TrainingData,
     eval_batches,
+    from_corpus,
     load_tokenizer,
     prepare_corpus,
-    split_samples,
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.observe.mfu import resolve_peak_flops
-from bigtrain.parallel.apply import apply_activation_checkpointing, apply_compile
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
-from bigtrain.parallel.fsdp import FSDPBackend
-from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
 from bigtrain.parallel.model_setup import make_model
+from bigtrain.parallel.parallelize import parallelize
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
-from bigtrain.precision import PrecisionPolicy, dtype_name
+from bigtrain.precision import dtype_name
 from bigtrain.resilience import Healer
 from bigtrain.resume import run_identity, start_state, start_weights
 from bigtrain.store.checkpoint import CheckpointManager
@@ -72,23 +70,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def make_backend(
-    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
-) -> Backend:
-    """Apply the model transforms, then wrap with the configured backend (the one place that
-    knows which backends exist)."""
-    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.compile:
-        apply_compile(model)
-    if cfg.parallel.backend == "fsdp":
-        return FSDPBackend(model, policy, cfg, device)
-    if cfg.parallel.backend == "zero":
-        from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
-
-        return ZeroBackend(model, policy, cfg, device)
-    return LocalBackend(model, policy, cfg, device)
 
 
 def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMonitor:
@@ -186,8 +167,10 @@ def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> 
         )
 
 
-def make_data(cfg: Config, env: DistEnv, device: torch.device):
-    """(corpus or mixture, training batch loader, validation batches)."""
+def make_data(
+    cfg: Config, env: DistEnv, device: torch.device
+) -> tuple[TrainingData, BatchLoader, list]:
+    """(the training data, its batch loader, the validation batches)."""
     if cfg.data.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
@@ -197,22 +180,21 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
     shape = mesh_shape(cfg.parallel, env.world_size)
     dp_rank, dp_size = shape.dp_rank(env.rank), shape.dp_size  # a tp group reads one slice
     if cfg.data.source == "prepared":
-        corpus = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
-        train_samples, val_samples, stream = corpus.train, corpus.val, corpus.stream
+        data = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
         needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp_size
-        check_length(corpus.stream, needed, t.max_steps)
+        check_length(data.stream, needed, t.max_steps)
     else:
-        corpus = _token_corpus(cfg, env)
-        train_samples, val_samples = split_samples(corpus, cfg.model.seq_len, cfg.data.val_fraction)
-        stream = SampleStream(len(train_samples), t.seed)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
+        data = from_corpus(
+            _token_corpus(cfg, env), cfg.model.seq_len, cfg.data.val_fraction, t.seed
+        )
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data.vocab_size:
         raise ConfigError(
             f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({corpus.vocab_size})"
+            f"vocabulary ({data.vocab_size})"
         )
     loader = BatchLoader(
-        train_samples,
-        stream,
+        data.train,
+        data.stream,
         t.micro_batch_size,
         t.grad_accum_steps,
         dp_rank,
@@ -221,8 +203,8 @@ def make_data(cfg: Config, env: DistEnv, device: torch.device):
         prefetch=cfg.data.prefetch,
         pin_memory=device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory,
     )
-    val = eval_batches(val_samples, t.micro_batch_size, t.eval_batches, dp_rank, dp_size, device)
-    return corpus, loader, val
+    val = eval_batches(data.val, t.micro_batch_size, t.eval_batches, dp_rank, dp_size, device)
+    return data, loader, val
 
 
 def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
@@ -278,11 +260,11 @@ def _assemble(
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    corpus, loader, val = make_data(cfg, env, device)
+    data, loader, val = make_data(cfg, env, device)
     clock.mark("data")
-    model, facts = make_model(cfg, corpus.vocab_size, device, corpus.eos_id)
-    manager.carry = save_run_files(run_dir.path, corpus.tokenizer_dir, model, env.is_main)
-    backend = make_backend(cfg, model, facts.policy, device)
+    model, facts = make_model(cfg, data.vocab_size, device, data.eos_id)
+    manager.carry = save_run_files(run_dir.path, data.tokenizer_dir, model, env.is_main)
+    backend = parallelize(model, cfg, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
     if cfg.parallel.tensor_parallel > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, env.rank))
     peak_flops, peak_source = resolve_peak_flops(
@@ -300,16 +282,16 @@ def _assemble(
         flops_per_token=facts.flops_per_token,
         peak_flops=peak_flops,
         peak_flops_source=peak_source,
-        identity=run_identity(cfg, corpus.key, loader.global_batch_size),
+        identity=run_identity(cfg, data.key, loader.global_batch_size),
         config_yaml=config_yaml,
-        corpus=corpus.summary,
+        corpus=data.summary,
         monitor_kernel="triton" if monitor.use_kernel else "torch",
         build_site=facts.build_site,
-        skipped_rows=corpus.skipped_rows,
+        skipped_rows=data.skipped_rows,
     )
     ledger = CostLedger(clock)
     callbacks = make_callbacks(
-        cfg, env, run_dir, manager, val, facts.int8_layers, corpus.tokenizer_dir
+        cfg, env, run_dir, manager, val, facts.int8_layers, data.tokenizer_dir
     ) + [ledger]
     healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
     trainer = Trainer(

@@ -28,7 +28,7 @@ COMPONENTS = ("compute copies", "gradients", "master weights", "optimizer states
 
 
 @dataclass(frozen=True)
-class Layout:
+class StateBytes:
     """Bytes per parameter of each component, and whether it is divided over the ranks."""
 
     bytes_per_param: dict[str, float]
@@ -40,9 +40,9 @@ class Layout:
         }
 
 
-def zero_paper_layout(stage: int) -> Layout:
+def zero_paper_layout(stage: int) -> StateBytes:
     """The paper's mixed-precision Adam: FP16 parameters and gradients, FP32 master and moments."""
-    return Layout(
+    return StateBytes(
         {"compute copies": 2, "gradients": 2, "master weights": 4, "optimizer states": 8},
         {
             "compute copies": stage >= 3,
@@ -53,14 +53,14 @@ def zero_paper_layout(stage: int) -> Layout:
     )
 
 
-def bigtrain_layout(backend: str, stage: int, policy: PrecisionPolicy) -> Layout:
+def bigtrain_layout(backend: str, stage: int, policy: PrecisionPolicy) -> StateBytes:
     """What bigtrain's backends actually keep, under `policy`."""
     master = policy.master_dtype.itemsize
     grads = policy.reduce_dtype.itemsize
     states = 2 * policy.optimizer_state_dtype.itemsize
     if backend in ("local", "fsdp"):
         sharded = backend == "fsdp"
-        return Layout(
+        return StateBytes(
             {
                 "compute copies": 0,
                 "gradients": grads,
@@ -70,7 +70,7 @@ def bigtrain_layout(backend: str, stage: int, policy: PrecisionPolicy) -> Layout
             {c: sharded for c in COMPONENTS},
         )
     # ZeRO: the module holds compute-dtype copies; the ZeRO optimizer holds FP32 partitions.
-    return Layout(
+    return StateBytes(
         {
             "compute copies": policy.compute_dtype.itemsize,
             "gradients": grads,

@@ -18,6 +18,7 @@ LAYERS = [
     ("bigtrain.config",),
     ("bigtrain.model", "bigtrain.data"),
     ("bigtrain.precision",),
+    ("bigtrain.optim",),
     ("bigtrain.parallel",),
     ("bigtrain.monitor",),
     ("bigtrain.store",),

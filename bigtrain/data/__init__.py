@@ -7,7 +7,9 @@ from bigtrain.data.stream import (
     BatchLoader,
     PackedSamples,
     SampleStream,
+    TrainingData,
     eval_batches,
+    from_corpus,
     split_samples,
 )
 from bigtrain.data.tokens import TokenCorpus, load_tokenizer, prepare_corpus
@@ -19,7 +21,9 @@ __all__ = [
     "PreparedData",
     "SampleStream",
     "TokenCorpus",
+    "TrainingData",
     "eval_batches",
+    "from_corpus",
     "load_tokenizer",
     "prepare_corpus",
     "split_samples",

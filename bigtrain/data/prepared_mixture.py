@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 
 import torch
 
 from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
 from bigtrain.data.prepared import PreparedData
-from bigtrain.data.stream import PackedSamples, Samples, split_tokens
+from bigtrain.data.stream import PackedSamples, Samples, TrainingData, split_tokens
 from bigtrain.data.summary import CorpusSummary
 from bigtrain.errors import ConfigError
 from bigtrain.utils.dist import all_gather_objects
@@ -35,26 +34,7 @@ class OrderedSamples:
         return self.samples.get([self.stream.sample_at(i) for i in indices])
 
 
-@dataclass
-class Mixture:
-    """What a run needs of its prepared sources (TokenCorpus's role for one corpus)."""
-
-    key: str
-    """Identity of the training data: the sources' manifests, weights, max_epochs and sizes."""
-    summary: CorpusSummary
-    """Which corpus this is (logged at start, and in the `start` event)."""
-    vocab_size: int
-    eos_id: int
-    tokenizer_dir: str
-    """The first source's tokenizer (every source has the same one)."""
-    train: MixedSamples
-    stream: MixtureStream
-    val: OrderedSamples
-    skipped_rows: dict[str, int] = field(default_factory=dict)
-    """Rows `bigtrain prepare` left out, by file, over all training sources."""
-
-
-def open_mixture(cfg: DataConfig, seq_len: int, seed: int, is_main: bool) -> Mixture:
+def open_mixture(cfg: DataConfig, seq_len: int, seed: int, is_main: bool) -> TrainingData:
     """Rank 0 verifies every shard against its manifest's sha256; every rank then raises the
     same error together (or none), and opens the sources without hashing them again."""
     error = None
@@ -124,7 +104,7 @@ def build_mixture(
     val: list[PreparedData],
     seq_len: int,
     seed: int,
-) -> Mixture:
+) -> TrainingData:
     """Pack and mix opened sources (checked by the caller)."""
     if val:
         train_parts = [_whole(d, seq_len, "data.mixture") for d in train]
@@ -147,7 +127,7 @@ def build_mixture(
         sum(d.num_documents for d in train),
         sum(d.num_tokens for d in train),
     )
-    return Mixture(
+    return TrainingData(
         key=mixture_key(train, specs),
         summary=summary,
         vocab_size=first.vocab_size,

@@ -12,11 +12,13 @@ the same global batch size, which is what makes runs at different world sizes co
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from bigtrain.data.summary import CorpusSummary
 from bigtrain.data.tokens import TokenCorpus
 from bigtrain.errors import ConfigError
 from bigtrain.utils.seeds import derived_seed
@@ -73,6 +75,44 @@ def split_tokens(
         )
     return PackedSamples(tokens, seq_len, 0, n_train), PackedSamples(
         tokens, seq_len, n_train, n_val
+    )
+
+
+@dataclass
+class TrainingData:
+    """What a run reads, whatever its source: the training samples in the stream's order, the
+    validation samples, and what the model and the run must know of the corpus. The token cache
+    of data.source=shakespeare/files/hub is one source (`from_corpus`); data.mixture's prepared
+    directories are mixed (data/prepared_mixture.py). Both read prepared directories through
+    data/prepared.py."""
+
+    key: str
+    """Identity of the training data (resume refuses another without allow_config_change)."""
+    summary: CorpusSummary
+    """Which corpus this is (logged at start, and in the `start` event)."""
+    vocab_size: int
+    eos_id: int
+    tokenizer_dir: str
+    train: Samples
+    stream: SampleStream
+    val: Samples
+    skipped_rows: dict[str, int] = field(default_factory=dict)
+    """Rows left out when the data was prepared (data.skip_bad_rows), by file."""
+
+
+def from_corpus(corpus: TokenCorpus, seq_len: int, val_fraction: float, seed: int) -> TrainingData:
+    """One corpus: train on the head of its tokens in the seed's order, validate on the tail."""
+    train, val = split_samples(corpus, seq_len, val_fraction)
+    return TrainingData(
+        corpus.key,
+        corpus.summary,
+        corpus.vocab_size,
+        corpus.eos_id,
+        corpus.tokenizer_dir,
+        train,
+        SampleStream(len(train), seed),
+        val,
+        corpus.skipped_rows,
     )
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from bigtrain.config.schema import Config
-from bigtrain.parallel.optimizer import (
+from bigtrain.model.loss import lm_loss
+from bigtrain.optim.optimizer import (
     MOMENTS,
     adamw_param_groups,
     fresh_optimizer_state,
@@ -34,11 +34,6 @@ from bigtrain.precision.policy import Phase, PrecisionPolicy
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_block, local_tensor, to_cpu
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in FP32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class Backend(abc.ABC):
@@ -130,7 +125,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def load_from(self, source: Any, optimizer: bool) -> None:
         """Load the FP32 master weights (and, with `optimizer`, the AdamW moments and step
-        counts) from a source of any format (store/sources.py), reading only the slices this rank
+        counts) from a source of any format (parallel/sources.py), reading only the slices this rank
         keeps; persistent buffers too. The optimizer state stays fresh without `optimizer`."""
 
     def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)

@@ -1,4 +1,5 @@
-"""PyTorch FSDP2: `fully_shard` per transformer block and the root, mixed precision from the policy,
+"""PyTorch FSDP2's backend: the step of a model that parallelize.py sharded (`fully_shard` per
+transformer block and the root, mixed precision from the policy: fsdp_mixed_precision), and
 checkpoints through torch.distributed.checkpoint (sharded; resharded on load at another world size)."""
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import Config
-from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
-from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
-from bigtrain.parallel.meta_init import materialize
-from bigtrain.parallel.tensor_parallel import apply_tensor_parallel, dropout_seed, uses_gpt_plan
+from bigtrain.parallel.mesh import MeshShape
+from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 
@@ -58,31 +58,21 @@ class FSDPBackend(TorchBackend):
     name = "fsdp"
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        cfg: Config,
+        device: torch.device,
+        shape: MeshShape,
+        mesh: DeviceMesh,
     ) -> None:
-        assert dist.is_initialized(), "FSDP2 needs a process group"
-        self.mesh_shape = mesh_shape(cfg.parallel, dist.get_world_size())
-        self.mesh = build_mesh(self.mesh_shape, device.type)
-        # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
-        mesh = shard_mesh(self.mesh)
-        if self.mesh_shape.replicate > 1:
-            self.replica_group = self.mesh.get_group("replicate")
-        mp = fsdp_mixed_precision(policy)
-        reshard = cfg.parallel.reshard_after_forward
-        on_meta = any(p.is_meta for p in model.parameters())
-        if not on_meta:
-            model = model.to(device)
+        """`model`: fully sharded already, on `mesh` of `shape` (parallelize.py)."""
+        self.mesh_shape, self.mesh = shape, mesh
+        if shape.replicate > 1:
+            self.replica_group = mesh.get_group("replicate")
         # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
-        self.logits_split_by_vocab = self.mesh_shape.tp > 1 and uses_gpt_plan(model)
+        self.logits_split_by_vocab = shape.tp > 1 and uses_gpt_plan(model)
         self.seed = cfg.train.seed
-        if self.mesh_shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
-            apply_tensor_parallel(model, self.mesh["tp"], cfg.parallel.tp_plan)
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        # The root holds embeddings, final norm and lm_head (tied weights stay in one group).
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
-            materialize(model, device, cfg.train.seed)
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
         self._ckpt_group = None  # created on the first async save, by every rank at once

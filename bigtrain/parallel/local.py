@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from bigtrain.config.schema import Config
+from bigtrain.optim.optimizer import MOMENTS, fp32_optimizer_state
 from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
-from bigtrain.parallel.optimizer import MOMENTS, fp32_optimizer_state
 from bigtrain.parallel.sources import LocalSource, write_local_layout
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name

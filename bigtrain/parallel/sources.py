@@ -34,8 +34,8 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.fused import fused_rows, is_fused, unfused_shapes
 from bigtrain.model.hf_layout import Part, hf_rows
 from bigtrain.model.init import initial_value
+from bigtrain.optim.optimizer import MOMENTS
 from bigtrain.parallel import zero_ckpt
-from bigtrain.parallel.optimizer import MOMENTS
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
 

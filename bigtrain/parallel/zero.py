@@ -33,22 +33,22 @@ from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
-from bigtrain.parallel import zero_ckpt
-from bigtrain.parallel.backend import (
-    Backend,
-    checkpoint_writer,
-    lm_loss,
-    load_buffers,
-    persistent_buffers,
-    scale_to_norm,
-    weights_fingerprint,
-)
-from bigtrain.parallel.optimizer import (
+from bigtrain.model.loss import lm_loss
+from bigtrain.optim.optimizer import (
     MOMENTS,
     adamw_param_groups,
     fp32_optimizer_state,
     make_adamw,
     set_fp32_optimizer_state,
+)
+from bigtrain.parallel import zero_ckpt
+from bigtrain.parallel.backend import (
+    Backend,
+    checkpoint_writer,
+    load_buffers,
+    persistent_buffers,
+    scale_to_norm,
+    weights_fingerprint,
 )
 from bigtrain.parallel.sources import InitialValues, ZeroSource
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name

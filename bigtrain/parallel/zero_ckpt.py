@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bigtrain.errors import ConfigError
-from bigtrain.parallel.optimizer import MOMENTS
+from bigtrain.optim.optimizer import MOMENTS
 
 FORMAT = "bigtrain-zero-1"
 

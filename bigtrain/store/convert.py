@@ -20,7 +20,7 @@ import torch
 from bigtrain.config import load_saved_config
 from bigtrain.errors import ConfigError
 from bigtrain.model.fused import unfused_shapes
-from bigtrain.parallel.optimizer import MOMENTS
+from bigtrain.optim.optimizer import MOMENTS
 from bigtrain.parallel.sources import Source, checkpoint_source, write_local_layout
 from bigtrain.store.checkpoint import checkpoint_path, hash_files, verify, write_manifest
 from bigtrain.utils.files import fsync_dir

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.callbacks.sources import SourceEvents
+from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
 from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec

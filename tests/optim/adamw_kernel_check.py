@@ -1,16 +1,16 @@
 """Runs LowPrecisionAdamW's Triton kernel in the CPU interpreter beside the torch implementation
 and prints how far apart they end, as JSON.
 
-Run as `TRITON_INTERPRET=1 python -m tests.precision.adamw_kernel_check`: the interpreter is chosen
+Run as `TRITON_INTERPRET=1 python -m tests.optim.adamw_kernel_check`: the interpreter is chosen
 when the kernel is defined, so it needs a process of its own (test_adamw.py does that)."""
 
 import json
 
 import torch
 
-from bigtrain.precision import adamw_kernel
-from bigtrain.precision.adamw import LowPrecisionAdamW
-from bigtrain.precision.adamw_kernel import available
+from bigtrain.optim import adamw_kernel
+from bigtrain.optim.adamw import LowPrecisionAdamW
+from bigtrain.optim.adamw_kernel import available
 
 SIZES = (3000, 17, 1, 2500)  # several chunks, partial blocks, a scalar
 

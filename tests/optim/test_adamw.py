@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtrain.precision.adamw import LowPrecisionAdamW, bf16_stochastic
-from bigtrain.precision.adamw_torch import NoisePool
+from bigtrain.optim.adamw import LowPrecisionAdamW, bf16_stochastic
+from bigtrain.optim.adamw_torch import NoisePool
 from bigtrain.utils.syncs import count_host_syncs
 from tests.conftest import run_in_triton_interpreter
 
@@ -195,7 +195,7 @@ def test_every_state_tensor_follows_the_parameters_device(dtype):
 
 @pytest.mark.unit
 def test_chunks_give_the_same_update_as_one_pass():
-    from bigtrain.precision import adamw_torch
+    from bigtrain.optim import adamw_torch
 
     results = []
     for chunk in (adamw_torch.CHUNK_NUMEL, 500):
@@ -216,7 +216,7 @@ def test_chunks_give_the_same_update_as_one_pass():
 
 @pytest.mark.unit
 def test_chunk_ranges():
-    from bigtrain.precision.adamw_torch import _chunks
+    from bigtrain.optim.adamw_torch import _chunks
 
     assert _chunks([5, 5, 5], 10) == [(0, 2), (2, 3)]
     assert _chunks([20, 5, 5], 10) == [(0, 1), (1, 3)]  # a large tensor is a chunk of its own
@@ -229,7 +229,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
     the torch implementation on the same tensors: FP32, FP16 (and its scales) and BF16 with
     round-to-nearest agree to rounding; BF16 with stochastic rounding stays unbiased."""
     pytest.importorskip("triton")
-    result = run_in_triton_interpreter("tests.precision.adamw_kernel_check")
+    result = run_in_triton_interpreter("tests.optim.adamw_kernel_check")
     for dtype in ("float32", "float16", "bfloat16"):
         assert result[dtype]["param_rel"] < 1e-6, (dtype, result[dtype])
         assert result[dtype]["state_rel"] < 1e-6, (dtype, result[dtype])
@@ -243,7 +243,7 @@ def test_triton_kernel_in_the_interpreter_matches_the_torch_implementation():
 def test_fused_low_precision_states_need_triton_on_cuda():
     from bigtrain.config import load_config
     from bigtrain.errors import ConfigError
-    from bigtrain.parallel.optimizer import make_adamw
+    from bigtrain.optim.optimizer import make_adamw
     from bigtrain.precision.policy import detect_hardware, resolve_policy
 
     cpu = torch.device("cpu")

@@ -1,5 +1,5 @@
 """The AdamW optimizer a backend steps with, and its state in the form checkpoints hold: torch's
-AdamW for FP32 states, bigtrain's (precision/adamw.py) for BF16/FP16 states, math in FP32; the
+AdamW for FP32 states, bigtrain's (optim/adamw.py) for BF16/FP16 states, math in FP32; the
 per-parameter state created eagerly, read and written as FP32 moments by canonical name."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from torch import nn
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
-from bigtrain.precision import adamw_kernel
-from bigtrain.precision.adamw import LowPrecisionAdamW
+from bigtrain.optim import adamw_kernel
+from bigtrain.optim.adamw import LowPrecisionAdamW
 from bigtrain.precision.policy import PrecisionPolicy, dtype_name
 from bigtrain.utils.tensors import full_shape, local_tensor
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from bigtrain.precision import adamw_kernel
-from bigtrain.precision.adamw_torch import (
+from bigtrain.optim import adamw_kernel
+from bigtrain.optim.adamw_torch import (
     AdamWHyper,
     AdamWTensors,
     NoisePool,

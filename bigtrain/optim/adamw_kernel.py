@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from bigtrain.precision.adamw_torch import AdamWHyper, AdamWTensors
+from bigtrain.optim.adamw_torch import AdamWHyper, AdamWTensors
 from bigtrain.utils.tables import DeviceTable, chunk_layout
 from bigtrain.utils.triton import program_chunk, tl, triton, triton_available
 

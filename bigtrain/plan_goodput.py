@@ -3,9 +3,9 @@
 The inputs of the simulation (observe/goodput_inputs.py) come from, in order: defaults (the Llama
 3 report's failure rates, public cost figures), the config (checkpoint size per GPU from `plan`'s
 memory model, the step time, the snapshot and checkpoint cadence), costs measured in a run
-directory (observe/run_costs.py), and the user's `--set`. A measured fixed cost (the restart) is
-taken only from a run at least as large as the plan: a 2-rank restart says nothing of a
-16,384-GPU one; bandwidths, steps and timeouts carry over.
+directory (observe/run_costs.py), and the user's `--set`. A measured fixed cost (the restart, a
+small checkpoint's write and stall) is taken only from a run at least as large as the plan: a
+2-rank restart says nothing of a 16,384-GPU one; bandwidths, steps and timeouts carry over.
 
 The step time is the config's work per GPU (micro_batch_size x grad_accum_steps sequences, split
 over tensor parallelism) at the model's FLOPs per token, on H100/H200 BF16 (989 TFLOP/s dense)
@@ -39,7 +39,9 @@ from bigtrain.plan_comm import TPLayout, tp_layout
 from bigtrain.precision.policy import Hardware, resolve_policy
 
 PEAK_FLOPS, MFU = 989e12, 0.40
-FIXED = ("restart_s",)  # measured fixed costs: only from a run at least as large
+# Measured fixed costs: only from a run at least as large (a commit's barrier and gathers, a
+# restart, grow with the ranks)
+FIXED = ("restart_s", "write_fixed_s", "stall_fixed_s")
 # Each cost halved (a bandwidth doubled), to say which one to cut first.
 CUTS = {
     "restart_s": 0.5,
@@ -118,9 +120,9 @@ class ModeResult:
 
 
 def run_mode(inputs: GoodputInputs, healing: bool, trials: int, seed: int) -> ModeResult:
-    p = inputs.sim_params(healing)
+    p = inputs.sim_params()
     mtbf = inputs.mtbf_s(healing)
-    cost = max(p.stall_s if p.async_save else p.write_s, 1e-3)
+    cost = max(p.stall_s, 1e-3)  # sim_params: all of a synchronous save
     center = daly_interval(cost, mtbf) if np.isfinite(mtbf) else 3600.0
     lo = max(inputs.step_s, p.write_s if p.async_save else 0.0)
     grid = np.unique(np.maximum(lo, center * np.geomspace(1 / 32, 32, 41)))
@@ -136,7 +138,7 @@ def run_mode(inputs: GoodputInputs, healing: bool, trials: int, seed: int) -> Mo
         float(out.goodput[1].mean()),
         out.lost_fractions(0),
         mtbf,
-        p.stall_s if p.async_save else p.write_s,
+        p.stall_s,
     )
 
 
@@ -146,7 +148,7 @@ def cut_first(src: Sourced, result: ModeResult, trials: int, seed: int) -> list[
     base = src.inputs()
     for key, factor in CUTS.items():
         changed = dataclasses.replace(base, **{key: getattr(base, key) * factor})
-        p = changed.sim_params(result.healing)
+        p = changed.sim_params()
         configured = changed.ckpt_every_steps * changed.step_s
         g = simulate(p, np.array([configured]), result.healing, trials, seed).mean()[0]
         verb = "halve" if factor < 1 else "double"

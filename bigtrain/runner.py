@@ -61,9 +61,13 @@ def run(
         clean = True
         return final
     finally:
-        trainer.callbacks.close()
-        built.release()
-        shutdown(clean)
+        try:
+            trainer.callbacks.close()  # each callback's, the first error raised after
+        finally:
+            try:
+                built.release()  # the lock and log file, whatever a callback's close raised
+            finally:
+                shutdown(clean)
 
 
 def setup_events(built: Run, cfg: Config, env: DistEnv) -> None:

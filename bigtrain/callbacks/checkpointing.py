@@ -31,8 +31,6 @@ class CheckpointCallback(Callback):
 
     def __init__(self, manager: CheckpointManager, cfg: CheckpointConfig) -> None:
         self.manager, self.cfg = manager, cfg
-        self.started = 0.0
-        self.stall_s = 0.0  # how long the last save held the loop (a synchronous one: all of it)
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         committed = self.manager.poll_pending()
@@ -44,12 +42,15 @@ class CheckpointCallback(Callback):
             self.save(trainer, wait=trainer.is_last_step() or result.preempt)
 
     def save(self, trainer, wait: bool) -> None:
+        committed = self.manager.finish_pending()  # one in flight at a time: the last one first
+        if committed is not None:
+            self._committed(trainer, committed)
         if self.cfg.verify_finite:
             bad = nonfinite_state_values(trainer.backend, trainer.device)
             if bad:
                 trainer.event("checkpoint_refused", reason=f"{bad} non-finite state values")
                 return
-        self.started = time.perf_counter()
+        started = time.perf_counter()
         trainer.ranges.begin("checkpoint_save")  # a named range while profiling
         path = self.manager.save(
             trainer.step,
@@ -62,23 +63,16 @@ class CheckpointCallback(Callback):
             host_state=trainer.healer.host_state(trainer),
             shapes=trainer.setup.shapes,
         )
-        self.stall_s = time.perf_counter() - self.started
         trainer.ranges.end()
         if path is None:
-            trainer.event("checkpoint_started", stall_s=round(self.stall_s, 3))
+            trainer.event("checkpoint_started", stall_s=round(time.perf_counter() - started, 4))
             return
         self._committed(trainer, path)
 
     def _committed(self, trainer, path) -> None:
-        """`seconds`: from the save's start to its commit; `write_s`: to this rank's files
-        written and hashed; `stall_s`: what the loop waited; `bytes_per_rank`: what each wrote."""
-        trainer.event(
-            "checkpoint",
-            path=str(path),
-            seconds=round(time.perf_counter() - self.started, 3),
-            stall_s=round(self.stall_s, 4),
-            **self.manager.last_save,
-        )
+        """The `checkpoint` event, with what the manager measured (CheckpointManager.last_save:
+        seconds from the save's start, the loop's stall_s, async, write_s, bytes_per_rank)."""
+        trainer.event("checkpoint", path=str(path), **self.manager.last_save)
 
     def on_finish(self, trainer) -> None:
         path = self.manager.finish_pending()

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from typing import Any
 
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.utils.clock import StartupClock, Tally
+
+RECENT = 1000  # steps whose median stands for a step's time (bounded: a run has millions)
 
 
 class CostLedger(Callback):
@@ -31,7 +34,8 @@ class CostLedger(Callback):
     def __init__(self, clock: StartupClock) -> None:
         self.clock = clock
         self.startup: dict[str, Any] | None = None
-        self.step_times: list[float] = []
+        self.steps = Tally()  # every step's time
+        self.recent: deque[float] = deque(maxlen=RECENT)  # the last steps', for their median
         self.replays = Tally()
         self.stalls = Tally()
         self.writes = Tally()
@@ -42,7 +46,8 @@ class CostLedger(Callback):
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         now = time.time()
-        self.step_times.append(result.step_time)
+        self.steps.add(result.step_time)
+        self.recent.append(result.step_time)
         if self.startup is None:
             self.startup = self.clock.record(now) | {"step_1_s": round(result.step_time, 4)}
             trainer.event("startup", **self.startup)
@@ -59,6 +64,11 @@ class CostLedger(Callback):
         if kind == "anomaly":
             self.anomaly_time = record["time"]
         elif kind == "rollback" and self.anomaly_time is not None:
+            if self.pending is not None:  # rolled back again before a step resumed: kept
+                self.pending["seconds"] = round(
+                    record["time"] - self.pending.pop("anomaly_time"), 4
+                )
+                self.rollbacks.append(self.pending)
             self.pending = {
                 "from_step": record["from_step"],
                 "to_step": record["to_step"],
@@ -67,11 +77,15 @@ class CostLedger(Callback):
                 "restore_s": round(record["time"] - self.anomaly_time, 4),
                 "anomaly_time": self.anomaly_time,
             }
+            self.anomaly_time = None  # an anomaly that is only skipped must not date a later one
         elif kind == "replay":
             self.replays.add(record.get("seconds", 0.0))
-        elif kind == "checkpoint":
-            self.stalls.add(record.get("stall_s", 0.0))
-            self.writes.add(record.get("write_s", 0.0), sum(record.get("bytes_per_rank", [0])))
+        elif kind == "checkpoint_started":  # an asynchronous save's stall
+            self.stalls.add(record["stall_s"])
+        elif kind == "checkpoint":  # a synchronous save stalled for all of it
+            if not record["async"]:
+                self.stalls.add(record["stall_s"])
+            self.writes.add(record["write_s"], max(record["bytes_per_rank"]))
 
     def on_finish(self, trainer) -> None:
         self._report(trainer)
@@ -81,13 +95,13 @@ class CostLedger(Callback):
 
     def summary(self, trainer) -> dict[str, Any]:
         """The totals of this process (final.json's `costs`)."""
-        steps = self.step_times
+        recent = self.recent
         return {
             "wall_s": round(time.time() - self.clock.started, 3),
             "startup": self.startup or {},
-            "steps": len(steps),
-            "step_s_total": round(sum(steps), 3),
-            "median_step_s": round(statistics.median(steps), 5) if steps else None,
+            "steps": self.steps.count,
+            "step_s_total": round(self.steps.seconds, 3),
+            "median_step_s": round(statistics.median(recent), 5) if recent else None,
             "checkpoint_stall": self.stalls.to_dict(),
             "checkpoint_write": self.writes.to_dict(),
             "snapshots": trainer.healer.snapshots.to_dict(),

@@ -132,7 +132,18 @@ class SinkLogger(Callback):
         self.flush()
 
     def close(self) -> None:
-        self.flush()
+        """Flush and close every sink, each on its own: one that fails (an MLflow store that
+        cannot be written) leaves the others their records; the first error is raised after."""
+        errors = []
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
         self.active = False
         for sink in self.sinks:  # each closes only what it opened
-            sink.close()
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+        if errors:
+            raise errors[0]

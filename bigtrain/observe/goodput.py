@@ -126,7 +126,7 @@ class _Schedule:
         self.work = intervals[:, None]  # (I, 1) work per cycle
         self.work_wall = self.work * (1 + self.o)
         written = p.write_s if p.async_save else 0.0
-        stall = p.stall_s if p.async_save else p.write_s
+        stall = p.stall_s  # sim_params: all of a synchronous save
         # An asynchronous write longer than the next interval holds up the next save.
         self.stall = np.maximum(stall, written - self.work_wall)
         self.written = written
@@ -189,10 +189,11 @@ def _event(p, sched, healing, s, lost, te, kind) -> None:
     work = np.where(dead, 0.0, sched.progress(x, s["lead"]))
     now = s["p0"] + work
     kept = sched.committed(x, s["lead"], s["p0"], s["before"])
-    inplace = healing & (kind == KINDS.index("numeric"))
-    transient = healing & (kind == KINDS.index("transient"))
-    # Numeric and transient faults need a training job: nothing happens while it restarts.
-    restart = live & ~(inplace | transient)
+    numeric, flaky = kind == KINDS.index("numeric"), kind == KINDS.index("transient")
+    inplace, transient = healing & numeric, healing & flaky
+    # Numeric and transient faults need a training job, in either mode: nothing happens while it
+    # restarts (plain checkpoint/restart crashes on them only while it trains).
+    restart = live & ~(inplace | transient) & ~((numeric | flaky) & dead)
     rollback = live & inplace & ~dead
     replay = live & transient & ~dead
     s["dead"] += np.where(replay, p.replay_s, 0.0)

@@ -75,7 +75,7 @@ class GoodputInputs:
     rates: dict[str, float] = field(default_factory=lambda: dict(LLAMA3_RATES))
     """Failures per GPU-hour by kind (KINDS)."""
 
-    def sim_params(self, healing: bool = True) -> SimParams:
+    def sim_params(self) -> SimParams:
         """The simulation's seconds: checkpoint bytes over the bandwidths, rates for the job."""
         per_gpu = self.ckpt_gb_per_gpu * GB
         per_node = per_gpu * self.gpus_per_node
@@ -112,7 +112,13 @@ class GoodputInputs:
 
 
 SCALARS = {f.name: f for f in dataclasses.fields(GoodputInputs) if f.name not in ("rates", "gpus")}
-POSITIVE = {"days", "gpus_per_node", "step_s", *(k for k in SCALARS if k.endswith("gbps"))}
+POSITIVE = {
+    "days",
+    "gpus_per_node",
+    "step_s",
+    "ckpt_every_steps",
+    *(k for k in SCALARS if k.endswith("gbps")),
+}
 KEYS = sorted([*SCALARS, *(f"rate.{k}" for k in KINDS)])
 
 

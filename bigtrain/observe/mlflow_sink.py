@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ def param_value(value: Any) -> str:
     return text[:MAX_PARAM_CHARS]
 
 
+MAX_QUEUED = 64  # batches in MLflow's logging queue before the oldest is waited for
+
+
 class MlflowSink:
     name = "mlflow"
 
@@ -54,7 +58,7 @@ class MlflowSink:
         self.run_id: str | None = None
         self.step = 0
         self.events_file: Path | None = None  # RUN_DIR/events.jsonl: an artifact at close
-        self.queued: list = []  # MLflow's RunOperations of metrics not yet known stored
+        self.queued: deque = deque()  # MLflow's RunOperations of metrics not yet known stored
 
     def start(self, run: SinkRun) -> None:
         from mlflow.tracking import MlflowClient
@@ -108,11 +112,13 @@ class MlflowSink:
         for i in range(0, len(metrics), 1000):  # MLflow takes up to 1000 metrics per batch
             batch = metrics[i : i + 1000]
             self.queued.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+        self._wait(keep=MAX_QUEUED)  # bounded: memory, and a storage error seen within a few logs
 
-    def _wait(self) -> None:
-        """Until the queued metrics are stored (an error in storing them is raised here)."""
-        while self.queued:
-            self.queued.pop(0).wait()
+    def _wait(self, keep: int = 0) -> None:
+        """Until at most `keep` queued batches are not yet known stored, oldest first (an error
+        in storing one is raised here)."""
+        while len(self.queued) > keep:
+            self.queued.popleft().wait()
 
     def log_record(self, step: int, flat: dict[str, Any]) -> None:
         self._log_metrics(numbers(flat), step)

@@ -218,13 +218,15 @@ def _restarts(events, checkpoints, per_node: int) -> dict[str, tuple[float, str]
         if load_s > 0 and name in sizes:
             loads.append(sizes[name] / load_s)
         if "restart_gap_s" in startup:
-            restarts.append(startup["restart_gap_s"] + startup["total_s"] - load_s)
+            # up to the first step, which is training: not part of the restart
+            first_step = startup.get("step_1_s", 0.0)
+            restarts.append(startup["restart_gap_s"] + startup["total_s"] - load_s - first_step)
     out: dict[str, tuple[float, str]] = {}
     if loads:
         out["load_gbps_per_node"] = _median(loads, "checkpoint loads on resume", per_node)
     if restarts:
         out["restart_s"] = (
             statistics.median(restarts),
-            f"measured: {len(restarts)} restarts (gap + startup, load aside)",
+            f"measured: {len(restarts)} restarts (gap + startup, load and first step aside)",
         )
     return out

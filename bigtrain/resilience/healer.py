@@ -192,7 +192,9 @@ class Healer:
     def _rollback(self, trainer, result: StepResult) -> None:
         state, stream = trainer.state, trainer.loader.stream
         anomaly_step, anomaly_cursor = state.step, stream.cursor
-        self.manager.finish_pending()  # an async checkpoint in flight commits first
+        committed = self.manager.finish_pending()  # an async checkpoint in flight commits first
+        if committed is not None:  # its event, as the checkpoint callback writes it
+            trainer.event("checkpoint", path=str(committed), **self.manager.last_save)
         state.rollbacks += 1
         if state.rollbacks > self.cfg.max_rollbacks:
             abort(

@@ -187,6 +187,7 @@ class CheckpointManager:
         nothing but the checkpoint."""
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
         self.write_s = 0.0  # this rank's last save: its start to its files written and hashed
+        self.last_save: dict[str, Any] = {}  # what the last commit cost (_commit)
         self.last_save: dict[str, Any] = {}  # the last commit's bytes_per_rank and write_s
 
     def committed(self) -> list[Path]:
@@ -228,11 +229,10 @@ class CheckpointManager:
         if async_ok:
             written = backend.save_async(tmp, host_state)
             hashes = self._hasher.submit(lambda: self._hashed(tmp, own + written.result(), started))
-            self.pending = (hashes, commit)
+            self.pending = (hashes, commit, (started, time.perf_counter() - started))
             return None
-        return self._commit(
-            *commit, self._hashed(tmp, own + backend.save(tmp, host_state), started)
-        )
+        mine = self._hashed(tmp, own + backend.save(tmp, host_state), started)
+        return self._commit(*commit, mine, (started, None))
 
     def _hashed(self, tmp: Path, names: list[str], started: float) -> dict[str, Any]:
         hashes = hash_files(tmp, names)
@@ -244,7 +244,7 @@ class CheckpointManager:
         only while one is in flight); the committed path, or None."""
         if self.pending is None:
             return None
-        hashes, _ = self.pending
+        hashes = self.pending[0]
         if not all_true(hashes.done()):
             return None
         return self.finish_pending()
@@ -253,9 +253,9 @@ class CheckpointManager:
         """Wait for the checkpoint in flight and commit it."""
         if self.pending is None:
             return None
-        hashes, commit = self.pending
+        hashes, commit, timing = self.pending
         self.pending = None
-        return self._commit(*commit, hashes.result())
+        return self._commit(*commit, hashes.result(), timing)
 
     def _commit(
         self,
@@ -267,13 +267,14 @@ class CheckpointManager:
         identity: dict[str, Any],
         shapes: dict[str, list[int]] | None,
         mine: dict[str, dict[str, Any]],
+        timing: tuple[float, float | None],
     ) -> Path:
+        """Commit; `timing`: (the save's start, the loop's stall of an asynchronous save or None
+        for a synchronous one, whose stall is all of it). `last_save` then says what it cost."""
         parts = all_gather_objects(mine)
         files = {k: v for part in parts for k, v in part.items()}
-        self.last_save = {
-            "bytes_per_rank": [sum(f["size"] for f in part.values()) for part in parts],
-            "write_s": round(self.write_s, 4),
-        }
+        started, async_stall = timing
+        bytes_per_rank = [sum(f["size"] for f in part.values()) for part in parts]
         if self.rank == 0:
             unlisted = sorted(set(_list_files(tmp)) - set(files))
             assert not unlisted, f"files no rank reported writing: {unlisted}"
@@ -294,6 +295,14 @@ class CheckpointManager:
             fsync_dir(self.root)
             self._prune()
         barrier()
+        seconds = time.perf_counter() - started
+        self.last_save = {
+            "seconds": round(seconds, 4),  # from the save's start to the commit
+            "stall_s": round(seconds if async_stall is None else async_stall, 4),
+            "async": async_stall is not None,
+            "write_s": round(self.write_s, 4),  # this rank's files written and hashed
+            "bytes_per_rank": bytes_per_rank,
+        }
         return final
 
     def retire_after(self, step: int) -> list[str]:

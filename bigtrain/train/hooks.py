@@ -81,6 +81,18 @@ class Callbacks:
             if cb.state_key is not None and cb.state_key in saved:
                 cb.load_state_dict(saved[cb.state_key])
 
+    def close(self) -> None:
+        """Every callback's close, also after one of them raises (the first error is raised
+        once all ran): a failing sink must not leave the others unclosed."""
+        errors = []
+        for cb in self.items:
+            try:
+                cb.close()
+            except Exception as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     def __getattr__(self, hook: str):
         if not (hook.startswith("on_") or hook == "close") or not hasattr(Callback, hook):
             raise AttributeError(f"{hook!r} is not a hook of Callback")

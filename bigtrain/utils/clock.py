@@ -102,17 +102,25 @@ def nested_bytes(obj: Any) -> int:
     return 0
 
 
-def last_event_time(events: Path) -> float | None:
-    """`time` of the last whole line of an events.jsonl (read from its end), or None."""
+def last_event_time(events: Path, chunk: int = 65536) -> float | None:
+    """`time` of the last whole line of an events.jsonl, or None. Read from its end in growing
+    windows: one event can be long (a checkpoint's bytes per rank at 16,384 ranks: ~180 KB)."""
     if not events.is_file():
         return None
     with open(events, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 65536))
-        lines = f.read().decode(errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            return float(json.loads(line)["time"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+        size = f.seek(0, os.SEEK_END)
+        window = chunk
+        while True:
+            start = max(0, size - window)
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
+            if start > 0:
+                lines = lines[1:]  # the first may be cut
+            for line in reversed(lines):
+                try:
+                    return float(json.loads(line)["time"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+            if start == 0:
+                return None
+            window *= 4

@@ -74,8 +74,10 @@ def test_a_short_run_measures_its_costs_and_feeds_the_goodput_plan(
     assert not {"save_gbps_per_node", "snapshot_gbps", "load_gbps_per_node"} & measured
     assert 0 < plan["goodput"] <= 1 and plan["goodput_band"][0] <= plan["goodput_band"][1]
     assert set(plan["lost_by_cause"]) >= {"restart", "lost_work", "checkpoint_stall"}
-    # At a larger scale than the run, its measured restart is shown but not used.
+    # At a larger scale than the run, its measured fixed costs are shown but not used.
     argv[3] = "64"
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "not used" in plan["sources"]["restart_s"] and plan["inputs"]["restart_s"] == 600
+    for key in ("write_fixed_s", "stall_fixed_s"):
+        assert "not used" in plan["sources"][key] and plan["inputs"][key] == 0, key

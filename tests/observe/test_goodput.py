@@ -105,7 +105,7 @@ def llama3_405b() -> GoodputInputs:
 
 def test_llama3_inputs_land_in_the_reports_range():
     inputs = llama3_405b()
-    p = inputs.sim_params(healing=False)
+    p = inputs.sim_params()
     times, _ = failure_stream(p.rates, p.horizon_s, 100, seed=0)
     interruptions = np.isfinite(times).sum(axis=1).mean()
     assert interruptions == pytest.approx(sum(LLAMA3_COUNTS.values()), rel=0.03)  # 466

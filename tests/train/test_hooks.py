@@ -136,3 +136,21 @@ def test_a_name_that_is_no_hook_raises_attribute_error():
 def test_a_misspelt_hook_fails_where_it_is_named():
     with pytest.raises(AttributeError):
         Callbacks([]).on_step_ends  # noqa: B018
+
+
+def test_close_reaches_every_callback_when_one_raises_and_raises_the_first_error():
+    closed = []
+
+    class Closing(Callback):
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def close(self) -> None:
+            closed.append(self.name)
+            if self.fails:
+                raise OSError(f"{self.name} cannot close")
+
+    callbacks = Callbacks([Closing("a", True), Closing("b", False), Closing("c", True)])
+    with pytest.raises(OSError, match="a cannot close"):
+        callbacks.close()
+    assert closed == ["a", "b", "c"]

@@ -26,7 +26,7 @@ from bigtrain.observe.sinks import (
 )
 from bigtrain.observe.tensorboard_sink import TensorBoardSink
 from bigtrain.observe.wandb_sink import WandbSink
-from bigtrain.train.hooks import Callback
+from bigtrain.train.hooks import Callback, close_each
 from bigtrain.train.step import StepResult
 
 
@@ -134,16 +134,8 @@ class SinkLogger(Callback):
     def close(self) -> None:
         """Flush and close every sink, each on its own: one that fails (an MLflow store that
         cannot be written) leaves the others their records; the first error is raised after."""
-        errors = []
         try:
             self.flush()
-        except Exception as e:  # noqa: BLE001 (re-raised below)
-            errors.append(e)
-        self.active = False
-        for sink in self.sinks:  # each closes only what it opened
-            try:
-                sink.close()
-            except Exception as e:  # noqa: BLE001 (re-raised below)
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        finally:
+            self.active = False
+            close_each(self.sinks)  # each closes only what it opened

@@ -67,6 +67,19 @@ class Callback:
         """Release resources; called on every exit path, also after an error."""
 
 
+def close_each(items: list) -> None:
+    """`close()` of every item, in order, each whatever the others raised; then the first error
+    (if any) is raised."""
+    errors = []
+    for item in items:
+        try:
+            item.close()
+        except Exception as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 class Callbacks:
     def __init__(self, callbacks: list[Callback]) -> None:
         self.items = sorted(callbacks, key=lambda c: c.priority)
@@ -82,16 +95,9 @@ class Callbacks:
                 cb.load_state_dict(saved[cb.state_key])
 
     def close(self) -> None:
-        """Every callback's close, also after one of them raises (the first error is raised
-        once all ran): a failing sink must not leave the others unclosed."""
-        errors = []
-        for cb in self.items:
-            try:
-                cb.close()
-            except Exception as e:  # noqa: BLE001 (re-raised below)
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        """Every callback's close, also after one of them raises: a failing sink must not leave
+        the others unclosed."""
+        close_each(self.items)
 
     def __getattr__(self, hook: str):
         if not (hook.startswith("on_") or hook == "close") or not hasattr(Callback, hook):

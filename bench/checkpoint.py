@@ -12,7 +12,8 @@ moments) trains two steps, then the same state is saved, in alternating rounds:
     to the writer thread); the background write, fsync and hash are timed apart, to the commit;
   - async from a snapshot: the same, handed the host copy a rollback snapshot of this step took
     (the default config snapshots at every checkpoint step), so only the hand-over remains.
-Goal: async stall <= 0.1 of the synchronous save (on a GPU also <= 2 s for the 1B recipe, see
+Then the newest is loaded back into the trainer's backend, as a resume does (`load_s`, its
+files' verification apart). Goal: async stall <= 0.1 of the synchronous save (on a GPU also <= 2 s for the 1B recipe, see
 bench/gpu.sh). The last line is JSON.
 """
 
@@ -33,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.build import build_trainer  # noqa: E402
+from bigtrain.checkpoint.manager import CheckpointManager  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import free_port, read_env, shutdown  # noqa: E402
-from bigtrain.store.checkpoint import CheckpointManager  # noqa: E402
 
 WIDE = ["model.n_layers=8", "model.d_model=640", "model.n_heads=8", "train.micro_batch_size=2"]
 
@@ -91,6 +92,12 @@ def bench_backend(backend: str, config: list[str], rounds: int, modes: list[str]
         manager = CheckpointManager(Path(out) / "bench-checkpoints", keep=2)
         result = timed_saves(trainer, manager, rounds, modes)
         newest = manager.committed()[-1]
+        loads = []
+        for _ in range(rounds):  # the load a resume does (its files verified apart)
+            start = time.perf_counter()
+            manager.load(newest, trainer.backend)
+            loads.append(time.perf_counter() - start)
+        result["load_s"] = statistics.median(loads)
         result["bytes"] = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
         if "async_stall_s" in result:
             result["ratio"] = result["async_stall_s"] / result["sync_s"]
@@ -118,7 +125,7 @@ def main() -> None:
         b: bench_backend(b, args.config, args.rounds, modes) for b in args.backends.split(",")
     }
     for name, r in results.items():
-        line = f"{name:6s} {r['bytes'] / 1e6:7.0f} MB: sync {r['sync_s']:.3f} s"
+        line = f"{name:6s} {r['bytes'] / 1e6:7.0f} MB: load {r['load_s']:.3f} s, sync {r['sync_s']:.3f} s"
         if "ratio" in r:
             line += (
                 f", async stall {r['async_stall_s']:.3f} s ({r['ratio']:.3f} of sync; "

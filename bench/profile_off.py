@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import step_bench  # noqa: E402
 
 from bigtrain.build import build  # noqa: E402
-from bigtrain.observe.profile import NO_RANGES, PhaseRanges  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
+from bigtrain.telemetry.profile import NO_RANGES, PhaseRanges  # noqa: E402
 from bigtrain.train import Trainer  # noqa: E402
 
 

@@ -28,6 +28,7 @@ from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sinks import SinkLogger, make_sinks
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
+from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config import Config, to_dict, to_yaml
 from bigtrain.data import (
     BatchLoader,
@@ -42,7 +43,6 @@ from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
-from bigtrain.observe.mfu import resolve_peak_flops
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
 from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
@@ -52,9 +52,9 @@ from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import dtype_name
 from bigtrain.resilience import Healer
 from bigtrain.resume import run_identity, start_state, start_weights
-from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.store.rundir import RunDir, check_out_dir
 from bigtrain.store.runlock import RunLock, lock_run_dir
+from bigtrain.telemetry.mfu import resolve_peak_flops
 from bigtrain.train import Trainer
 from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.train.setup import RunSetup, StartPoint

@@ -141,10 +141,10 @@ def _add_checkpoint_commands(sub) -> None:
         c = ckpt_sub.add_parser(name, help=text)
         c.add_argument("path", type=Path, help=PATH_HELP)
     convert = ckpt_sub.add_parser(
-        "convert", help="write any checkpoint as a consolidated local checkpoint (world size 1)"
+        "convert",
+        help="rewrite a checkpoint of an earlier bigtrain version in today's format (once)",
     )
     convert.add_argument("path", type=Path, help=PATH_HELP)
-    convert.add_argument("--to", choices=["local"], required=True, help="the target layout")
     convert.add_argument("out", type=Path, help="a new directory")
 
     export = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
@@ -300,7 +300,7 @@ def _config_show(items: list[str], docs: bool) -> int:
 
 
 def _export(path: Path, out: Path, max_shard_size: str, check: bool) -> int:
-    from bigtrain.store.export_checkpoint import export_checkpoint
+    from bigtrain.checkpoint.export import export_checkpoint
     from bigtrain.utils.logs import setup_console
     from bigtrain.utils.sizes import parse_size
 
@@ -338,13 +338,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _ckpt(command: str, path: Path, args: argparse.Namespace) -> int:
-    from bigtrain.store.checkpoint import checkpoint_path, verify
+    from bigtrain.checkpoint.manifest import checkpoint_path, verify
 
     if command == "convert":
-        from bigtrain.store.convert import convert_to_local
+        from bigtrain.checkpoint.convert import convert
 
-        manifest = convert_to_local(path, args.out)
-        print(f"ok: {args.out} (local, step {manifest['step']}, {len(manifest['files'])} files)")
+        manifest = convert(path, args.out)
+        print(f"ok: {args.out} (step {manifest['step']}, {len(manifest['files'])} files)")
         return 0
     path = checkpoint_path(path)
     manifest = verify(path)
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("plan needs a CONFIG")
             return _plan(args.items, args.world_size, args.gpu_memory)
         if args.command == "report":
-            from bigtrain.observe.report import build_report
+            from bigtrain.telemetry.report import build_report
 
             print(build_report(args.run_dir))
             return 0

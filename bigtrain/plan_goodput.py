@@ -1,9 +1,9 @@
 """`bigtrain plan CONFIG --goodput --gpus N [--from RUN_DIR] [--set key=value ...] [--json]`.
 
-The inputs of the simulation (observe/goodput_inputs.py) come from, in order: defaults (the Llama
+The inputs of the simulation (telemetry/goodput_inputs.py) come from, in order: defaults (the Llama
 3 report's failure rates, public cost figures), the config (checkpoint size per GPU from `plan`'s
 memory model, the step time, the snapshot and checkpoint cadence), costs measured in a run
-directory (observe/run_costs.py), and the user's `--set`. A measured fixed cost (the restart, a
+directory (telemetry/run_costs.py), and the user's `--set`. A measured fixed cost (the restart, a
 small checkpoint's write and stall) is taken only from a run at least as large as the plan: a
 2-rank restart says nothing of a 16,384-GPU one; bandwidths, steps and timeouts carry over.
 
@@ -24,19 +24,19 @@ import numpy as np
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import model_flops_per_token
-from bigtrain.observe.goodput import (
+from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.plan import bigtrain_layout, count_params, meta_model, sharding_degree
+from bigtrain.plan_comm import TPLayout, tp_layout
+from bigtrain.precision.policy import Hardware, resolve_policy
+from bigtrain.telemetry.goodput import (
     CAUSES,
     best_interval,
     daly_interval,
     simulate,
     young_interval,
 )
-from bigtrain.observe.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
-from bigtrain.observe.run_costs import measured_costs
-from bigtrain.parallel.mesh import mesh_shape
-from bigtrain.plan import bigtrain_layout, count_params, meta_model, sharding_degree
-from bigtrain.plan_comm import TPLayout, tp_layout
-from bigtrain.precision.policy import Hardware, resolve_policy
+from bigtrain.telemetry.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
+from bigtrain.telemetry.run_costs import measured_costs
 
 PEAK_FLOPS, MFU = 989e12, 0.40
 # Measured fixed costs: only from a run at least as large (a commit's barrier and gathers, a

@@ -3,7 +3,7 @@
 initialisation.
 
 A resume continues a run: weights, optimizer state, counters, data cursor and RNG. Its checkpoint
-may come from any backend at any world size (parallel/sources.py reads each rank's slices), for a
+may come from any backend at any world size and mesh (one DCP format, DCP reshards), for a
 model of the same shapes; the run's identity (model, corpus and tokenizer, global batch) may
 change only with `checkpoint.allow_config_change`. Every config key that changed since the
 checkpoint is reported, allowed or not.
@@ -23,21 +23,20 @@ from typing import Any
 
 import torch
 
-from bigtrain.config import Config, ModelConfig, config_changes
-from bigtrain.errors import ConfigError
-from bigtrain.model.fused import is_fused, unfused_shapes
-from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
-from bigtrain.parallel.backend import Backend
-from bigtrain.parallel.sources import HFSource, InitialValues, checkpoint_source
-from bigtrain.store.checkpoint import (
+from bigtrain.checkpoint.manager import CheckpointManager, refuse_legacy
+from bigtrain.checkpoint.manifest import (
     MANIFEST,
     PREFIX,
-    CheckpointManager,
     checkpoint_path,
     committed_dirs,
     identity_changes,
     shape_changes,
 )
+from bigtrain.checkpoint.sources import HFSource, InitialValues
+from bigtrain.config import Config, ModelConfig, config_changes
+from bigtrain.errors import ConfigError
+from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
+from bigtrain.parallel.backend import Backend
 from bigtrain.train import Trainer
 from bigtrain.train.setup import StartPoint
 from bigtrain.utils.names import canonical_name
@@ -65,6 +64,7 @@ def start_state(
         details = init_from(cfg, trainer, manager) if cfg.model.init_from else None
         return StartPoint(None, details, tuple(invalid), fault_corrupted)
     path, manifest = found
+    refuse_legacy(path, manifest)
     _check_data_order(path, manifest, trainer)
     changes = identity_changes(manifest["identity"], trainer.setup.identity)
     if changes and not cfg.checkpoint.allow_config_change:
@@ -88,7 +88,6 @@ def start_state(
         "changes": changed,
         "identity_changed": changes,
         **restarts,
-        **_fused_note(manifest),
     }
     return StartPoint(resume, None, tuple(invalid), fault_corrupted)
 
@@ -102,12 +101,6 @@ def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) ->
         trainer.loader.stream.check_state(manifest["data"])
     except ConfigError as e:
         raise ConfigError(f"checkpoint '{path}': {e}") from None
-
-
-def _fused_note(manifest: dict[str, Any]) -> dict[str, Any]:
-    """For the event: the checkpoint holds the GPT's fused qkv (and SwiGLU up) tensors of before
-    the split, read under today's names."""
-    return {"fused_layout": True} if is_fused(manifest.get("shapes") or {}) else {}
 
 
 def _resume_target(
@@ -127,12 +120,8 @@ def _resume_target(
 
 
 def _check_shapes(path: Path, manifest: dict[str, Any], shapes: dict[str, list[int]]) -> None:
-    """The same parameter shapes: nothing else can be loaded. A checkpoint from before the GPT
-    split its fused layers is compared under today's names (model/fused.py), as it loads."""
-    saved = manifest.get("shapes")
-    if saved is not None:
-        saved = {name: list(shape) for name, shape in unfused_shapes(saved).items()}
-    reshaped = shape_changes(saved, shapes)
+    """The same parameter shapes: nothing else can be loaded."""
+    reshaped = shape_changes(manifest.get("shapes"), shapes)
     if reshaped:
         shown = "; ".join(reshaped[:6])
         if len(reshaped) > 6:
@@ -149,17 +138,17 @@ def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict
     """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
     Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
     step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
-    source, details = init_source(cfg, trainer.setup.shapes, manager)
-    trainer.backend.load_from(source, optimizer=False)
+    load, details = init_loader(cfg, trainer.backend, trainer.setup.shapes, manager)
+    load()
     details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
     return details
 
 
-def init_source(
-    cfg: Config, shapes: dict[str, list[int]], manager: CheckpointManager
-) -> tuple[Any, dict[str, Any]]:
-    """The source of `model.init_from`'s weights for a model of `shapes`, and the event's
-    details."""
+def init_loader(
+    cfg: Config, backend: Backend, shapes: dict[str, list[int]], manager: CheckpointManager
+) -> tuple[Callable[[], None], dict[str, Any]]:
+    """What loads `model.init_from`'s weights into `backend` (a model of `shapes`) with a fresh
+    optimizer, and the event's details."""
     path = Path(cfg.model.init_from)
     details: dict[str, Any] = {"path": str(path)}
     if (path / MANIFEST).is_file() or committed_dirs(path / "checkpoints"):
@@ -167,16 +156,14 @@ def init_source(
         if str(path) != details["path"]:
             details["checkpoint"] = str(path)
         manifest = manager.verify(path)
+        refuse_legacy(path, manifest)
         _check_shapes(path, manifest, shapes)
-        source = checkpoint_source(path, manifest["backend"])
         details.update(
-            source="checkpoint",
-            backend=manifest["backend"],
-            source_step=manifest["step"],
-            **_fused_note(manifest),
+            source="checkpoint", backend=manifest["backend"], source_step=manifest["step"]
         )
-        return source, details
-    return hf_source(path, cfg.model, shapes), {**details, "source": "huggingface"}
+        return lambda: backend.load(path, optimizer=False), details
+    source = hf_source(path, cfg.model, shapes)
+    return lambda: backend.load_from(source, optimizer=False), {**details, "source": "huggingface"}
 
 
 def start_weights(
@@ -189,7 +176,7 @@ def start_weights(
     model = backend.model
     if cfg.model.init_from:
         shapes = {canonical_name(n): list(full_shape(p)) for n, p in model.named_parameters()}
-        return lambda: backend.load_from(init_source(cfg, shapes, manager)[0], optimizer=False)
+        return lambda: init_loader(cfg, backend, shapes, manager)[0]()
     if hasattr(model, "init_value"):
         return lambda: backend.load_from(
             InitialValues(model, cfg.train.seed, device), optimizer=False

@@ -16,8 +16,8 @@ import torch
 from bigtrain.build import Run, build
 from bigtrain.config import Config
 from bigtrain.errors import AbortRun, SuspectHost
-from bigtrain.observe.memory import out_of_memory
 from bigtrain.parallel.env import DistEnv, shutdown
+from bigtrain.telemetry.memory import out_of_memory
 
 logger = logging.getLogger(__name__)
 

@@ -118,7 +118,7 @@ def run_cli(
 
 SLOW_WRITER = """
 import os, threading, time
-import bigtrain.parallel.sources as sources, bigtrain.parallel.zero_ckpt as zero_ckpt
+import bigtrain.checkpoint.state as state
 
 def slow(original):
     def write(*args, **kwargs):
@@ -127,14 +127,13 @@ def slow(original):
             time.sleep(float(os.environ["BIGTRAIN_TEST_WRITE_DELAY_S"]))
     return write
 
-sources.save_file = slow(sources.save_file)  # the local layout's writer
-zero_ckpt.save_file = slow(zero_ckpt.save_file)
+state.write = slow(state.write)  # every backend's writer (checkpoint/state.py)
 """
 
 
 def slow_writer_env(tmp_path: Path, seconds: float) -> dict[str, str]:
-    """Environment for run_cli in which background checkpoint writes (local, zero) stall for
-    `seconds` after their first file: a checkpoint is then reliably still in flight."""
+    """Environment for run_cli in which background checkpoint writes stall for `seconds` after
+    their files: a checkpoint is then reliably still in flight."""
     patch = tmp_path / "slow-writer"
     patch.mkdir(exist_ok=True)
     (patch / "sitecustomize.py").write_text(SLOW_WRITER)

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from bigtrain.checkpoint.manifest import PREFIX, CheckpointError
 from bigtrain.config.schema import Config
 from bigtrain.data.stream import SampleStream
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience import Anomaly, Healer
-from bigtrain.store.checkpoint import PREFIX, CheckpointError
 from bigtrain.store.rundir import RunDir
 from bigtrain.train import Trainer, TrainState
 from bigtrain.train.hooks import Callback, Callbacks

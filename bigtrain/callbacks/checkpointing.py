@@ -8,9 +8,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config.schema import CheckpointConfig
 from bigtrain.monitor.stats import local_grad_stats
-from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
-from bigtrain.model.fused import unfused_calibration
 from bigtrain.precision.int8 import Int8Layer
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
@@ -94,7 +93,6 @@ class Int8Calibration(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = {**state, "act_amax": unfused_calibration(state["act_amax"], self.layers)}
         if set(state["act_amax"]) != set(self.layers):
             raise ConfigError(
                 "the checkpoint's INT8 calibration covers other layers "

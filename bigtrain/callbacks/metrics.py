@@ -9,8 +9,8 @@ import torch
 from tqdm import tqdm
 
 from bigtrain.data.mixture import MixtureStream
-from bigtrain.observe.memory import peak_memory_bytes
-from bigtrain.observe.mfu import mfu
+from bigtrain.telemetry.memory import peak_memory_bytes
+from bigtrain.telemetry.mfu import mfu
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 

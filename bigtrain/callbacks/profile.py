@@ -1,5 +1,5 @@
 """Profiler traces and CUDA memory history over `profile.steps` on `profile.ranks`
-(observe/profile.py, observe/memory.py). Built only where a rank profiles: with profiling off no
+(telemetry/profile.py, telemetry/memory.py). Built only where a rank profiles: with profiling off no
 profiler object exists.
 
 The profiler starts with the run (waiting, unrecorded, until the warm-up steps), steps once per
@@ -13,9 +13,9 @@ import logging
 
 import torch
 
-from bigtrain.config.observe import ProfileConfig
-from bigtrain.observe import memory
-from bigtrain.observe.profile import (
+from bigtrain.config.telemetry import ProfileConfig
+from bigtrain.telemetry import memory
+from bigtrain.telemetry.profile import (
     FOLDER,
     NO_RANGES,
     PhaseRanges,

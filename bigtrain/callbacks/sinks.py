@@ -1,6 +1,6 @@
 """Metric sinks (log.sinks: wandb, TensorBoard, MLflow) fed from the loop's hooks, on rank 0.
 
-Every sink gets the same records in the same order (observe/sinks.py's protocol). Metric records
+Every sink gets the same records in the same order (telemetry/sinks.py's protocol). Metric records
 are held back for `log.hold_steps` steps: a rollback drops the held records of the steps it
 abandons, so each sink's history is the trajectory the run kept, its steps increasing. Events are
 sent at once, a rollback at the step it happened in (`from_step`); final.json's figures (the
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from bigtrain.config.schema import Config, ResilienceConfig
-from bigtrain.observe.mlflow_sink import MlflowSink, tracking_uri
-from bigtrain.observe.sinks import (
+from bigtrain.telemetry.mlflow_sink import MlflowSink, tracking_uri
+from bigtrain.telemetry.sinks import (
     STEP_KEY,
     HeldRecords,
     MetricSink,
@@ -24,8 +24,8 @@ from bigtrain.observe.sinks import (
     flat_record,
     require_packages,
 )
-from bigtrain.observe.tensorboard_sink import TensorBoardSink
-from bigtrain.observe.wandb_sink import WandbSink
+from bigtrain.telemetry.tensorboard_sink import TensorBoardSink
+from bigtrain.telemetry.wandb_sink import WandbSink
 from bigtrain.train.hooks import Callback, close_each
 from bigtrain.train.step import StepResult
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from bigtrain.observe.memory import peak_memory_bytes
+from bigtrain.telemetry.memory import peak_memory_bytes
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import PARTS

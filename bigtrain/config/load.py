@@ -20,9 +20,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
 from bigtrain.config.mesh import check_mesh
-from bigtrain.config.observe import check_observe
 from bigtrain.config.resilience import check_rules
 from bigtrain.config.schema import Config, FaultConfig
+from bigtrain.config.telemetry import check_telemetry
 from bigtrain.errors import ConfigError
 
 # Allowed values of enumerated string keys; checked after the merge.
@@ -223,7 +223,7 @@ def validate(config: Config) -> None:
     _check_optim_and_data(config)
     check_data(config.data)
     check_eval(config.eval)
-    check_observe(config.profile, config.log)
+    check_telemetry(config.profile, config.log)
     _check_monitor_and_int8(config)
     _check_parallel_and_train(config)
 

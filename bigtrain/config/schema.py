@@ -13,8 +13,8 @@ from typing import Any
 from bigtrain.config.data import DataConfig
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.faults import FaultConfig
-from bigtrain.config.observe import LogConfig, ProfileConfig
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
+from bigtrain.config.telemetry import LogConfig, ProfileConfig
 
 
 @dataclass

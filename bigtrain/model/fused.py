@@ -3,9 +3,9 @@
 Such checkpoints hold `blocks.N.attn.qkv.{weight,bias}` with rows [q; k; v], and for SwiGLU models
 `blocks.N.mlp.up.{weight,bias}` with 2 * hidden rows [gate; up]. Today's GPT has `attn.q`,
 `attn.k`, `attn.v`, `mlp.gate` and `mlp.up` of their own. `fused_rows` says where each of today's
-tensors lies in the old ones; a source reads through it (parallel/sources.py) and a resume
-compares shapes after it, so old checkpoints keep loading, optimizer state included (and an INT8
-calibration, `unfused_calibration`).
+tensors lies in the old ones; `bigtrain ckpt convert` reads through it (checkpoint/legacy.py),
+so old checkpoints convert to today's names, optimizer state included (and an INT8 calibration,
+`unfused_calibration`).
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def unfused_shapes(shapes: dict[str, Shape]) -> dict[str, Shape]:
 
 def unfused_calibration(act_amax: dict[str, list], layers) -> dict[str, list]:
     """An INT8 calibration (max |x| per input channel, by layer name) saved before the split, for
-    today's `layers`: q, k and v saw the fused qkv's input, a SwiGLU gate the fused up's (and up
-    keeps its own). The same calibration when nothing in it is fused."""
+    today's `layers` (names; more than the calibrated ones do no harm): q, k and v saw the fused
+    qkv's input, a SwiGLU gate the fused up's (and up keeps its own). The same calibration when
+    nothing in it is fused."""
     if not any(name.endswith(".attn.qkv") for name in act_amax):
         return act_amax
     source = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "up"}

@@ -3,7 +3,7 @@
 A `Layout` says where each bigtrain parameter lies in a transformers (HF) tensor (the whole of
 one, or a row range of GPT-2's c_attn, which holds q, k and v), so that the same table serves both
 directions: exporting bigtrain weights to a transformers directory
-(`bigtrain.store.export`) and reading a transformers checkpoint into bigtrain's GPT. Two layouts
+(`bigtrain.checkpoint.hf_export`) and reading a transformers checkpoint into bigtrain's GPT. Two layouts
 exist for the built-in GPT (`layout_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
 (`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class by identity
 (`layout_for_hf`).

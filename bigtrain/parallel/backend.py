@@ -2,8 +2,10 @@
 
 The loop never branches on the backend. A backend owns the wrapped model and the optimizer, runs
 forward/backward under the precision policy, exposes its local gradient shards, clips, steps or
-skips, and saves and loads its own tensors; the checkpoint manager adds the trainer state, the
-atomic commit and the manifest around `save`/`load`.
+skips, and says which blocks of which parameters its tensors hold (`blocks`): from that, saving
+and loading are written once here, in the one checkpoint format of every backend
+(checkpoint/state.py); the checkpoint manager adds the trainer state, the atomic commit and the
+manifest around `save`/`load`.
 """
 
 from __future__ import annotations
@@ -20,20 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigtrain.config.schema import Config
+from bigtrain.checkpoint import state as checkpoint_state
+from bigtrain.checkpoint.state import Block
 from bigtrain.model.loss import lm_loss
 from bigtrain.optim.optimizer import (
-    MOMENTS,
-    adamw_param_groups,
-    fresh_optimizer_state,
-    make_adamw,
+    fp32_optimizer_state,
     set_fp32_optimizer_state,
 )
-from bigtrain.precision.islands import FP32Islands
-from bigtrain.precision.policy import Phase, PrecisionPolicy
+from bigtrain.precision.policy import Phase
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import local_block, local_tensor, to_cpu
+from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
 
 
 class Backend(abc.ABC):
@@ -101,17 +100,17 @@ class Backend(abc.ABC):
         """Discard this step's gradients without touching weights or optimizer state."""
 
     @abc.abstractmethod
-    def save_async(
-        self, directory: Path, host_state: dict[str, Any] | None = None
-    ) -> Future[list[str]]:
-        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
-        in the background: the state is copied to host memory now (or taken from `host_state`,
-        what local_state returned at this step), so training may go on; the future holds the
-        names of the files this rank wrote, relative to `directory`."""
+    def blocks(self, index: int, tensor: torch.Tensor) -> list[Block]:
+        """The parameter blocks that master tensor `index` of master_state() holds, as views of
+        `tensor`: that master's local data, or a tensor of its shape (a host copy, a moment)."""
 
     @abc.abstractmethod
-    def load(self, directory: Path) -> None:
-        """Load what `save` wrote (at another world size where the backend reshards)."""
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every trainable parameter's whole shape, by canonical name."""
+
+    @abc.abstractmethod
+    def reset_optimizer_state(self, master: torch.Tensor) -> None:
+        """The optimizer state of master tensor `master` as before its first step."""
 
     @abc.abstractmethod
     def fingerprint(self) -> str:
@@ -125,8 +124,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def load_from(self, source: Any, optimizer: bool) -> None:
         """Load the FP32 master weights (and, with `optimizer`, the AdamW moments and step
-        counts) from a source of any format (parallel/sources.py), reading only the slices this rank
-        keeps; persistent buffers too. The optimizer state stays fresh without `optimizer`."""
+        counts) from a source (checkpoint/sources.py: initial values, a Hugging Face
+        directory), reading only the slices this rank keeps; persistent buffers too. The
+        optimizer state stays fresh without `optimizer`. Checkpoints load through `load`."""
 
     def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)
         """Continue from the loss scale of a checkpoint written by another backend."""
@@ -138,9 +138,83 @@ class Backend(abc.ABC):
     def after_load_local_state(self) -> None:  # noqa: B027 (optional: nothing by default)
         """What must follow new master values (ZeRO: refresh the compute-dtype copies)."""
 
+    # Checkpoints: one format and one mechanism for every backend. The state is copied to host
+    # memory now (or taken from a snapshot's copy); DCP writes it from a writer thread over a gloo
+    # group of its own (on the default group its collectives would interleave with training's).
+    _writer: ThreadPoolExecutor | None = None
+    _spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
+    _group: dist.ProcessGroup | None = None
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW whose per-parameter state checkpoints hold (master_state()'s)."""
+        return self.optimizer  # type: ignore[attr-defined]
+
+    def extra_state(self) -> dict[str, Any]:
+        """What the backend keeps beside its tensors (JSON), back to the same backend on load."""
+        return {}
+
+    def load_extra_state(self, saved: dict[str, Any]) -> None:  # noqa: B027 (nothing by default)
+        """Restore what extra_state returned (it holds `loss_scale` and `backend` too)."""
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The group checkpoints are written and read over (None in one process); made at the
+        first save or load, which every rank reaches together."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def save_async(
+        self, directory: Path, host_state: dict[str, Any] | None = None
+    ) -> Future[list[str]]:
+        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
+        in the background: the state is copied to host memory now (or taken from `host_state`,
+        what local_state returned at this step), so training may go on; the future holds the
+        names of the files this rank wrote, relative to `directory`."""
+        if host_state is None:  # the previous save's buffers are free again (one write at a time)
+            host_state = self._spare = self.local_state(into=self._spare)
+        ready = host_ready(self.device)
+        buffers = {k: to_cpu(v) for k, v in persistent_buffers(self.model).items()}
+        group = self.checkpoint_group()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
+        return self._writer.submit(self._write, directory, host_state, buffers, ready, group)
+
+    def _write(self, directory: Path, host, buffers, ready, group) -> list[str]:
+        if ready is not None:
+            ready.synchronize()
+        optim = [fp32_optimizer_state(self.base_optimizer, s) if s else None for s in host["optim"]]
+        state = checkpoint_state.state_dict(self.blocks, host[self.state_key], optim, buffers)
+        return checkpoint_state.write(directory, state, group)
+
     def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
         """save_async's files, written before returning."""
         return self.save_async(directory, host_state).result()
+
+    @torch.no_grad()
+    def load(self, directory: Path, optimizer: bool = True) -> None:
+        """Load a checkpoint of any backend, world size or mesh (DCP reshards): the master
+        weights in place, persistent buffers, and with `optimizer` the AdamW state (fresh
+        without: a new run from a checkpoint's weights)."""
+        masters, _ = self.master_state()
+        buffers = {k: local_tensor(v) for k, v in persistent_buffers(self.model).items()}
+        states = checkpoint_state.load(
+            directory,
+            self.blocks,
+            [local_tensor(m) for m in masters],
+            buffers,
+            self.param_shapes(),
+            optimizer,
+            self.checkpoint_group(),
+        )
+        for master, state in zip(masters, states, strict=True):
+            if state is not None:
+                set_fp32_optimizer_state(self.base_optimizer, master, *state)
+            else:
+                self.reset_optimizer_state(master)
+        self.after_load_local_state()
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a scalar over ranks (identity in one process)."""
@@ -223,127 +297,6 @@ def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]])
     return h.hexdigest()
 
 
-class TorchBackend(Backend):
-    """What local and FSDP2 share: a torch optimizer over the model's (possibly sharded) FP32
-    parameters, autocast in the current phase's dtype, FP32 islands, loss scaling for FP16, and
-    torch.distributed reductions."""
-
-    name = "torch"
-    uses_autocast = True
-
-    def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
-    ) -> None:
-        self.model, self.policy, self.device = model, policy, device
-        self.optimizer = make_adamw(
-            adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
-        )
-        self.scaler = (
-            LossScaler(cfg.precision, policy.loss_scaling == "dynamic")
-            if policy.loss_scaling != "none"
-            else None
-        )
-        for p in self._params():  # materialised now: see fresh_optimizer_state
-            fresh_optimizer_state(self.optimizer, p)
-        self.islands = FP32Islands(model, device.type)
-        for phase in policy.phases:  # a later phase's misspelt pattern fails now, not at its switch
-            self.islands.check(phase.fp32_modules)
-        self.set_phase(policy.phases[0])
-
-    def set_phase(self, phase: Phase) -> None:
-        """Compute dtype and FP32 modules of a precision phase, effective from the next forward."""
-        self.compute_dtype = phase.compute_dtype
-        self.islands.set(phase.fp32_modules)
-
-    def autocast(self) -> torch.autocast:
-        enabled = self.uses_autocast and self.compute_dtype != torch.float32
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
-
-    def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
-    ) -> torch.Tensor:
-        self.before_backward(micro_step == num_micro_steps - 1)
-        with self.autocast():
-            logits = self.model(inputs)
-        scale = self.scaler.scale if self.scaler else 1.0
-        with self.loss_context():
-            loss = lm_loss(logits, targets)
-            (loss * (scale / num_micro_steps)).backward()
-        return local_tensor(loss.detach())  # the same value on every tp rank
-
-    def loss_scale(self) -> float | None:
-        return self.scaler.scale if self.scaler else None
-
-    def adopt_loss_scale(self, scale: float) -> None:
-        if self.scaler is not None:
-            self.scaler.scale = scale
-
-    def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
-        return self.scaler.update(overflow) if self.scaler else None
-
-    def before_backward(self, last_micro_step: bool) -> None:
-        """FSDP2 syncs gradients on the last micro-batch only."""
-
-    def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        self.model.eval()
-        try:
-            with self.autocast():
-                return self.model(inputs)
-        finally:
-            self.model.train()
-
-    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        empty = torch.empty(0, device=self.device)
-        return [
-            (canonical_name(n), local_tensor(p.grad) if p.grad is not None else empty)
-            for n, p in self.model.named_parameters()
-            if p.requires_grad
-        ]
-
-    def unscale_grads(self) -> float:
-        if self.scaler and self.scaler.scale != 1.0:  # clip, check and log the true gradients
-            torch._foreach_mul_(self._local_grads(), 1.0 / self.scaler.scale)
-        return 1.0
-
-    def _local_grads(self) -> list[torch.Tensor]:
-        """This rank's gradient shards as plain tensors: scaled in place with one foreach call,
-        also where the DTensors live on different meshes (tensor parallel and FSDP2 axes)."""
-        return [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-
-    def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        if max_norm > 0:
-            scale_to_norm(self._local_grads(), max_norm, total_norm.to(self.device))
-
-    def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    @torch.no_grad()
-    def load_from(self, source: Any, optimizer: bool) -> None:
-        named = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
-        source.check_covers({name: tuple(p.shape) for name, p in named})
-        for name, p in named:
-            offset, shape = local_block(p)
-            local_tensor(p).copy_(source.block(name, "param", offset, shape))
-            if optimizer and p.requires_grad and source.step(name):
-                moments = {k: source.block(name, k, offset, shape) for k in MOMENTS}
-                set_fp32_optimizer_state(self.optimizer, p, source.step(name), moments)
-            elif p.requires_grad:
-                fresh_optimizer_state(self.optimizer, p)
-        load_buffers(self.model, source)
-
-    def master_state(self) -> tuple[list[torch.Tensor], dict]:
-        return self._params(), self.optimizer.state
-
-
 def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Clip: scale the local gradient shards in place so that the global norm `total_norm` (the
     monitor's, over every rank) is at most max_norm (nothing when it is 0). One foreach call, no
@@ -351,11 +304,6 @@ def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.
     grads = [g for g in grads if g.numel()]
     if max_norm > 0 and grads:
         torch._foreach_mul_(grads, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
-
-
-def checkpoint_writer() -> ThreadPoolExecutor:
-    """The thread that writes a backend's checkpoint files from host copies, one at a time."""
-    return ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
 
 
 @torch.no_grad()

@@ -1,28 +1,23 @@
 """PyTorch FSDP2's backend: the step of a model that parallelize.py sharded (`fully_shard` per
 transformer block and the root, mixed precision from the policy: fsdp_mixed_precision), and
-checkpoints through torch.distributed.checkpoint (sharded; resharded on load at another world size)."""
+checkpoints in the one format of every backend (each rank its shards, checkpoint/state.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-from concurrent.futures import Future
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import Config
-from bigtrain.parallel.backend import TorchBackend, checkpoint_writer, weights_fingerprint
+from bigtrain.parallel.backend import weights_fingerprint
 from bigtrain.parallel.mesh import MeshShape
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
+from bigtrain.parallel.torch_backend import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 
@@ -41,17 +36,6 @@ def fsdp_mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=None
     )
-
-
-def dcp_files(directory: Path) -> list[str]:
-    """The DCP files this rank wrote: its `__<rank>_*.distcp` shards; rank 0 also `.metadata`
-    (written once every rank's shards are; the commit checks that every file is accounted for)."""
-    rank = dist.get_rank()
-    names = sorted(os.listdir(directory / "dcp"))
-    mine = [n for n in names if n.startswith(f"__{rank}_")]
-    if rank == 0:
-        mine += [n for n in names if not n.startswith("__")]
-    return [f"dcp/{n}" for n in mine]
 
 
 class FSDPBackend(TorchBackend):
@@ -75,8 +59,6 @@ class FSDPBackend(TorchBackend):
         self.seed = cfg.train.seed
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
-        self._ckpt_group = None  # created on the first async save, by every rank at once
-        self._writer = checkpoint_writer()
         super().__init__(model, policy, cfg, device)
 
     def borrowed_rng(self, step: int) -> None:
@@ -91,38 +73,6 @@ class FSDPBackend(TorchBackend):
     def before_backward(self, last_micro_step: bool) -> None:
         # Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
         self.model.set_requires_gradient_sync(last_micro_step)
-
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / "dcp"))
-        return dcp_files(directory)
-
-    def save_async(
-        self, directory: Path, host_state: dict[str, Any] | None = None
-    ) -> Future[list[str]]:
-        """DCP async_save: DCP stages the state to host memory now (`host_state` is not needed)
-        and writes the files in the background on a gloo group of its own (on the default group
-        its collectives would interleave with training's)."""
-        if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        written = dcp.async_save(
-            {"model": model_state, "optim": optim_state},
-            checkpoint_id=str(directory / "dcp"),
-            process_group=self._ckpt_group,
-        )
-        return self._writer.submit(lambda: (written.result(), dcp_files(directory))[1])
-
-    def load(self, directory: Path) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
 
     def fingerprint(self) -> str:
         # full_tensor() all-gathers one parameter at a time; every rank walks the same order.

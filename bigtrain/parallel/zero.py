@@ -14,47 +14,43 @@ scales the partitions before DeepSpeed's step, with DeepSpeed's own clipping off
 Initial weights: ZeRO-3 builds bigtrain's GPT inside deepspeed.zero.Init (`build_partitioned`),
 so no process ever holds more than its partition and the layer being built. On every stage, the
 exact FP32 initial values are then loaded into the FP32 master partitions, one parameter at a
-time (sources.InitialValues, model/init.py), and the compute copies refreshed from them: the
-weights are those of every other backend at any world size, not rounded to the compute dtype.
+time (checkpoint/sources.py InitialValues, model/init.py), and the compute copies refreshed
+from them: the weights are those of every other backend at any world size, not rounded to the compute dtype.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
+from bigtrain.checkpoint.blocks import range_views
+from bigtrain.checkpoint.sources import InitialValues
+from bigtrain.checkpoint.state import Block
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.model.loss import lm_loss
 from bigtrain.optim.optimizer import (
     MOMENTS,
     adamw_param_groups,
-    fp32_optimizer_state,
     make_adamw,
     set_fp32_optimizer_state,
 )
-from bigtrain.parallel import zero_ckpt
+from bigtrain.parallel import zero_state
 from bigtrain.parallel.backend import (
     Backend,
-    checkpoint_writer,
     load_buffers,
-    persistent_buffers,
     scale_to_norm,
     weights_fingerprint,
 )
-from bigtrain.parallel.sources import InitialValues, ZeroSource
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import host_ready, to_cpu
+from bigtrain.utils.tensors import full_shape
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -193,11 +189,9 @@ class ZeroBackend(Backend):
             (canonical_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad
         ]
         self._empty = torch.empty(0, device=device)
-        self.fragments = zero_ckpt.local_fragments(
+        self.fragments = zero_state.local_fragments(
             self.optimizer, self._params, self.stage, dist.get_rank()
         )
-        self._writer = checkpoint_writer()
-        self._spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min
         # DeepSpeed made the FP32 masters from the compute-dtype module (placeholders on ZeRO-3;
@@ -217,7 +211,7 @@ class ZeroBackend(Backend):
     def adopt_loss_scale(self, scale: float) -> None:
         scaler = getattr(self.optimizer, "loss_scaler", None)
         if scaler is not None and self.policy.compute_dtype == torch.float16:
-            zero_ckpt.load_scaler_state(scaler, {"cur_scale": scale})
+            zero_state.load_scaler_state(scaler, {"cur_scale": scale})
             self._last_scale = scale
 
     def update_loss_scale(self, overflow: bool) -> ScaleUpdate | None:
@@ -316,47 +310,40 @@ class ZeroBackend(Backend):
             "DeepSpeed applied a step that bigtrain skipped"
         )
 
-    # Checkpoints: this rank's fragments by parameter name (zero_ckpt.py), written from a host
-    # copy by the writer thread; they load under any ZeRO stage at any world size.
-    def save_async(
-        self, directory: Path, host_state: dict[str, Any] | None = None
-    ) -> Future[list[str]]:
-        if host_state is None:  # the previous save's buffers are free again (one write at a time)
-            host_state = self._spare = self.local_state(into=self._spare)
-        host, ready = host_state, host_ready(self.device)
-        header = {
-            "stage": self.stage,
-            "world_size": dist.get_world_size(),
+    # Checkpoints: the base class saves and loads the one format from `blocks`; the engine's
+    # counters and DeepSpeed's loss scaler travel in backend.json (extra_state).
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer  # the client AdamW, keyed by the flat partitions
+
+    def blocks(self, index: int, tensor: torch.Tensor) -> list[Block]:
+        """The boxes of each fragment of flat partition `index` (at most three per dimension)."""
+        out = []
+        for frag in self.fragments:
+            if frag.group == index and frag.numel:
+                flat = tensor.view(-1)[frag.flat_start : frag.flat_start + frag.numel]
+                for offset, view in range_views(frag.shape, flat, frag.start):
+                    out.append((frag.name, frag.shape, offset, view))
+        return out
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(full_shape(p)) for name, p in self._params}
+
+    def reset_optimizer_state(self, master: torch.Tensor) -> None:
+        self.optimizer.optimizer.state.pop(master, None)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {
             "engine": {k: int(getattr(self.engine, k)) for k in ENGINE_COUNTERS},
-            "loss_scaler": zero_ckpt.scaler_state(getattr(self.optimizer, "loss_scaler", None)),
+            "loss_scaler": zero_state.scaler_state(getattr(self.optimizer, "loss_scaler", None)),
         }
-        buffers = {}
-        if dist.get_rank() == 0:
-            buffers = {k: to_cpu(v) for k, v in persistent_buffers(self.model).items()}
-        return self._writer.submit(self._write, directory, host, header, buffers, ready)
 
-    def _write(self, directory: Path, host, header, buffers, ready) -> list[str]:
-        if ready is not None:
-            ready.synchronize()
-        base = self.optimizer.optimizer
-        fp32 = [fp32_optimizer_state(base, s) if s else None for s in host["optim"]]
-        header["steps"] = [float(s["step"]) if s else 0.0 for s in fp32]  # host tensors
-        moments = [{k: s[k] for k in MOMENTS} if s else None for s in fp32]
-        name = f"zero/rank_{dist.get_rank():05d}.safetensors"
-        zero_ckpt.write_rank_file(directory / name, self.fragments, host["fp32"], moments, header)
-        if not buffers:
-            return [name]
-        save_file(buffers, str(directory / "zero/buffers.safetensors"))
-        return [name, "zero/buffers.safetensors"]
-
-    def load(self, directory: Path) -> None:
-        source = ZeroSource(directory)
-        self.load_from(source, optimizer=True)
-        for key, value in source.header["engine"].items():
+    def load_extra_state(self, saved: dict[str, Any]) -> None:
+        for key, value in saved["engine"].items():
             setattr(self.engine, key, value)
-        saved = source.header["loss_scaler"]
-        if saved and getattr(self.optimizer, "loss_scaler", None) is not None:
-            zero_ckpt.load_scaler_state(self.optimizer.loss_scaler, saved)
+        if saved["loss_scaler"] and getattr(self.optimizer, "loss_scaler", None) is not None:
+            zero_state.load_scaler_state(self.optimizer.loss_scaler, saved["loss_scaler"])
+            self._last_scale = self.loss_scale()
 
     @torch.no_grad()
     def load_from(self, source: Any, optimizer: bool) -> None:

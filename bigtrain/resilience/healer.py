@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun
 from bigtrain.monitor.monitor import Health
@@ -23,7 +24,6 @@ from bigtrain.resilience.detect import Detector, Verdict
 from bigtrain.resilience.recover import Recovery, hold, origin_record
 from bigtrain.resilience.replay import Replay
 from bigtrain.resilience.targets import Target, Targets
-from bigtrain.store.checkpoint import CheckpointManager
 from bigtrain.utils.clock import Tally, nested_bytes
 
 if TYPE_CHECKING:

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bigtrain.checkpoint.manager import CheckpointManager
+from bigtrain.checkpoint.manifest import PREFIX, CheckpointError
+from bigtrain.checkpoint.rng import rng_from_json, rng_state, rng_to_json, set_rng_state
 from bigtrain.resilience.targets import Held, Target
-from bigtrain.store.checkpoint import PREFIX, CheckpointError, CheckpointManager
-from bigtrain.store.rng import rng_from_json, rng_state, rng_to_json, set_rng_state
 
 
 def hold(trainer) -> Held:

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
+from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import SuspectHost
 from bigtrain.monitor.monitor import Health
 from bigtrain.resilience.detect import Anomaly, Verdict
-from bigtrain.store.rng import rng_state, set_rng_state
 from bigtrain.utils.dist import all_gather_objects
 
 MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigtrain.checkpoint.export import model_from_source, vocab_size_of, with_saved_hf_config
+from bigtrain.checkpoint.manager import open_checkpoint
 from bigtrain.config import Config, load_saved_config
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import num_params
-from bigtrain.model.fused import unfused_shapes
 from bigtrain.model.generate import (
     Generation,
     Sample,
@@ -39,11 +40,8 @@ from bigtrain.model.generate import (
 )
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.env import DistEnv, pick_device
-from bigtrain.parallel.sources import checkpoint_source
 from bigtrain.precision import apply_to_model, detect_hardware, resolve_policy
 from bigtrain.precision.policy import DTYPES
-from bigtrain.store.checkpoint import checkpoint_path, verify
-from bigtrain.store.export_checkpoint import model_from_source, vocab_size_of, with_saved_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +108,7 @@ def load_checkpoint_model(path: Path, device: str = "auto", dtype: str = "auto")
             "device 'cuda' asked for, but no CUDA device is visible (use auto or cpu)"
         )
     on = pick_device(device, DistEnv())
-    path = checkpoint_path(path)
-    manifest = verify(path)
+    path, manifest, source = open_checkpoint(path)
     cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
     tokenizer_dir = path / "tokenizer"
     if not tokenizer_dir.is_dir():
@@ -119,8 +116,7 @@ def load_checkpoint_model(path: Path, device: str = "auto", dtype: str = "auto")
             f"checkpoint '{path}' has no tokenizer/ directory (expected the one every run's "
             "checkpoints carry, to encode the prompts)"
         )
-    source = checkpoint_source(path, manifest["backend"])
-    shapes = unfused_shapes(manifest.get("shapes") or source.shapes)
+    shapes = manifest.get("shapes") or source.shapes
     model = model_from_source(cfg, vocab_size_of(cfg, shapes, tokenizer_dir), source)
     compute_dtype, reason = _compute_dtype(cfg, model, on, dtype)
     logger.info(

@@ -13,13 +13,13 @@ from bigtrain.config.schema import Config, OptimConfig
 from bigtrain.data.stream import BatchLoader
 from bigtrain.errors import ReplicaMismatch
 from bigtrain.monitor.monitor import GradMonitor, Health
-from bigtrain.observe.memory import memory_kind, peak_memory_bytes
-from bigtrain.observe.profile import NO_RANGES
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
 from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
+from bigtrain.telemetry.memory import memory_kind, peak_memory_bytes
+from bigtrain.telemetry.profile import NO_RANGES
 from bigtrain.train.hooks import Callbacks
 from bigtrain.train.setup import RunSetup
 from bigtrain.train.step import StepResult
@@ -99,7 +99,7 @@ class Trainer:
         self.replaying = False  # True while a step's micro-batches run the second time
         self.step_in_progress: int | None = None  # the step train_step is running
         self.timer = StepTimer(device, cfg.monitor.timing_every)
-        self.ranges = NO_RANGES  # phases as profiler ranges while profiling (observe/profile.py)
+        self.ranges = NO_RANGES  # phases as profiler ranges while profiling (telemetry/profile.py)
         # The evaluation before a fresh run's first step (EvalCallback), the curve's first point.
         self.start_record: dict[str, Any] | None = None
 

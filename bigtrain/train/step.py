@@ -60,7 +60,7 @@ class StepResult:
     val_loss: float | None = None
     step_time_by_rank: dict[str, list[float]] | None = None
     peak_memory_bytes_by_rank: list[int] | None = None
-    """Each rank's peak memory (observe/memory.py), on timing steps (the straggler report)."""
+    """Each rank's peak memory (telemetry/memory.py), on timing steps (the straggler report)."""
     record: dict[str, Any] | None = None
     """The metrics line written at this step, if one was (console and wandb read it)."""
     samples: list[Sample] | None = None

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from bigtrain.checkpoint.manifest import verify
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run
-from bigtrain.store.checkpoint import verify
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.train import lr_at
 from tests.conftest import run_cli

@@ -10,11 +10,11 @@ from wandb.proto import wandb_internal_pb2
 
 from bigtrain.callbacks.sinks import SinkLogger
 from bigtrain.config.schema import WandbConfig
-from bigtrain.observe.sinks import flat_record
-from bigtrain.observe.wandb_sink import WandbSink
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.telemetry.sinks import flat_record
+from bigtrain.telemetry.wandb_sink import WandbSink
 from bigtrain.train.step import StepResult
 
 LOG_BLOCK = 32768  # the .wandb file is a LevelDB log: 32 KiB blocks of chunks

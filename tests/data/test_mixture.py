@@ -26,8 +26,8 @@ from bigtrain.data.tokenizer import (
     train_bpe,
 )
 from bigtrain.errors import ConfigError
-from bigtrain.observe.sinks import flat_record
 from bigtrain.plan import vocab_size_for_plan
+from bigtrain.telemetry.sinks import flat_record
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite, stub_healer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bigtrain.observe.trajectory import split_trajectory
+from bigtrain.telemetry.trajectory import split_trajectory
 from tests.distributed import mesh_run_args, run_distributed, train_run
 
 pytestmark = pytest.mark.distributed

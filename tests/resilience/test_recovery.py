@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bigtrain.observe.trajectory import split_trajectory
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.telemetry.trajectory import split_trajectory
 
 pytestmark = pytest.mark.e2e
 

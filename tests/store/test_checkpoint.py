@@ -3,11 +3,12 @@ from pathlib import Path
 
 import pytest
 
+from bigtrain.checkpoint.manager import CheckpointManager
+from bigtrain.checkpoint.manifest import CheckpointError, verify
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.runner import run
-from bigtrain.store.checkpoint import CheckpointError, CheckpointManager, verify
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 
@@ -22,8 +23,9 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000010"
     manifest = verify(path)
     assert set(manifest["files"]) == {
-        "model.safetensors",
-        "optimizer.safetensors",
+        "dcp/.metadata",  # the one format of every backend (checkpoint/state.py)
+        "dcp/__0_0.distcp",
+        "backend.json",
         "trainer.json",
         "rng_rank0.pt",
         "config.yaml",
@@ -75,11 +77,11 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(micro):
     cfg = micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20")
     run(cfg, ENV)
     root = Path(cfg.train.out_dir) / "checkpoints"
-    weights = root / "step_00000020" / "model.safetensors"
+    weights = root / "step_00000020" / "dcp" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="model.safetensors' fails its sha256 check"):
+    with pytest.raises(CheckpointError, match="dcp/__0_0.distcp' fails its sha256 check"):
         verify(root / "step_00000020")
 
     final = run(micro("train.max_steps=20", "checkpoint.every=10"), ENV)
@@ -174,13 +176,13 @@ def test_ckpt_cli_verify_and_inspect(micro):
     run(cfg, ENV)
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000005"
     ok = run_cli("ckpt", "verify", str(path))
-    assert ok.returncode == 0 and "7 files verified" in ok.stdout
+    assert ok.returncode == 0 and "8 files verified" in ok.stdout
     summary = json.loads(run_cli("ckpt", "inspect", str(path)).stdout)
     assert summary["step"] == 5 and summary["bytes"] > 0
     (path / "trainer.json").write_text("{}")
     bad = run_cli("ckpt", "verify", str(path))
     assert bad.returncode == 2 and "trainer.json" in bad.stderr and "Traceback" not in bad.stderr
-    assert (path / "model.safetensors").exists()  # verification never deletes anything
+    assert (path / "dcp" / ".metadata").exists()  # verification never deletes anything
 
 
 def test_resume_from_an_explicit_bad_path_exits_2(micro_args, tmp_path):
@@ -196,52 +198,54 @@ def test_checkpoint_every_minus_one_writes_none(micro):
     assert not (Path(cfg.train.out_dir) / "checkpoints").exists()
 
 
-class _WritingBackend:
-    """Writes a local-format checkpoint of one 2x3 parameter with optimizer state."""
+class _Backend:
+    """What the manager asks of a backend, recorded: it writes no tensors."""
 
-    name = "local"
+    def __init__(self, name: str, scale: float | None = None) -> None:
+        self.name, self.scale, self.calls = name, scale, []
 
     def save(self, directory: Path, host_state=None) -> list[str]:
-        import torch
-        from safetensors.torch import save_file
+        return []
 
-        w = torch.arange(6.0).view(2, 3)
-        save_file({"w": w}, str(directory / "model.safetensors"))
-        meta = {"steps": json.dumps({"w": 4.0})}
-        moments = {"w.exp_avg": w + 1, "w.exp_avg_sq": w + 2}
-        save_file(moments, str(directory / "optimizer.safetensors"), metadata=meta)
-        return ["model.safetensors", "optimizer.safetensors"]
+    def loss_scale(self) -> float | None:
+        return self.scale
 
+    def extra_state(self) -> dict:
+        return {"engine": {"global_steps": 3}} if self.name == "zero" else {}
 
-class _RecordingBackend:
-    name = "zero"
+    def load(self, directory: Path) -> None:
+        self.calls.append("load")
 
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    def load_from(self, source, optimizer: bool) -> None:
-        self.calls.append(
-            ("load_from", type(source).__name__, optimizer, source.full("w", "exp_avg"))
-        )
+    def load_extra_state(self, saved: dict) -> None:
+        self.calls.append(("load_extra_state", saved))
 
     def adopt_loss_scale(self, scale: float) -> None:
         self.calls.append(("adopt_loss_scale", scale))
 
 
-def test_a_checkpoint_of_another_backend_loads_through_its_source_with_the_loss_scale(tmp_path):
-    import torch
-
-    from bigtrain.store.checkpoint import CheckpointManager
-
+def test_backend_state_goes_back_to_its_backend_and_its_loss_scale_to_another(tmp_path):
     manager = CheckpointManager(tmp_path, keep=2)
-    state = {"state": {"step": 3}, "data": {"cursor": 9}, "loss_scaler": {"scale": 512.0}}
-    path = manager.save(3, _WritingBackend(), state, {"k": 1}, "train: {}\n", shapes={"w": [2, 3]})
-    backend = _RecordingBackend()
-    assert manager.load(path, backend)["data"] == {"cursor": 9}
-    (kind, source, optimizer, exp_avg), adopt = backend.calls
-    assert (kind, source, optimizer) == ("load_from", "LocalSource", True)
-    assert torch.equal(exp_avg, torch.arange(6.0).view(2, 3) + 1)
-    assert adopt == ("adopt_loss_scale", 512.0)  # the scale a torch backend kept in trainer.json
+    state = {"state": {"step": 3}, "data": {"cursor": 9}}
+    path = manager.save(3, _Backend("zero", 512.0), state, {"k": 1}, "train: {}\n")
+    same, other = _Backend("zero"), _Backend("local")
+    assert manager.load(path, same)["data"] == {"cursor": 9}
+    saved = {"backend": "zero", "loss_scale": 512.0, "engine": {"global_steps": 3}}
+    assert same.calls == ["load", ("load_extra_state", saved)]
+    manager.load(path, other)
+    assert other.calls == ["load", ("adopt_loss_scale", 512.0)]
+
+
+def test_a_checkpoint_of_an_earlier_format_is_refused_naming_convert(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=2)
+    path = manager.save(3, _Backend("local"), {"data": {}}, {"k": 1}, "train: {}\n")
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(manifest | {"format_version": 1}))
+    backend = _Backend("local")
+    with pytest.raises(CheckpointError) as e:
+        manager.load(path, backend)
+    assert "earlier bigtrain version" in str(e.value)
+    assert f"bigtrain ckpt convert {path} NEW_DIR" in str(e.value)
+    assert backend.calls == []  # nothing was read
 
 
 def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
@@ -260,6 +264,9 @@ def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
         def load(self, directory: Path) -> None:
             pass
 
+        def load_extra_state(self, saved: dict) -> None:
+            pass
+
         def borrowed_rng(self, step: int) -> None:
             self.told.append(step)
 
@@ -270,7 +277,7 @@ def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
 
 
 def test_a_run_directory_means_its_newest_committed_checkpoint_that_verifies(micro, tmp_path):
-    from bigtrain.store.checkpoint import checkpoint_path
+    from bigtrain.checkpoint.manifest import checkpoint_path
 
     cfg = micro("train.max_steps=4", "checkpoint.every=2")
     run(cfg, ENV)
@@ -302,7 +309,7 @@ def test_export_ckpt_and_init_from_take_a_run_directory(micro, tmp_path):
     assert verified.returncode == 0 and f"ok: {newest} " in verified.stdout, verified.stderr
     inspected = run_cli("ckpt", "inspect", str(out))
     assert json.loads(inspected.stdout)["step"] == 3, inspected.stderr
-    converted = run_cli("ckpt", "convert", str(out), "--to", "local", str(tmp_path / "local"))
+    converted = run_cli("ckpt", "convert", str(out), str(tmp_path / "converted"))
     assert converted.returncode == 0 and "step 3" in converted.stdout, converted.stderr
     exported = run_cli("export", str(out), "--hf", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr

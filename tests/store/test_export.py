@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bigtrain.checkpoint.hf_export import check_export, export_hf, plan_shards
 from bigtrain.config.schema import ModelConfig
 from bigtrain.data.tokens import train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.model import build_model
 from bigtrain.model.gpt import GPT
 from bigtrain.model.hf_layout import Part, layout_for, layout_for_hf
-from bigtrain.store.export import check_export, export_hf, plan_shards
 from bigtrain.utils.names import canonical_name
 
 pytestmark = pytest.mark.unit

@@ -32,12 +32,10 @@ def test_export_and_convert_cli(micro, tmp_path):
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert (out / "config.json").is_file()  # a refused export leaves the directory alone
     converted = tmp_path / "consolidated"
-    done = run_cli("ckpt", "convert", str(checkpoint), "--to", "local", str(converted))
+    done = run_cli("ckpt", "convert", str(checkpoint), str(converted))
     assert done.returncode == 0 and "step 3" in done.stdout, done.stderr
     assert run_cli("ckpt", "verify", str(converted)).returncode == 0
-    bad = run_cli(
-        "ckpt", "convert", str(tmp_path / "nowhere"), "--to", "local", str(tmp_path / "x")
-    )
+    bad = run_cli("ckpt", "convert", str(tmp_path / "nowhere"), str(tmp_path / "x"))
     assert bad.returncode == 2 and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -98,7 +96,7 @@ def modes(root: Path) -> dict[str, set[str]]:
 def test_checkpoints_and_exports_get_the_usual_permissions_of_the_umask(micro, tmp_path):
     """Nothing private: files as open() makes them, directories as mkdir() does (safetensors
     writes 0600 files and tempfile.mkdtemp 0700 directories of its own accord)."""
-    from bigtrain.store.export_checkpoint import export_checkpoint
+    from bigtrain.checkpoint.export import export_checkpoint
 
     old = os.umask(0o022)
     try:

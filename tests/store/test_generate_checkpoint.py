@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bigtrain.checkpoint.export import export_checkpoint
+from bigtrain.checkpoint.manifest import CheckpointError, checkpoint_path
 from bigtrain.parallel.env import read_env
 from bigtrain.runner import run
-from bigtrain.store.checkpoint import CheckpointError, checkpoint_path
-from bigtrain.store.export_checkpoint import export_checkpoint
 from tests.conftest import run_cli
 from tests.models import GPT_LLAMA_STYLE
 

@@ -1,19 +1,18 @@
 """Hugging Face export round trip, `model.init_from` a Hugging Face directory on every backend, and
-`ckpt convert` to the consolidated form."""
+from another backend's checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from bigtrain.checkpoint.convert import convert
+from bigtrain.checkpoint.export import export_checkpoint
+from bigtrain.checkpoint.manifest import verify
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env
 from bigtrain.runner import run
-from bigtrain.store.checkpoint import verify
-from bigtrain.store.convert import convert_to_local
-from bigtrain.store.export_checkpoint import export_checkpoint
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed
@@ -129,33 +128,29 @@ def test_init_from_an_export_gives_the_same_validation_loss(
     assert event["fingerprint"] == exported[layout]["final"]["fingerprint"]  # the same weights
 
 
-def test_convert_a_zero_checkpoint_to_local_and_start_from_it(tmp_path, corpus_files, cache_dir):
+def test_start_from_a_zero_checkpoint_on_local_and_from_it_converted(
+    tmp_path, corpus_files, cache_dir
+):
+    """A 2-rank ZeRO-2 checkpoint's weights, read by one process through DCP's resharding, and
+    through the one-process file set `ckpt convert` writes: bit for bit the ZeRO run's."""
     args = args_for(tmp_path / "zero", "llama", corpus_files, cache_dir, "train.max_steps=4")
     source = launch("zero2", [*args, "checkpoint.every=4"])
     checkpoint = tmp_path / "zero" / "checkpoints" / "step_00000004"
-    manifest = convert_to_local(checkpoint, tmp_path / "local")
-    assert manifest["backend"] == "local" and manifest["world_size"] == 1
-    assert manifest["converted_from"] == {"backend": "zero", "world_size": 2}
-    assert verify(tmp_path / "local")["step"] == 4
-    steps = json.loads((tmp_path / "local" / "trainer.json").read_text())["state"]["step"]
-    assert steps == 4
-    with pytest.raises(Exception, match="exists already"):
-        convert_to_local(checkpoint, tmp_path / "local")
-    # the consolidated weights are the zero run's, bit for bit
-    args = args_for(
-        tmp_path / "again",
-        "llama",
-        corpus_files,
-        cache_dir,
-        "train.max_steps=1",
-        f"model.init_from={tmp_path / 'local'}",
-    )
-    launch("local", args)
-    event = next(
-        e for e in read_jsonl(tmp_path / "again" / "events.jsonl") if e["kind"] == "init_from"
-    )
-    assert event["fingerprint"] == source["final"]["fingerprint"]
-    assert event["source"] == "checkpoint" and event["backend"] == "local"
+    manifest = convert(checkpoint, tmp_path / "converted")
+    assert manifest["backend"] == "zero" and manifest["world_size"] == 2
+    assert manifest["converted_from"]["format_version"] == 2
+    assert sorted(f for f in manifest["files"] if f.startswith("dcp/")) == [
+        "dcp/.metadata",
+        "dcp/__0_0.distcp",
+    ]
+    assert verify(tmp_path / "converted")["step"] == 4
+    for start in (checkpoint, tmp_path / "converted"):
+        out = tmp_path / f"again-{start.name}"
+        extra = ("train.max_steps=1", f"model.init_from={start}")
+        launch("local", args_for(out, "llama", corpus_files, cache_dir, *extra))
+        event = next(e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "init_from")
+        assert event["fingerprint"] == source["final"]["fingerprint"]
+        assert event["source"] == "checkpoint" and event["backend"] == "zero"
 
 
 def test_init_from_a_hf_directory_into_a_transformers_model_on_fsdp(

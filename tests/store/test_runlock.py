@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bigtrain.checkpoint.manifest import verify
 from bigtrain.errors import ConfigError
-from bigtrain.store.checkpoint import verify
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.store.runlock import LOCK_NAME, RunLock, _process_start, owner_record
 from tests.conftest import ROOT, run_cli

@@ -26,7 +26,7 @@ def test_the_slow_part_of_the_slow_rank_is_named():
 
 
 def test_per_rank_times_become_one_wandb_key_per_part_and_rank():
-    from bigtrain.observe.sinks import flat_record
+    from bigtrain.telemetry.sinks import flat_record
 
     out = flat_record({"step": 50, "step_time_by_rank": {"data": [0.1, 0.2], "sync": [0.0, 0.3]}})
     assert out == {

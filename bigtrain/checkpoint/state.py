@@ -1,0 +1,201 @@
+"""The one on-disk form of a run's model and optimizer state, for every backend.
+
+A checkpoint's tensors are a torch.distributed.checkpoint (DCP) directory `dcp/` with these keys,
+whatever backend, world size or mesh wrote it:
+
+    model.<name>              FP32 master weight, whole shape, canonical name (utils/names.py);
+                              the model's persistent buffers too, in their own dtype
+    optim.<name>.exp_avg      AdamW's moments in FP32 (low-precision states are decoded),
+    optim.<name>.exp_avg_sq   the parameter's shape
+    optim.<name>.step         float64 scalar: the parameter's optimizer step count
+
+Each rank writes the blocks of each parameter it holds (`Block`: an FSDP2/tensor-parallel shard
+is one, a ZeRO fragment at most three per dimension, checkpoint/blocks.py), so a save never
+gathers; a load asks for the blocks it holds now, and DCP's resharding reads them from whatever
+chunks were saved. The optim keys are absent for a parameter without optimizer state (before its
+first step). `CheckpointReader` reads whole tensors without a process group (export, generate,
+convert).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from bigtrain.checkpoint.blocks import Blocks
+from bigtrain.checkpoint.sources import Source, check_covers
+from bigtrain.optim.optimizer import MOMENTS
+
+DIR = "dcp"
+Block = tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]
+"""(canonical name, the parameter's whole shape, the block's offset in it, a view of the block)."""
+BlocksOf = Callable[[int, torch.Tensor], list[Block]]
+"""A backend's map from its i-th master tensor (or a tensor shaped like it: a host copy, a
+moment) to the parameter blocks it holds."""
+NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+"""The start of the UserWarning DCP gives on every save or load without a process group."""
+
+
+def state_dict(
+    blocks_of: BlocksOf,
+    masters: list[torch.Tensor],
+    optim: list[dict[str, Any] | None],
+    buffers: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """The state dict this rank saves: `masters` (FP32, host copies or live), `optim` per master
+    its FP32 state (step and moments; None without state), `buffers` by canonical name."""
+    grouped: dict[str, tuple[tuple[int, ...], list]] = {}
+    out: dict[str, Any] = {}
+    for i, master in enumerate(masters):
+        state = optim[i]
+        tensors = {"model": master} | ({k: state[k] for k in MOMENTS} if state else {})
+        for part, tensor in tensors.items():
+            for name, shape, offset, view in blocks_of(i, tensor):
+                if not view.numel():
+                    continue
+                key = f"model.{name}" if part == "model" else f"optim.{name}.{part}"
+                grouped.setdefault(key, (shape, []))[1].append((offset, view))
+                if state:
+                    out[f"optim.{name}.step"] = torch.tensor(
+                        float(state["step"]), dtype=torch.float64
+                    )
+    out.update({key: Blocks(shape, pieces) for key, (shape, pieces) in grouped.items()})
+    out.update({f"model.{name}": value for name, value in buffers.items()})
+    return out
+
+
+def write(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> list[str]:
+    """Save `state` under directory/dcp (a collective over `group`; None: this process alone);
+    the files this rank wrote, relative to `directory`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
+        dcp.save(
+            state, checkpoint_id=str(directory / DIR), process_group=group, no_dist=group is None
+        )
+    return files_of_rank(directory, dist.get_rank(group) if group is not None else 0)
+
+
+def read(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Load directory/dcp into `state`'s tensors and blocks, in place (a collective over
+    `group`; None: this process alone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
+        dcp.load(
+            state, checkpoint_id=str(directory / DIR), process_group=group, no_dist=group is None
+        )
+
+
+def files_of_rank(directory: Path, rank: int) -> list[str]:
+    """DCP's files rank `rank` wrote: its `__<rank>_*.distcp`; rank 0 also `.metadata` (written
+    once every rank's are; the commit checks that every file is accounted for)."""
+    names = sorted(os.listdir(directory / DIR))
+    mine = [n for n in names if n.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine += [n for n in names if not n.startswith("__")]
+    return [f"{DIR}/{n}" for n in mine]
+
+
+def saved_tensors(directory: Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor key of directory/dcp with its whole size and dtype."""
+    meta = FileSystemReader(str(directory / DIR)).read_metadata().state_dict_metadata
+    return {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def load(
+    directory: Path,
+    blocks_of: BlocksOf,
+    masters: list[torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    optimizer: bool,
+    group: dist.ProcessGroup | None,
+) -> list[tuple[float, dict[str, torch.Tensor]] | None]:
+    """Read the checkpoint at `directory` into this rank's `masters` (plain local tensors, in
+    place) and persistent `buffers` (those it holds); with `optimizer`, also each master's step
+    and FP32 moments, returned per master (None where the checkpoint has no optimizer state).
+    `shapes`: every parameter of the model (all ranks check all, so all refuse alike)."""
+    saved = saved_tensors(directory)
+    model = {k[6:]: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
+    check_covers(f"checkpoint '{directory}'", model, shapes)
+    wanted: dict[str, Any] = {}
+    grouped: dict[str, tuple[tuple[int, ...], list]] = {}
+    states: list[tuple[float, dict[str, torch.Tensor]] | None] = []
+    for i, master in enumerate(masters):
+        blocks = [b for b in blocks_of(i, master) if b[3].numel()]
+        for name, shape, offset, view in blocks:
+            grouped.setdefault(f"model.{name}", (shape, []))[1].append((offset, view))
+        steps = [f"optim.{b[0]}.step" for b in blocks if f"optim.{b[0]}.step" in saved]
+        if not (optimizer and steps):
+            states.append(None)
+            continue
+        moments = {
+            k: torch.zeros(master.shape, dtype=torch.float32, device=master.device) for k in MOMENTS
+        }
+        for key, moment in moments.items():
+            for name, shape, offset, view in blocks_of(i, moment):
+                if view.numel():
+                    grouped.setdefault(f"optim.{name}.{key}", (shape, []))[1].append((offset, view))
+        step = torch.zeros((), dtype=torch.float64)
+        wanted[steps[0]] = step
+        states.append((step, moments))  # type: ignore[arg-type] (the step is read below)
+    wanted.update({key: Blocks(shape, pieces) for key, (shape, pieces) in grouped.items()})
+    host_buffers = {}
+    for name in buffers:
+        entry = saved.get(f"model.{name}")
+        if entry is not None:
+            host_buffers[name] = wanted[f"model.{name}"] = torch.empty(
+                tuple(entry.size), dtype=entry.properties.dtype
+            )
+    read(directory, wanted, group)
+    with torch.no_grad():
+        for name, value in host_buffers.items():
+            buffers[name].copy_(value.view(buffers[name].shape))
+    return [(float(s[0]), s[1]) if s else None for s in states]
+
+
+class CheckpointReader(Source):
+    """A checkpoint's tensors whole, by canonical name, read without a process group (DCP reads
+    whole tensors in one process); one tensor is held at a time."""
+
+    has_optimizer = True
+
+    def __init__(self, directory: Path) -> None:
+        self.origin = f"checkpoint '{directory}'"
+        self.directory = directory
+        self.saved = saved_tensors(directory)
+        self.shapes = {
+            k[6:]: tuple(v.size) for k, v in self.saved.items() if k.startswith("model.")
+        }
+        self._cached: tuple[str, torch.Tensor] | None = None
+
+    def _load(self, key: str) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != key:
+            entry = self.saved[key]
+            value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            read(self.directory, {key: value}, None)
+            self._cached = (key, value)
+        return self._cached[1]
+
+    def read(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        full = f"model.{name}" if key == "param" else f"optim.{name}.{key}"
+        if full not in self.saved:
+            return torch.zeros(stop - start)
+        return self._load(full).reshape(-1)[start:stop].float()
+
+    def full(self, name: str, key: str = "param") -> torch.Tensor:
+        shape = self.shapes[name]
+        return self.read(name, key, 0, math.prod(shape)).view(shape)
+
+    def step(self, name: str) -> float:
+        key = f"optim.{name}.step"
+        return float(self._load(key)) if key in self.saved else 0.0

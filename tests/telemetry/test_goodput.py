@@ -1,0 +1,158 @@
+"""The goodput simulation against Young's and Daly's closed forms, the Llama 3 report, itself (seeds,
+accounting), and `plan --goodput`'s bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from bigtrain.cli import main
+from bigtrain.plan_goodput import run_mode
+from bigtrain.telemetry.goodput import (
+    CAUSES,
+    SimParams,
+    best_interval,
+    daly_goodput,
+    daly_interval,
+    failure_stream,
+    simulate,
+    young_interval,
+)
+from bigtrain.telemetry.goodput_inputs import LLAMA3_COUNTS, GoodputInputs
+
+pytestmark = pytest.mark.unit
+
+
+def plain(mtbf_s: float, cost_s: float, restart_s: float, days: float = 54) -> SimParams:
+    """Young's and Daly's assumptions: exponential failures, fixed blocking checkpoint cost and
+    restart, nothing else."""
+    return SimParams(
+        horizon_s=days * 86400,
+        rates={"hardware": 1 / mtbf_s},
+        step_s=1.0,
+        stall_s=cost_s,
+        write_s=cost_s,
+        async_save=False,
+        restart_s=restart_s,
+        hang_timeout_s=0,
+        plain_hang_timeout_s=0,
+        snapshot_overhead=0,
+        snapshot_work_s=0,
+        confirm_work_s=0,
+        restore_s=0,
+        replay_s=0,
+        save_s=cost_s,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mtbf_s", "cost_s", "restart_s"),
+    [(4 * 3600, 60, 300), (3600, 120, 600), (12 * 3600, 20, 60)],
+)
+def test_the_simulation_reproduces_daly_where_his_assumptions_hold(mtbf_s, cost_s, restart_s):
+    daly = daly_interval(cost_s, mtbf_s)
+    grid = daly * np.geomspace(1 / 4, 4, 33)
+    p = plain(mtbf_s, cost_s, restart_s, days=600 * mtbf_s / 86400)  # 600 failures a run
+    best = best_interval(grid, simulate(p, grid, False, 200, seed=1).mean())
+    assert best == pytest.approx(daly, rel=0.02)  # seen: within 0.7%
+    at = simulate(p, [daly], False, 200, seed=2)
+    expected = daly_goodput(daly, cost_s, restart_s, mtbf_s)
+    assert at.mean()[0] == pytest.approx(expected, rel=0.005)  # seen: within 0.04%
+    # Young's first-order interval is the same to within its own error (sqrt(C / 2M) terms).
+    assert young_interval(cost_s, mtbf_s) == pytest.approx(daly, rel=0.1)
+
+
+def test_daly_closed_forms():
+    # Daly 2006: sqrt(2 C M) [1 + 1/3 sqrt(C/2M) + 1/9 (C/2M)] - C, and M when C >= 2M.
+    c, m = 300.0, 6 * 3600.0
+    r = c / (2 * m)
+    assert daly_interval(c, m) == pytest.approx(
+        np.sqrt(2 * c * m) * (1 + np.sqrt(r) / 3 + r / 9) - c
+    )
+    assert daly_interval(3 * m, m) == m
+    # Its optimum maximises its own complete model's goodput.
+    grid = np.linspace(0.5, 1.5, 2001) * daly_interval(c, m)
+    values = [daly_goodput(t, c, 600, m) for t in grid]
+    assert grid[int(np.argmax(values))] == pytest.approx(daly_interval(c, m), rel=0.01)
+
+
+def test_the_simulation_is_deterministic_for_a_seed_and_accounts_for_every_second():
+    inputs = GoodputInputs(gpus=4096, step_s=3.0, ckpt_gb_per_gpu=0.5)
+    inputs = dataclasses.replace(inputs, rates={**inputs.rates, "transient": 2e-6})
+    p = inputs.sim_params()
+    grid = np.array([300.0, 900.0, 2700.0])
+    first = simulate(p, grid, True, 20, seed=7)
+    again = simulate(p, grid, True, 20, seed=7)
+    other = simulate(p, grid, True, 20, seed=8)
+    assert np.array_equal(first.goodput, again.goodput)
+    assert np.array_equal(first.lost, again.lost)
+    assert not np.array_equal(first.goodput, other.goodput)
+    total = first.goodput * p.horizon_s + first.lost.sum(axis=0)
+    assert np.allclose(total, p.horizon_s, rtol=1e-9)
+    assert (first.lost >= -1e-6).all()
+    assert set(first.lost_fractions(0)) == set(CAUSES)
+
+
+def llama3_405b() -> GoodputInputs:
+    """Llama 3 405B as its report describes it: 16,384 H100s, 54 days, 16M-token batches at
+    38-43% MFU, FP32 master weights and Adam moments (12 B/param), sharded."""
+    step_s = 6 * 405e9 * 16e6 / (16_384 * 989e12 * 0.4)
+    return GoodputInputs(gpus=16_384, step_s=step_s, ckpt_gb_per_gpu=405e9 * 12 / 16_384 / 1e9)
+
+
+def test_llama3_inputs_land_in_the_reports_range():
+    inputs = llama3_405b()
+    p = inputs.sim_params()
+    times, _ = failure_stream(p.rates, p.horizon_s, 100, seed=0)
+    interruptions = np.isfinite(times).sum(axis=1).mean()
+    assert interruptions == pytest.approx(sum(LLAMA3_COUNTS.values()), rel=0.03)  # 466
+    result = run_mode(inputs, healing=False, trials=50, seed=0)
+    # "more than 90% effective training time", from restarts of about 10 minutes
+    assert 0.90 < result.goodput_at_best < 0.97
+    assert result.lost["restart"] > result.lost["checkpoint_stall"]
+
+
+def test_healing_beats_plain_restarts_when_numeric_faults_are_common():
+    inputs = GoodputInputs(gpus=2048, step_s=5.0, ckpt_gb_per_gpu=0.4)
+    rates = {**inputs.rates, "numeric": 2e-5, "transient": 2e-5}
+    inputs = dataclasses.replace(inputs, rates=rates)
+    healing = run_mode(inputs, healing=True, trials=30, seed=0)
+    plain_cr = run_mode(inputs, healing=False, trials=30, seed=0)
+    assert healing.goodput > plain_cr.goodput + 0.01
+    assert healing.lost["rollback"] > 0 and healing.lost["replay"] > 0
+    assert plain_cr.lost["rollback"] == plain_cr.lost["replay"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--set", "rate.cosmic=1e-6"], "unknown failure kind 'cosmic'"),
+        (["--set", "rate.hardware=-1e-6"], "'rate.hardware' got -1e-06"),
+        (["--set", "restart_s=-5"], "'restart_s' got -5"),
+        (["--set", "restrat_s=5"], "did you mean 'restart_s'"),
+        (["--set", "restart_s"], "expected key=value"),
+        (["parallel.tensor_parallel=8", "--gpus", "100"], "--gpus 100 is not a multiple"),
+        (["--gpus", "0"], "--gpus got 0"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_key(capsys, args, named):
+    argv = ["plan", "configs/llama-7b.yaml", "--goodput", *args]
+    if "--gpus" not in args:
+        argv += ["--gpus", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1
+
+
+def test_a_run_directory_without_cost_events_exits_2_naming_the_file(capsys, tmp_path):
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 10\n")
+    argv = ["plan", "--goodput", "--gpus", "8", "--from", str(tmp_path)]
+    assert main(argv) == 2
+    assert str(tmp_path / "events.jsonl") in capsys.readouterr().err
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1, "step": 0, "kind": "start"}))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "events.jsonl") in err and "'startup'" in err

@@ -38,6 +38,23 @@ def pytest_collection_modifyitems(config, items) -> None:
         )
 
 
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def restore_launcher_env():
+    """A sharded run in this process sets MASTER_PORT for its process group of one (and one that
+    fails during setup keeps that group's store listening): later subprocesses, SLURM jobs among
+    them, would inherit a port that is taken. The launcher variables are restored after each test."""
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One token cache for the whole session: each corpus is tokenized once."""

@@ -78,11 +78,15 @@ def state_dict(
     return out
 
 
-def write(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> list[str]:
-    """Save `state` under directory/dcp (a collective over `group`; None: this process alone);
-    the files this rank wrote, relative to `directory`."""
+def write(
+    directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None, threads: int = 1
+) -> list[str]:
+    """Save `state` under directory/dcp (a collective over `group`; None: this process alone) with
+    `threads` writer threads; the files this rank wrote, relative to `directory`."""
     # No fsync here: the manager fsyncs every file it hashes (checkpoint/manifest.py hash_files).
-    writer = FileSystemWriter(directory / DIR, sync_files=False)
+    # `threads`: DCP's writer threads, each with a file of its own (a synchronous save, which the
+    # loop waits for, uses several; a background one keeps to one beside training).
+    writer = FileSystemWriter(directory / DIR, sync_files=False, thread_count=threads)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -167,7 +168,7 @@ class Backend(abc.ABC):
         return self._group
 
     def save_async(
-        self, directory: Path, host_state: dict[str, Any] | None = None
+        self, directory: Path, host_state: dict[str, Any] | None = None, threads: int = 1
     ) -> Future[list[str]]:
         """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
         in the background: the state is copied to host memory now (or taken from `host_state`,
@@ -180,18 +181,21 @@ class Backend(abc.ABC):
         group = self.checkpoint_group()
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
-        return self._writer.submit(self._write, directory, host_state, buffers, ready, group)
+        args = (directory, host_state, buffers, ready, group, threads)
+        return self._writer.submit(self._write, *args)
 
-    def _write(self, directory: Path, host, buffers, ready, group) -> list[str]:
+    def _write(self, directory: Path, host, buffers, ready, group, threads: int) -> list[str]:
         if ready is not None:
             ready.synchronize()
         optim = [fp32_optimizer_state(self.base_optimizer, s) if s else None for s in host["optim"]]
         state = checkpoint_state.state_dict(self.blocks, host[self.state_key], optim, buffers)
-        return checkpoint_state.write(directory, state, group)
+        return checkpoint_state.write(directory, state, group, threads)
 
     def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
-        """save_async's files, written before returning."""
-        return self.save_async(directory, host_state).result()
+        """save_async's files, written before returning: the loop waits, so DCP writes them with
+        up to 4 threads (the same bytes, in as many files per rank)."""
+        threads = min(4, os.cpu_count() or 1)
+        return self.save_async(directory, host_state, threads).result()
 
     @torch.no_grad()
     def load(self, directory: Path, optimizer: bool = True) -> None:

@@ -55,8 +55,9 @@ def test_a_converted_checkpoint_resumes_the_old_versions_run(
     args = [*micro_overrides(tmp_path / "run", corpus_files, cache_dir), *SMALL, *BACKENDS[name]]
     old = tmp_path / "old"
     shutil.copytree(LEGACY / name, old)  # resume never writes into it, but keep the repo clean
+    local = [*micro_overrides(tmp_path / "refused", corpus_files, cache_dir), *SMALL]
     with pytest.raises(CheckpointError, match=f"convert it once with `bigtrain ckpt convert {old}"):
-        train([*args, f"checkpoint.resume={old}"])
+        train([*local, f"checkpoint.resume={old}"])  # in this process: no process group
     manifest = convert(old, tmp_path / "converted")
     assert manifest["format_version"] == 2 and manifest["step"] == 3
     assert manifest["converted_from"]["format_version"] == 1

@@ -139,9 +139,10 @@ import bigtrain.checkpoint.state as state
 
 def slow(original):
     def write(*args, **kwargs):
-        original(*args, **kwargs)
+        written = original(*args, **kwargs)
         if threading.current_thread().name.startswith("bigtrain-ckpt-write"):
             time.sleep(float(os.environ["BIGTRAIN_TEST_WRITE_DELAY_S"]))
+        return written
     return write
 
 state.write = slow(state.write)  # every backend's writer (checkpoint/state.py)

@@ -7,8 +7,8 @@
 2. Total wall time of N steps with one injected NaN every K steps against a fault-free run of the
    same N steps (goal <= 1.10x). Settings: resilience.snapshot_every=5, confirm_steps=3, so a
    rollback redoes about 5-8 steps.
-3. The training stall of a checkpoint: FSDP2 (one process) with DCP async_save on its own group
-   against a synchronous save of the same state, on a larger model (goal: async <= 1/10 of sync).
+3. The training stall of a checkpoint: FSDP2 (one process), an asynchronous save (a host copy,
+   then DCP writes from it in the background) against a synchronous save of the same state, on a larger model (goal: async <= 1/10 of sync).
 
 The last line is JSON.
 """
@@ -117,7 +117,7 @@ def wall_time(steps: int, fault_every: int) -> dict:
 
 
 def checkpoint_stall() -> dict:
-    """Seconds the training loop waits for a checkpoint: async (DCP) vs synchronous."""
+    """Seconds the training loop waits for a checkpoint: async vs synchronous."""
     model = ["model.n_layers=8", "model.d_model=512", "model.n_heads=8", "model.seq_len=128"]
     out_stats = {}
     with tempfile.TemporaryDirectory() as out:

@@ -186,9 +186,12 @@ def load(
         if not (optimizer and steps):
             states.append(None)
             continue
-        # every block of a master with optimizer state had its moments saved (state_dict)
+        # Every block of a master with optimizer state had its moments saved (state_dict); what
+        # no block covers (ZeRO's alignment padding in a flat partition) starts at zero.
+        covered = sum(b[3].numel() for b in blocks) == master.numel()
+        alloc = torch.empty if covered else torch.zeros
         moments = {
-            k: torch.empty(master.shape, dtype=torch.float32, device=master.device) for k in MOMENTS
+            k: alloc(master.shape, dtype=torch.float32, device=master.device) for k in MOMENTS
         }
         for key, moment in moments.items():
             for name, shape, offset, view in blocks_of(i, moment):

@@ -79,3 +79,26 @@ def test_blocks_compute_nothing():
     assert blocks.shape == SHAPE and blocks.dtype == torch.float32
     with pytest.raises(NotImplementedError, match="computes no"):
         blocks + 1
+
+
+def test_a_partition_round_trips_with_its_moments_and_padding_left_at_zero(tmp_path):
+    """ZeRO-like: one flat partition of 13 values holds w (2x3) then b (4), then 3 of padding.
+    state_dict/write and load give back weights, moments and step; the padding's moments are 0."""
+    from bigtrain.checkpoint.state import load, state_dict
+
+    def blocks_of(index: int, flat: torch.Tensor):
+        out = [("w", (2, 3), o, v) for o, v in range_views((2, 3), flat[:6], 0)]
+        return out + [("b", (4,), o, v) for o, v in range_views((4,), flat[6:10], 0)]
+
+    master = torch.arange(13.0)
+    optim = {"step": 7.0, "exp_avg": master * 2, "exp_avg_sq": master * 3}
+    write(tmp_path, state_dict(blocks_of, [master], [optim], {}), None)
+    into = torch.full((13,), -1.0)
+    shapes = {"w": (2, 3), "b": (4,)}
+    ((step, moments),) = load(tmp_path, blocks_of, [into], {}, shapes, True, None)
+    assert step == 7.0
+    assert torch.equal(into[:10], master[:10]) and torch.equal(into[10:], torch.full((3,), -1.0))
+    assert torch.equal(moments["exp_avg"][:10], master[:10] * 2)
+    assert torch.equal(moments["exp_avg_sq"][10:], torch.zeros(3))  # padding: never garbage
+    with pytest.raises(Exception, match=r"missing \['c'\]"):
+        load(tmp_path, blocks_of, [into], {}, {**shapes, "c": (1,)}, True, None)

@@ -65,7 +65,6 @@ class CheckpointManager:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-hash")
         self.write_s = 0.0  # this rank's last save: its start to its files written and hashed
         self.last_save: dict[str, Any] = {}  # what the last commit cost (_commit)
-        self.last_save: dict[str, Any] = {}  # the last commit's bytes_per_rank and write_s
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first (verification not implied)."""

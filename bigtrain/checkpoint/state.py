@@ -20,7 +20,6 @@ convert).
 from __future__ import annotations
 
 import io
-import math
 import mmap
 import os
 import warnings
@@ -243,10 +242,6 @@ class CheckpointReader(Source):
         if full not in self.saved:
             return torch.zeros(stop - start)
         return self._load(full).reshape(-1)[start:stop].float()
-
-    def full(self, name: str, key: str = "param") -> torch.Tensor:
-        shape = self.shapes[name]
-        return self.read(name, key, 0, math.prod(shape)).view(shape)
 
     def step(self, name: str) -> float:
         key = f"optim.{name}.step"

@@ -58,7 +58,8 @@ def convert(path: Path, out: Path) -> dict[str, Any]:
     if tmp.exists():
         shutil.rmtree(tmp)  # a conversion that was interrupted
     tmp.mkdir(parents=True)
-    names = checkpoint_state.write(tmp, tensors(source), None)
+    written = checkpoint_state.write(tmp, tensors(source), None)
+    names = []
     (tmp / "trainer.json").write_text(json.dumps(trainer_state(path, source), indent=1))
     names.append("trainer.json")
     for name in ("config.yaml", *sorted(p.name for p in path.glob("rng_rank*.pt"))):
@@ -83,7 +84,7 @@ def convert(path: Path, out: Path) -> dict[str, Any]:
             "files": len(manifest["files"]),
         },
     }
-    write_manifest(tmp, converted, hash_files(tmp, names))
+    write_manifest(tmp, converted, hash_files(tmp, names, written))
     tmp.rename(out)
     fsync_dir(out.parent)
     return json.loads((out / "manifest.json").read_text())

@@ -106,14 +106,18 @@ class CheckpointManager:
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
             written = backend.save_async(tmp, host_state)
-            hashes = self._hasher.submit(lambda: self._hashed(tmp, own + written.result(), started))
+            hashes = self._hasher.submit(lambda: self._hashed(tmp, own, written.result(), started))
             self.pending = (hashes, commit, (started, time.perf_counter() - started))
             return None
-        mine = self._hashed(tmp, own + backend.save(tmp, host_state), started)
+        mine = self._hashed(tmp, own, backend.save(tmp, host_state), started)
         return self._commit(*commit, mine, (started, None))
 
-    def _hashed(self, tmp: Path, names: list[str], started: float) -> dict[str, Any]:
-        hashes = hash_files(tmp, names)
+    def _hashed(
+        self, tmp: Path, names: list[str], written: dict[str, str], started: float
+    ) -> dict[str, Any]:
+        """Every file this rank wrote, fsynced, with its size and sha256 (`written`: the backend's
+        files, hashed as they were written)."""
+        hashes = hash_files(tmp, names, written)
         self.write_s = time.perf_counter() - started
         return hashes
 

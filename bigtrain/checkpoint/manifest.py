@@ -155,14 +155,19 @@ def list_files(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Permissions, fsync and sha256 of files this rank wrote: {name: {size, sha256}}."""
+def hash_files(
+    directory: Path, names: list[str], hashed: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Permissions, fsync and sha256 of files this rank wrote, `names` and those `hashed` as they
+    were written (their sha256 by name): {name: {size, sha256}}."""
+    hashed = hashed or {}
     out = {}
-    for name in names:
+    for name in [*names, *hashed]:
         path = directory / name
-        usual_permissions(path)  # safetensors writes 0600
+        usual_permissions(path)
         fsync_file(path)
-        out[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        sha256 = hashed[name] if name in hashed else sha256_file(path)
+        out[name] = {"size": path.stat().st_size, "sha256": sha256}
     return out
 
 

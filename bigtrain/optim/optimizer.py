@@ -69,6 +69,18 @@ def fp32_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     return optimizer.decoded(state) if isinstance(optimizer, LowPrecisionAdamW) else state
 
 
+def fp32_moments(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict | None:
+    """`param`'s AdamW moments where the optimizer holds them in FP32 (local tensors a
+    checkpoint load can read into in place); None where it holds none, or in another dtype."""
+    state = optimizer.state.get(param)
+    if isinstance(optimizer, LowPrecisionAdamW) or not state or not set(MOMENTS) <= set(state):
+        return None
+    moments = {k: local_tensor(state[k]) for k in MOMENTS}
+    local = local_tensor(param)
+    fits = all(m.dtype == torch.float32 and m.shape == local.shape for m in moments.values())
+    return moments if fits else None
+
+
 @torch.no_grad()
 def set_fp32_optimizer_state(
     optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float, moments: dict

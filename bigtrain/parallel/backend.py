@@ -27,6 +27,7 @@ from bigtrain.checkpoint import state as checkpoint_state
 from bigtrain.checkpoint.state import Block
 from bigtrain.model.loss import lm_loss
 from bigtrain.optim.optimizer import (
+    fp32_moments,
     fp32_optimizer_state,
     set_fp32_optimizer_state,
 )
@@ -169,11 +170,11 @@ class Backend(abc.ABC):
 
     def save_async(
         self, directory: Path, host_state: dict[str, Any] | None = None, threads: int = 1
-    ) -> Future[list[str]]:
+    ) -> Future[dict[str, str]]:
         """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
         in the background: the state is copied to host memory now (or taken from `host_state`,
         what local_state returned at this step), so training may go on; the future holds the
-        names of the files this rank wrote, relative to `directory`."""
+        files this rank wrote, relative to `directory`, with their sha256 (checkpoint/state.py)."""
         if host_state is None:  # the previous save's buffers are free again (one write at a time)
             host_state = self._spare = self.local_state(into=self._spare)
         ready = host_ready(self.device)
@@ -184,14 +185,14 @@ class Backend(abc.ABC):
         args = (directory, host_state, buffers, ready, group, threads)
         return self._writer.submit(self._write, *args)
 
-    def _write(self, directory: Path, host, buffers, ready, group, threads: int) -> list[str]:
+    def _write(self, directory: Path, host, buffers, ready, group, threads: int) -> dict[str, str]:
         if ready is not None:
             ready.synchronize()
         optim = [fp32_optimizer_state(self.base_optimizer, s) if s else None for s in host["optim"]]
         state = checkpoint_state.state_dict(self.blocks, host[self.state_key], optim, buffers)
         return checkpoint_state.write(directory, state, group, threads)
 
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> list[str]:
+    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> dict[str, str]:
         """save_async's files, written before returning: the loop waits, so DCP writes them with
         up to 4 threads (the same bytes, in as many files per rank)."""
         threads = min(4, os.cpu_count() or 1)
@@ -212,6 +213,7 @@ class Backend(abc.ABC):
             self.param_shapes(),
             optimizer,
             self.checkpoint_group(),
+            [fp32_moments(self.base_optimizer, m) for m in masters] if optimizer else None,
         )
         for master, state in zip(masters, states, strict=True):
             if state is not None:

@@ -19,14 +19,7 @@ convert).
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import functools
-import hashlib
-import io
-import mmap
 import os
-import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,13 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.futures import Future
 
 from bigtrain.checkpoint.blocks import Blocks
 from bigtrain.checkpoint.sources import Source, check_covers
+from bigtrain.checkpoint.storage import ChunkReader, HashingFileSystem
 from bigtrain.optim.optimizer import MOMENTS
 
 DIR = "dcp"
@@ -104,197 +95,13 @@ def write(
     return {n: fs.sha256[n[len(DIR) + 1 :]] for n in names}
 
 
-class HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing every file it writes as the bytes go by (sha256 by file
-    name; a rename carries the hash along, as the metadata file's commit does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sha256: dict[str, str] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            digest = hashlib.sha256()
-            yield HashingWriter(stream, digest)
-        self.sha256[Path(path).name] = digest.hexdigest()
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        if Path(path).name in self.sha256:
-            self.sha256[Path(new_path).name] = self.sha256.pop(Path(path).name)
-
-
-class HashingWriter:
-    """A file opened for writing that hashes what is written through it (DCP writes, tells,
-    flushes and closes it; nothing seeks back)."""
-
-    def __init__(self, stream, digest) -> None:
-        self.stream, self.digest = stream, digest
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        return self.stream.write(data)
-
-    def tell(self) -> int:
-        return self.stream.tell()
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def close(self) -> None:
-        self.stream.close()
-
-
 def read(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     """Load directory/dcp into `state`'s tensors and blocks, in place (a collective over
     `group`; None: this process alone)."""
-    reader = MappedReader(directory / DIR)
+    reader = ChunkReader(directory / DIR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
-
-
-class MappedReader(FileSystemReader):
-    """DCP's file reader, reading each chunk in place from a memory map of its file.
-
-    A chunk is a torch.save record. DCP's own reader feeds each to torch.load through a Python
-    file view (and a pure-Python unpickler), which costs several times the copy itself
-    (bench/checkpoint.py). This one reads the record's zip directory and its tensor header (a C
-    unpickler that builds nothing: only the storage's dtype and size, the tensor's offset,
-    size and stride, which `ChunkHeader` checks against DCP's metadata), views the stored bytes
-    where they lie, and copies the part the load asks for into its place: one copy. bigtrain's
-    checkpoints hold tensors only and no stream transforms; anything else is refused."""
-
-    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.dtypes = {
-            fqn: entry.properties.dtype
-            for fqn, entry in metadata.state_dict_metadata.items()
-            if isinstance(entry, TensorStorageMetadata)
-        }
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
-        for relative_path, items in per_file.items():
-            path = self.fs.concat_path(self.path, relative_path)
-            with open(path, "rb") as file:
-                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                with warnings.catch_warnings():  # a read-only map: nothing writes into it
-                    warnings.filterwarnings("ignore", "The given buffer is not writable")
-                    for item in items:
-                        self._read(mapped, item, planner, path)
-            finally:
-                mapped.close()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-    def _read(self, mapped: mmap.mmap, item, planner: LoadPlanner, path) -> None:
-        info = self.storage_data[item.storage_index]
-        fqn = item.storage_index.fqn
-        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
-            raise ValueError(f"{path}: '{fqn}' is not a plain tensor chunk")
-        tensor = stored_tensor(
-            mapped, info.offset, info.length, self.dtypes[fqn], f"{path} '{fqn}'"
-        )
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-            tensor = tensor.narrow(dim, start, length)  # the part of the chunk this item reads
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise ValueError(f"{path}: '{fqn}' {tensor.size()} read for {target.size()}")
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
-        del tensor  # its view of the map (the map closes once no tensor views it)
-
-
-def stored_tensor(
-    mapped: mmap.mmap, offset: int, length: int, dtype: torch.dtype, where: str
-) -> torch.Tensor:
-    """The tensor torch.save wrote at mapped[offset : offset + length], viewed in place."""
-    record = torch._C.PyTorchFileReader(Span(mapped, offset, length))
-    header = ChunkHeader(io.BytesIO(record.get_record("data.pkl"))).load()
-    storage, first, size, stride = header
-    _, storage_type, key, _, numel = storage
-    stored = storage_dtype(storage_type)
-    data = f"data/{key}"
-    if stored != dtype or record.get_record("byteorder") != b"little":
-        raise ValueError(
-            f"{where}: {stored} stored, {dtype} in the metadata (or not little-endian)"
-        )
-    if record.get_record_size(data) != numel * dtype.itemsize:
-        raise ValueError(
-            f"{where}: {data} holds {record.get_record_size(data)} bytes, not {numel} {dtype}"
-        )
-    start = offset + record.get_record_offset(data)
-    flat = (
-        torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start)
-        if numel
-        else torch.empty(0, dtype=dtype)
-    )
-    return flat.as_strided(size, stride, first)
-
-
-class Span:
-    """A read-only file over mapped[offset : offset + length] (torch's zip reader seeks and reads)."""
-
-    def __init__(self, mapped: mmap.mmap, offset: int, length: int) -> None:
-        self.view = memoryview(mapped)[offset : offset + length]
-        self.at = 0
-
-    def seek(self, at: int, whence: int = 0) -> int:
-        self.at = at + (0, self.at, len(self.view))[whence]
-        return self.at
-
-    def tell(self) -> int:
-        return self.at
-
-    def read(self, n: int = -1) -> bytes:
-        stop = len(self.view) if n < 0 else min(self.at + n, len(self.view))
-        out = self.view[self.at : stop].tobytes()
-        self.at = stop
-        return out
-
-
-class ChunkHeader(pickle.Unpickler):
-    """Unpickles a torch.save'd tensor's data.pkl to (storage id, storage offset, size, stride),
-    building nothing: only the tensor rebuild function and storage classes are known to it."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, first, size, stride, *_: (
-                storage,
-                first,
-                tuple(size),
-                tuple(stride),
-            )
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        raise pickle.UnpicklingError(f"a checkpoint chunk refers to {module}.{name}")
-
-    def persistent_load(self, pid):
-        return pid  # ('storage', storage class name, key, location, numel)
-
-
-@functools.cache
-def storage_dtype(name: str) -> torch.dtype:
-    """torch.FloatStorage -> torch.float32 (the legacy classes warn when asked)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return getattr(torch, name).dtype
 
 
 def files_of_rank(directory: Path, rank: int) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import mmap
 import pickle
 import warnings
 
@@ -14,7 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from bigtrain.checkpoint.state import DIR, ChunkHeader, read, stored_tensor, write
+from bigtrain.checkpoint.blocks import Blocks
+from bigtrain.checkpoint.state import DIR, read, write
+from bigtrain.checkpoint.storage import ChunkHeader, chunk_layout, dense
 
 pytestmark = pytest.mark.unit
 
@@ -52,18 +53,32 @@ def test_files_are_hashed_as_written_and_read_back_equal_to_dcps_reader(tmp_path
 def test_a_chunk_of_another_dtype_than_its_metadata_says_is_refused(tmp_path):
     write(tmp_path, {"model.w": torch.arange(4, dtype=torch.float32)}, None)
     [path] = (tmp_path / DIR).glob("*.distcp")
-    meta = FileSystemReader(str(tmp_path / DIR)).read_metadata()
-    [info] = meta.storage_data.values()
+    [info] = FileSystemReader(str(tmp_path / DIR)).read_metadata().storage_data.values()
     with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        view = stored_tensor(mapped, info.offset, info.length, torch.float32, "w")
-        assert view.tolist() == [0.0, 1.0, 2.0, 3.0]
-        del view
+        start, numel, first, size, stride = chunk_layout(
+            f.fileno(), info.offset, info.length, torch.float32, "w"
+        )
         with pytest.raises(ValueError, match="torch.float32 stored, torch.float64"):
-            stored_tensor(mapped, info.offset, info.length, torch.float64, "w")
-    mapped.close()
+            chunk_layout(f.fileno(), info.offset, info.length, torch.float64, "w")
+    assert (numel, first, size, stride) == (4, 0, (4,), (1,))
+    data = path.read_bytes()[start : start + 16]
+    assert torch.frombuffer(bytearray(data), dtype=torch.float32).tolist() == [0, 1, 2, 3]
+
+
+def test_a_load_that_reshards_reads_parts_of_chunks(tmp_path):
+    value = torch.arange(24.0).view(6, 4)
+    write(tmp_path, {"model.w": value}, None)
+    columns = torch.zeros(6, 2)  # a block of two columns: part of every row of the chunk
+    wanted = {"model.w": torch.zeros(6, 4)}
+    read(tmp_path, wanted, None)
+    assert torch.equal(wanted["model.w"], value)
+    read(tmp_path, {"model.w": Blocks((6, 4), [((0, 2), columns)])}, None)
+    assert torch.equal(columns, value[:, 2:])
+
+
+def test_dense_is_row_major_contiguity():
+    assert dense((3, 4), (4, 1)) and dense((1, 4), (99, 1)) and dense((), ())
+    assert not dense((4, 3), (1, 4))
 
 
 def test_a_chunk_header_builds_nothing_but_a_tensor_layout():

@@ -1,0 +1,247 @@
+"""DCP's files, written and read the fast way: the storage layer under checkpoint/state.py.
+
+The files are DCP's own (FileSystemWriter's `.distcp` files of torch.save records and its
+`.metadata`), so DCP's FileSystemReader and tools read them too. Two things change how they are
+handled, both measured in bench/checkpoint.py:
+  - writing, each file is hashed as its bytes go by (`HashingFileSystem`), so the manifest's
+    sha256 needs no second read of the checkpoint;
+  - reading, DCP's reader feeds every chunk to torch.load through a Python file view and a
+    pure-Python unpickler, which costs several times the copy itself. `ChunkReader` reads the
+    record's zip directory and its tensor header only (`ChunkHeader`: a C unpickler that builds
+    nothing, checked against DCP's metadata), then reads the stored bytes straight into the
+    tensor the load asks for (when the chunk lands whole in a contiguous host tensor, the usual
+    case), or into a buffer it copies the asked-for part from (resharding, device tensors).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import io
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every file it writes as the bytes go by (sha256 by file
+    name; a rename carries the hash along, as the metadata file's commit does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sha256: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            digest = hashlib.sha256()
+            yield HashingWriter(stream, digest)
+        self.sha256[Path(path).name] = digest.hexdigest()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        if Path(path).name in self.sha256:
+            self.sha256[Path(new_path).name] = self.sha256.pop(Path(path).name)
+
+
+class HashingWriter:
+    """A file opened for writing that hashes what is written through it (DCP writes, tells,
+    flushes and closes it; nothing seeks back)."""
+
+    def __init__(self, stream, digest) -> None:
+        self.stream, self.digest = stream, digest
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.stream.write(data)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class ChunkReader(FileSystemReader):
+    """DCP's file reader, one copy per chunk (the module's docstring). bigtrain's checkpoints
+    hold tensors only and no stream transforms; anything else is refused."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.dtypes = {
+            fqn: entry.properties.dtype
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            with open(path, "rb", buffering=0) as file:
+                for item in items:
+                    self._read(file.fileno(), item, planner, path)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, fd: int, item, planner: LoadPlanner, path) -> None:
+        info = self.storage_data[item.storage_index]
+        fqn = item.storage_index.fqn
+        where = f"{path}: '{fqn}'"
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            raise ValueError(f"{where} is not a plain tensor chunk")
+        dtype = self.dtypes[fqn]
+        start, numel, first, size, stride = chunk_layout(fd, info.offset, info.length, dtype, where)
+        target = planner.resolve_tensor(item).detach()
+        whole = not any(item.storage_offsets) and tuple(item.lengths) == size
+        if whole and dense(size, stride) and fits(target, size, dtype):
+            read_into(fd, target, start + first * dtype.itemsize, where)
+        else:
+            stored = torch.empty(numel, dtype=dtype)
+            read_into(fd, stored, start, where)
+            tensor = stored.as_strided(size, stride, first)
+            for dim, (at, length) in enumerate(
+                zip(item.storage_offsets, item.lengths, strict=True)
+            ):
+                tensor = tensor.narrow(dim, at, length)  # the part of the chunk this item reads
+            if target.size() != tensor.size():
+                raise ValueError(f"{where}: {tuple(tensor.size())} read for {tuple(target.size())}")
+            target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def chunk_layout(fd: int, offset: int, length: int, dtype: torch.dtype, where: str) -> tuple:
+    """Where the torch.save record at [offset, offset + length) of file `fd` keeps its tensor:
+    (the storage's first byte in the file, its element count, the tensor's storage offset,
+    size and stride); its dtype must be `dtype` (DCP's metadata)."""
+    record = torch._C.PyTorchFileReader(Span(fd, offset, length))
+    storage, first, size, stride = ChunkHeader(io.BytesIO(record.get_record("data.pkl"))).load()
+    _, storage_type, key, _, numel = storage
+    stored = storage_dtype(storage_type)
+    data = f"data/{key}"
+    if stored != dtype or record.get_record("byteorder") != b"little":
+        raise ValueError(
+            f"{where}: {stored} stored, {dtype} in the metadata (or not little-endian)"
+        )
+    if record.get_record_size(data) != numel * dtype.itemsize:
+        raise ValueError(f"{where}: {record.get_record_size(data)} bytes for {numel} {dtype}")
+    if all(size) and first + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= numel:
+        raise ValueError(f"{where}: a tensor of {size} at {first} overruns its {numel} elements")
+    return offset + record.get_record_offset(data), numel, first, size, stride
+
+
+def dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of `size` and `stride` is row-major contiguous."""
+    expected = 1
+    for n, s in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def fits(target: torch.Tensor, size: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether a chunk of `size` and `dtype` can be read straight into `target`'s memory."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and tuple(target.size()) == size
+        and target.is_contiguous()
+    )
+
+
+def read_into(fd: int, tensor: torch.Tensor, at: int, where: str) -> None:
+    """Fill contiguous host `tensor` with the bytes of file `fd` from `at`."""
+    if not tensor.numel():
+        return
+    buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], at + done)
+        if n <= 0:
+            raise ValueError(f"{where}: the file ends {len(buffer) - done} bytes short")
+        done += n
+
+
+class Span:
+    """A read-only file over bytes [offset, offset + length) of file `fd`. torch's zip reader
+    makes a dozen small reads, of the record's directory (at its end) and headers (at its
+    start): each end's first WINDOW bytes are read once and served from memory."""
+
+    WINDOW = 4096
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.length, self.at = fd, offset, length, 0
+        self.head = os.pread(fd, min(length, self.WINDOW), offset)
+        self.tail_at = max(length - self.WINDOW, 0)
+        self.tail = os.pread(fd, length - self.tail_at, offset + self.tail_at)
+
+    def seek(self, at: int, whence: int = 0) -> int:
+        self.at = at + (0, self.at, self.length)[whence]
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
+
+    def read(self, n: int = -1) -> bytes:
+        start = self.at
+        stop = self.length if n < 0 else min(start + n, self.length)
+        self.at = max(stop, start)
+        if stop <= len(self.head):
+            return self.head[start:stop]
+        if start >= self.tail_at:
+            return self.tail[start - self.tail_at : stop - self.tail_at]
+        return os.pread(self.fd, stop - start, self.offset + start)
+
+
+class ChunkHeader(pickle.Unpickler):
+    """Unpickles a torch.save'd tensor's data.pkl to (storage id, storage offset, size, stride),
+    building nothing: only the tensor rebuild function and storage classes are known to it."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"a checkpoint chunk refers to {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid  # ('storage', storage class name, key, location, numel)
+
+
+def layout(storage, first: int, size, stride, *_) -> tuple:
+    return storage, first, tuple(size), tuple(stride)
+
+
+@functools.cache
+def storage_dtype(name: str) -> torch.dtype:
+    """torch.FloatStorage -> torch.float32 (the legacy classes warn when asked)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(torch, name).dtype

@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -99,14 +100,23 @@ class ChunkReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
-        for relative_path, items in per_file.items():
-            path = self.fs.concat_path(self.path, relative_path)
-            with open(path, "rb", buffering=0) as file:
-                for item in items:
-                    self._read(file.fileno(), item, planner, path)
+        # A thread per file (a synchronous save writes several): the reads release the GIL.
+        threads = min(len(per_file), os.cpu_count() or 1, 4)
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="bigtrain-ckpt-read") as pool:
+                list(pool.map(lambda entry: self._read_file(*entry, planner), per_file.items()))
+        else:
+            for relative_path, items in per_file.items():
+                self._read_file(relative_path, items, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_file(self, relative_path: str, items: list, planner: LoadPlanner) -> None:
+        path = self.fs.concat_path(self.path, relative_path)
+        with open(path, "rb", buffering=0) as file:
+            for item in items:
+                self._read(file.fileno(), item, planner, path)
 
     def _read(self, fd: int, item, planner: LoadPlanner, path) -> None:
         info = self.storage_data[item.storage_index]

@@ -265,9 +265,9 @@ class CheckpointConfig:
     changed parameter shape). Every changed key is listed in the `resume` event either way."""
     async_save: bool = True
     """Write checkpoints in the background: the state is copied to host memory (or taken from
-    this step's rollback snapshot), training goes on while the files are written, fsynced and
-    hashed, and the commit follows at a later step once every rank finished (FSDP2 through DCP
-    async_save). The last step's and a preemption's checkpoints are always synchronous."""
+    this step's rollback snapshot), training goes on while a writer thread writes (DCP, every
+    backend), hashes and fsyncs the files, and the commit follows at a later step once every
+    rank finished. The last step's and a preemption's checkpoints are always synchronous."""
     verify_finite: bool = True
     """Before writing, check that master weights and optimizer states are finite on every rank;
     a non-finite state is never checkpointed (a `checkpoint_refused` event instead)."""

@@ -112,6 +112,7 @@ class ChunkReader(FileSystemReader):
         done.set_result(None)
         return done
 
+    @torch.no_grad()  # grad mode is per thread: the targets may be views of parameters
     def _read_file(self, relative_path: str, items: list, planner: LoadPlanner) -> None:
         path = self.fs.concat_path(self.path, relative_path)
         with open(path, "rb", buffering=0) as file:

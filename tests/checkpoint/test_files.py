@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import threading
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from bigtrain.checkpoint.blocks import Blocks
 from bigtrain.checkpoint.state import DIR, read, write
-from bigtrain.checkpoint.storage import ChunkHeader, chunk_layout, dense
+from bigtrain.checkpoint.storage import ChunkHeader, ChunkReader, chunk_layout, dense
 
 pytestmark = pytest.mark.unit
 
@@ -88,3 +89,34 @@ def test_a_chunk_header_builds_nothing_but_a_tensor_layout():
 
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
         ChunkHeader(io.BytesIO(pickle.dumps(Evil()))).load()
+
+
+def test_reader_threads_read_without_grad_mode(tmp_path, monkeypatch):
+    """Files are read one per thread, and grad mode is per thread: the reads into blocks (views
+    of parameters, on a backend) run under no_grad like the load that started them (under grad
+    mode a resharding copy into a ZeRO or tensor-parallel block failed in autograd's view
+    checks)."""
+    values = {f"model.p{i}": torch.full((4, 4), float(i)) for i in range(4)}
+    written = write(tmp_path, values, None, threads=2)
+    assert len([n for n in written if n.endswith(".distcp")]) == 2
+    seen = []
+    original = ChunkReader._read
+
+    def spy(self, *args):
+        seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        return original(self, *args)
+
+    monkeypatch.setattr(ChunkReader, "_read", spy)
+    flat = torch.zeros(64, requires_grad=True)
+    with torch.no_grad():  # each parameter in two blocks of rows: a part of each chunk, copied
+        wanted = {
+            key: Blocks(
+                (4, 4),
+                [((r, 0), flat[16 * i + 4 * r : 16 * i + 4 * r + 8].view(2, 4)) for r in (0, 2)],
+            )
+            for i, key in enumerate(values)
+        }
+        read(tmp_path, wanted, None)
+    assert flat.detach().view(4, 4, 4).equal(torch.stack(list(values.values())))
+    assert len({name for name, _ in seen}) == 2, seen
+    assert not any(grad for _, grad in seen), seen

@@ -162,3 +162,6 @@ def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_p
     subprocess.run(["scancel", job_id], env=slurm)  # the one node is excluded: it would wait
     assert info["ExcNodeList"] == host.read_text().split()[0], info
     assert info["JobState"] == "PENDING", info
+    # excluded at its first requeue (the requeue once ended the script before the exclusion,
+    # and the job looped on the host until an exclusion happened to get through)
+    assert info["Restarts"] == "1", info

@@ -210,11 +210,11 @@ def _generate_parser(sub) -> None:
 
 
 def _train(items: list[str], local_rank: int | None) -> int:
+    cfg = _load(items)  # a bad config fails before torch is imported (seconds)
     from bigtrain.parallel.env import read_env
     from bigtrain.runner import run
     from bigtrain.utils.logs import setup_console
 
-    cfg = _load(items)
     env = read_env(local_rank)
     setup_console(env.rank)
     final = run(cfg, env, memory_plan=lambda: _memory_plan(cfg, env))
@@ -234,13 +234,13 @@ def _memory_plan(cfg, env) -> dict:
 
 
 def _prepare(items: list[str], out: Path) -> int:
+    cfg = _load(items)  # before the heavy imports, as in _train
     from bigtrain.data.corpus import corpus_inputs, source_files
     from bigtrain.data.prepare import prepare
     from bigtrain.data.summary import CorpusSummary
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
-    cfg = _load(items)
     started = time.perf_counter()
     manifest = prepare(cfg.data, out)
     inputs = corpus_inputs(cfg.data, source_files(cfg.data))
@@ -259,14 +259,14 @@ def _prepare(items: list[str], out: Path) -> int:
 
 
 def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
+    if world_size < 1:
+        raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
+    cfg = _load(items)  # before the heavy imports, as in _train
     from bigtrain.parallel.env import DistEnv, pick_device
     from bigtrain.plan import parse_bytes, plan_text
     from bigtrain.precision import Hardware, detect_hardware
 
-    if world_size < 1:
-        raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    cfg = _load(items)
     device = pick_device(cfg.train.device, DistEnv())
     hardware = detect_hardware(device)
     if memory is not None and device.type != "cuda":

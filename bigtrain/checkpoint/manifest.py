@@ -22,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import fsync_dir, fsync_file, sha256_file, usual_permissions
 
@@ -46,6 +44,8 @@ def step_dir_name(step: int) -> str:
 
 def library_versions() -> dict[str, str]:
     import importlib.metadata as md
+
+    import torch  # here: `bigtrain ckpt verify` and checkpoint_path need no torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("bigtrain", "deepspeed", "transformers"):

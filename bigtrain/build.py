@@ -36,7 +36,6 @@ from bigtrain.data import (
     TrainingData,
     eval_batches,
     from_corpus,
-    load_tokenizer,
     prepare_corpus,
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
@@ -315,7 +314,10 @@ def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: boo
     hf = getattr(model, "hf", None)
     if is_main:
         shutil.rmtree(tokenizer, ignore_errors=True)  # no files of an earlier tokenizer
-        load_tokenizer(tokenizer_dir).save_pretrained(str(tokenizer))
+        # The prepared corpus's tokenizer directory (checked against its manifest's sha256),
+        # copied as it is: loading it through transformers to save it again cost a second of
+        # imports in every process that starts a run.
+        shutil.copytree(tokenizer_dir, tokenizer)
         if hf is not None:
             config = {k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"}
             hf_config.write_text(json.dumps(config, indent=1))

@@ -83,7 +83,7 @@ def prepare_corpus(cfg: DataConfig) -> TokenCorpus:
         logger.info("data: tokenizing the corpus into %s", entry)
         _build_entry(cfg, entry)
     data = PreparedData.open(entry)
-    tokenizer_dir = str(data.tokenizer_dir) if cfg.tokenizer == "bpe" else cfg.tokenizer
+    tokenizer_dir = str(data.tokenizer_dir)  # the entry's own copy, also of a named tokenizer
     skipped = data.manifest["skipped_rows"]
     if skipped:
         logger.warning(

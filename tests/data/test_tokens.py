@@ -61,7 +61,10 @@ def test_local_tokenizer_directory(tmp_path, corpus_files):
     )
     corpus = prepare_corpus(cfg)
     assert corpus.vocab_size == 300
-    assert corpus.tokenizer_dir == bpe.tokenizer_dir
+    # the entry holds its own copy of the tokenizer it was made with (a run copies it from there)
+    assert corpus.tokenizer_dir != bpe.tokenizer_dir
+    mine, theirs = load_tokenizer(corpus.tokenizer_dir), load_tokenizer(bpe.tokenizer_dir)
+    assert mine.get_vocab() == theirs.get_vocab() and mine.eos_token == theirs.eos_token
 
 
 @pytest.mark.unit

@@ -4,6 +4,7 @@ starts with torch, bigtrain and DeepSpeed already imported (about 4 s of CPU sav
 import contextlib
 
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (building a model under a torch.device context imports it: 1 s)
 
 import bigtrain.build  # noqa: F401
 import bigtrain.parallel.zero  # noqa: F401  (imports deepspeed lazily: import it here)
@@ -11,3 +12,5 @@ import tests.conftest  # noqa: F401
 
 with contextlib.suppress(ImportError):
     import deepspeed  # noqa: F401
+with contextlib.suppress(ImportError):
+    import transformers  # noqa: F401  (transformers models and tokenizers in ranks)

@@ -95,10 +95,15 @@ def write(
     return {n: fs.sha256[n[len(DIR) + 1 :]] for n in names}
 
 
-def read(directory: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def read(
+    directory: Path,
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    reader: ChunkReader | None = None,
+) -> None:
     """Load directory/dcp into `state`'s tensors and blocks, in place (a collective over
-    `group`; None: this process alone)."""
-    reader = ChunkReader(directory / DIR)
+    `group`; None: this process alone); `reader`: one of directory/dcp to reuse."""
+    reader = reader or ChunkReader(directory / DIR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
@@ -114,9 +119,12 @@ def files_of_rank(directory: Path, rank: int) -> list[str]:
     return [f"{DIR}/{n}" for n in mine]
 
 
-def saved_tensors(directory: Path) -> dict[str, TensorStorageMetadata]:
+def saved_tensors(
+    directory: Path, reader: FileSystemReader | None = None
+) -> dict[str, TensorStorageMetadata]:
     """Every tensor key of directory/dcp with its whole size and dtype."""
-    meta = FileSystemReader(str(directory / DIR)).read_metadata().state_dict_metadata
+    reader = reader or FileSystemReader(str(directory / DIR))
+    meta = reader.read_metadata().state_dict_metadata
     return {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -136,7 +144,8 @@ def load(
     `shapes`: every parameter of the model (all ranks check all, so all refuse alike). `into`:
     per master, FP32 moment tensors shaped like it to read into in place (the optimizer's own;
     None: new ones)."""
-    saved = saved_tensors(directory)
+    reader = ChunkReader(directory / DIR)  # its metadata parsed once
+    saved = saved_tensors(directory, reader)
     model = {k[6:]: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
     check_covers(f"checkpoint '{directory}'", model, shapes)
     wanted: dict[str, Any] = {}
@@ -174,7 +183,7 @@ def load(
             host_buffers[name] = wanted[f"model.{name}"] = torch.empty(
                 tuple(entry.size), dtype=entry.properties.dtype
             )
-    read(directory, wanted, group)
+    read(directory, wanted, group, reader)
     with torch.no_grad():
         for name, value in host_buffers.items():
             buffers[name].copy_(value.view(buffers[name].shape))
@@ -190,7 +199,8 @@ class CheckpointReader(Source):
     def __init__(self, directory: Path) -> None:
         self.origin = f"checkpoint '{directory}'"
         self.directory = directory
-        self.saved = saved_tensors(directory)
+        self.reader = ChunkReader(directory / DIR)
+        self.saved = saved_tensors(directory, self.reader)
         self.shapes = {
             k[6:]: tuple(v.size) for k, v in self.saved.items() if k.startswith("model.")
         }
@@ -200,7 +210,7 @@ class CheckpointReader(Source):
         if self._cached is None or self._cached[0] != key:
             entry = self.saved[key]
             value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-            read(self.directory, {key: value}, None)
+            read(self.directory, {key: value}, None, self.reader)
             self._cached = (key, value)
         return self._cached[1]
 

@@ -84,7 +84,19 @@ class HashingWriter:
 
 class ChunkReader(FileSystemReader):
     """DCP's file reader, one copy per chunk (the module's docstring). bigtrain's checkpoints
-    hold tensors only and no stream transforms; anything else is refused."""
+    hold tensors only and no stream transforms; anything else is refused. A reader parses its
+    `.metadata` once (a load asks for it, and so do the key checks before it and every further
+    load through the same reader)."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if args or kwargs:  # another rank's metadata file: not what is kept
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

@@ -92,7 +92,7 @@ def test_a_chunk_header_builds_nothing_but_a_tensor_layout():
 
 
 def test_reader_threads_read_without_grad_mode(tmp_path, monkeypatch):
-    """Files are read one per thread, and grad mode is per thread: the reads into blocks (views
+    """Files are read on reader threads, and grad mode is per thread: the reads into blocks (views
     of parameters, on a backend) run under no_grad like the load that started them (under grad
     mode a resharding copy into a ZeRO or tensor-parallel block failed in autograd's view
     checks)."""
@@ -118,5 +118,8 @@ def test_reader_threads_read_without_grad_mode(tmp_path, monkeypatch):
         }
         read(tmp_path, wanted, None)
     assert flat.detach().view(4, 4, 4).equal(torch.stack(list(values.values())))
-    assert len({name for name, _ in seen}) == 2, seen
+    # every read ran on a reader thread (the main thread is under the test's no_grad, so a read
+    # there would prove nothing); how many threads the pool started is its own business: a
+    # thread done with one file may take the next
+    assert seen and all(name.startswith("bigtrain-ckpt-read") for name, _ in seen), seen
     assert not any(grad for _, grad in seen), seen

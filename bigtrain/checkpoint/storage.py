@@ -27,10 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 
@@ -155,6 +160,42 @@ class ChunkReader(FileSystemReader):
                 raise ValueError(f"{where}: {tuple(tensor.size())} read for {tuple(target.size())}")
             target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+class ChunkPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the common case planned directly: a tensor wanted as exactly the
+    chunks it was saved as reads each chunk whole, in one read item; every other tensor (another
+    layout, world size or mesh) goes through DCP's own resharding plan. Keys must all be in the
+    checkpoint (DCP's strict load)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_sharded_tensors=False)  # bigtrain has no ShardedTensor
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            chunks = same_chunks(obj, saved.get(fqn))
+            if chunks is None:  # DCP plans it (and names a missing key or a size mismatch)
+                items += create_default_local_load_plan({fqn: obj}, self.metadata).items
+                continue
+            for i, chunk in enumerate(chunks):
+                index = MetadataIndex(fqn, chunk.offsets, i)
+                zeros = torch.Size([0] * len(chunk.offsets))
+                items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
+        return LoadPlan(items)
+
+
+def same_chunks(obj, saved) -> list[ChunkStorageMetadata] | None:
+    """The chunks `obj` (a tensor, or blocks with their own chunk list) asks for when they are
+    exactly the saved tensor's chunks, in the same order; else None."""
+    if not isinstance(saved, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
+        return None
+    if hasattr(obj, "__create_chunk_list__"):
+        chunks = obj.__create_chunk_list__()
+    else:
+        chunks = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
+    return chunks if saved.size == obj.size() and chunks == saved.chunks else None
 
 
 def chunk_layout(fd: int, offset: int, length: int, dtype: torch.dtype, where: str) -> tuple:

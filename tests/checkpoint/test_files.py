@@ -12,11 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from bigtrain.checkpoint.blocks import Blocks
+from bigtrain.checkpoint import storage
+from bigtrain.checkpoint.blocks import Blocks, range_views
 from bigtrain.checkpoint.state import DIR, read, write
-from bigtrain.checkpoint.storage import ChunkHeader, ChunkReader, chunk_layout, dense
+from bigtrain.checkpoint.storage import ChunkHeader, ChunkPlanner, ChunkReader, chunk_layout, dense
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +124,64 @@ def test_reader_threads_read_without_grad_mode(tmp_path, monkeypatch):
     # thread done with one file may take the next
     assert seen and all(name.startswith("bigtrain-ckpt-read") for name, _ in seen), seen
     assert not any(grad for _, grad in seen), seen
+
+
+def plan_items(planner, state, tmp_path) -> list:
+    reader = ChunkReader(tmp_path / DIR)
+    planner.set_up_planner(state, reader.read_metadata(), True)
+    return sorted(
+        planner.create_local_plan().items,
+        key=lambda i: (i.dest_index.fqn, tuple(i.dest_index.offset), tuple(i.storage_offsets)),
+    )
+
+
+def test_the_planner_reads_same_layout_chunks_whole_and_leaves_resharding_to_dcp(
+    tmp_path, monkeypatch
+):
+    """ChunkPlanner's direct plan for tensors wanted as they were saved is the plan DCP makes
+    (ReadItem for ReadItem); a tensor wanted in other blocks than were saved is planned by DCP."""
+    saved = torch.arange(24.0).view(6, 4)
+    write(
+        tmp_path,
+        {
+            "model.w": torch.arange(12.0).view(3, 4),
+            "model.s": Blocks((6, 4), [((0, 0), saved[:2]), ((2, 0), saved[2:])]),
+            "model.r": Blocks((6, 4), [((0, 0), saved[:3]), ((3, 0), saved[3:])]),
+            "optim.w.step": torch.tensor(2.0, dtype=torch.float64),
+        },
+        None,
+    )
+    flat = torch.zeros(24)
+    state = {
+        "model.w": torch.zeros(3, 4),
+        "model.s": Blocks((6, 4), [((0, 0), torch.zeros(2, 4)), ((2, 0), torch.zeros(4, 4))]),
+        "model.r": Blocks((6, 4), range_views((6, 4), flat[5:], 5)),  # a ZeRO-like range
+        "optim.w.step": torch.tensor(0.0, dtype=torch.float64),
+    }
+    planned_by_dcp = []
+    original = storage.create_default_local_load_plan
+    monkeypatch.setattr(
+        storage,
+        "create_default_local_load_plan",
+        lambda part, *args: planned_by_dcp.extend(part) or original(part, *args),
+    )
+    mine = plan_items(ChunkPlanner(), state, tmp_path)
+    assert planned_by_dcp == ["model.r"]
+    theirs = plan_items(DefaultLoadPlanner(), state, tmp_path)
+    assert mine == theirs
+    assert len([i for i in mine if i.dest_index.fqn == "model.s"]) == 2  # chunk for chunk
+    # elements 5.. of a 6x4 tensor: the rest of row 1, rows 2-5; saved as rows 0-2 and 3-5
+    assert len([i for i in mine if i.dest_index.fqn == "model.r"]) == 3  # resharded by DCP
+    read(tmp_path, state, None)
+    assert flat[5:].equal(saved.view(-1)[5:]) and state["model.w"].equal(
+        torch.arange(12.0).view(3, 4)
+    )
+    assert state["optim.w.step"].item() == 2.0
+
+
+def test_the_planner_names_a_missing_key_and_a_size_mismatch(tmp_path):
+    write(tmp_path, {"model.w": torch.zeros(3, 4)}, None)
+    with pytest.raises(RuntimeError, match="model.v"):
+        plan_items(ChunkPlanner(), {"model.v": torch.zeros(3, 4)}, tmp_path)
+    with pytest.raises(ValueError, match=r"model.w"):
+        plan_items(ChunkPlanner(), {"model.w": torch.zeros(4, 3)}, tmp_path)

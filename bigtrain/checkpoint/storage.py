@@ -1,16 +1,20 @@
 """DCP's files, written and read the fast way: the storage layer under checkpoint/state.py.
 
 The files are DCP's own (FileSystemWriter's `.distcp` files of torch.save records and its
-`.metadata`), so DCP's FileSystemReader and tools read them too. Two things change how they are
-handled, both measured in bench/checkpoint.py:
+`.metadata`), so DCP's FileSystemReader and tools read them too. Three things change how they
+are handled, all measured in bench/checkpoint.py:
   - writing, each file is hashed as its bytes go by (`HashingFileSystem`), so the manifest's
     sha256 needs no second read of the checkpoint;
+  - planning a load, a tensor wanted as the very chunks it was saved as (a resume on the same
+    layout, every backend's usual one) reads each chunk whole (`ChunkPlanner`), without DCP's
+    general overlap search; DCP plans everything else (resharding);
   - reading, DCP's reader feeds every chunk to torch.load through a Python file view and a
     pure-Python unpickler, which costs several times the copy itself. `ChunkReader` reads the
     record's zip directory and its tensor header only (`ChunkHeader`: a C unpickler that builds
-    nothing, checked against DCP's metadata), then reads the stored bytes straight into the
-    tensor the load asks for (when the chunk lands whole in a contiguous host tensor, the usual
-    case), or into a buffer it copies the asked-for part from (resharding, device tensors).
+    nothing, checked against DCP's metadata; a short record, such as a step count, whole in
+    one read with its data), then reads the stored bytes straight into the tensor the load
+    asks for (when the chunk lands whole in a contiguous host tensor, the usual case), or into
+    a buffer it copies the asked-for part from (resharding, device tensors).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pickle
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -143,15 +148,15 @@ class ChunkReader(FileSystemReader):
         if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
             raise ValueError(f"{where} is not a plain tensor chunk")
         dtype = self.dtypes[fqn]
-        start, numel, first, size, stride = chunk_layout(fd, info.offset, info.length, dtype, where)
+        record = record_layout(fd, info.offset, info.length, dtype, where)
         target = planner.resolve_tensor(item).detach()
-        whole = not any(item.storage_offsets) and tuple(item.lengths) == size
-        if whole and dense(size, stride) and fits(target, size, dtype):
-            read_into(fd, target, start + first * dtype.itemsize, where)
+        whole = not any(item.storage_offsets) and tuple(item.lengths) == record.size
+        if whole and dense(record.size, record.stride) and fits(target, record.size, dtype):
+            read_into(fd, target, record, record.first * dtype.itemsize, where)
         else:
-            stored = torch.empty(numel, dtype=dtype)
-            read_into(fd, stored, start, where)
-            tensor = stored.as_strided(size, stride, first)
+            stored = torch.empty(record.numel, dtype=dtype)
+            read_into(fd, stored, record, 0, where)
+            tensor = stored.as_strided(record.size, record.stride, record.first)
             for dim, (at, length) in enumerate(
                 zip(item.storage_offsets, item.lengths, strict=True)
             ):
@@ -198,24 +203,50 @@ def same_chunks(obj, saved) -> list[ChunkStorageMetadata] | None:
     return chunks if saved.size == obj.size() and chunks == saved.chunks else None
 
 
-def chunk_layout(fd: int, offset: int, length: int, dtype: torch.dtype, where: str) -> tuple:
-    """Where the torch.save record at [offset, offset + length) of file `fd` keeps its tensor:
-    (the storage's first byte in the file, its element count, the tensor's storage offset,
-    size and stride); its dtype must be `dtype` (DCP's metadata)."""
-    record = torch._C.PyTorchFileReader(Span(fd, offset, length))
+class Record(NamedTuple):
+    """Where a torch.save record keeps its tensor: the storage's first byte in the file, its
+    element count, the tensor's storage offset, size and stride; `data`, the storage's bytes
+    when the record was short enough to be read whole (else they are read from the file)."""
+
+    start: int
+    numel: int
+    first: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    data: memoryview | None
+
+
+SMALL = 8192
+"""A record this short (a step count, a norm's weight) is read whole in one read: its zip
+directory, header and data, parsed from memory."""
+
+
+def record_layout(fd: int, offset: int, length: int, dtype: torch.dtype, where: str) -> Record:
+    """The layout of the torch.save record at [offset, offset + length) of file `fd`; its dtype
+    must be `dtype` (DCP's metadata)."""
+    if length <= SMALL:
+        raw = os.pread(fd, length, offset)
+        if len(raw) != length:
+            raise ValueError(f"{where}: the file ends {length - len(raw)} bytes short")
+        record = torch._C.PyTorchFileReader(io.BytesIO(raw))
+    else:
+        record = torch._C.PyTorchFileReader(Span(fd, offset, length))
     storage, first, size, stride = ChunkHeader(io.BytesIO(record.get_record("data.pkl"))).load()
     _, storage_type, key, _, numel = storage
     stored = storage_dtype(storage_type)
-    data = f"data/{key}"
+    name = f"data/{key}"
     if stored != dtype or record.get_record("byteorder") != b"little":
         raise ValueError(
             f"{where}: {stored} stored, {dtype} in the metadata (or not little-endian)"
         )
-    if record.get_record_size(data) != numel * dtype.itemsize:
-        raise ValueError(f"{where}: {record.get_record_size(data)} bytes for {numel} {dtype}")
+    nbytes = numel * dtype.itemsize
+    if record.get_record_size(name) != nbytes:
+        raise ValueError(f"{where}: {record.get_record_size(name)} bytes for {numel} {dtype}")
     if all(size) and first + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= numel:
         raise ValueError(f"{where}: a tensor of {size} at {first} overruns its {numel} elements")
-    return offset + record.get_record_offset(data), numel, first, size, stride
+    at = record.get_record_offset(name)
+    data = memoryview(raw)[at : at + nbytes] if length <= SMALL else None
+    return Record(offset + at, numel, first, size, stride, data)
 
 
 def dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -238,12 +269,16 @@ def fits(target: torch.Tensor, size: tuple[int, ...], dtype: torch.dtype) -> boo
     )
 
 
-def read_into(fd: int, tensor: torch.Tensor, at: int, where: str) -> None:
-    """Fill contiguous host `tensor` with the bytes of file `fd` from `at`."""
+def read_into(fd: int, tensor: torch.Tensor, record: Record, skip: int, where: str) -> None:
+    """Fill contiguous host `tensor` with `record`'s storage bytes from byte `skip` on: from
+    memory when the record was read whole, else straight from file `fd`."""
     if not tensor.numel():
         return
     buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-    done = 0
+    if record.data is not None:
+        buffer[:] = record.data[skip : skip + len(buffer)]
+        return
+    at, done = record.start + skip, 0
     while done < len(buffer):
         n = os.preadv(fd, [buffer[done:]], at + done)
         if n <= 0:

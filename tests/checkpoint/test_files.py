@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from bigtrain.checkpoint import storage
 from bigtrain.checkpoint.blocks import Blocks, range_views
 from bigtrain.checkpoint.state import DIR, read, write
-from bigtrain.checkpoint.storage import ChunkHeader, ChunkPlanner, ChunkReader, chunk_layout, dense
+from bigtrain.checkpoint.storage import ChunkHeader, ChunkPlanner, ChunkReader, dense, record_layout
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +29,7 @@ def mixed_state() -> dict[str, torch.Tensor]:
         "model.t": torch.randn(6, 4, generator=g).t(),  # stored with its strides
         "model.bf16": torch.randn(9, generator=g).to(torch.bfloat16),
         "model.long": torch.arange(11),
+        "model.big": torch.randn(48, 64, generator=g).t(),  # a record longer than SMALL
         "model.empty": torch.empty(0, 3),
         "optim.w.step": torch.tensor(3.0, dtype=torch.float64),
     }
@@ -57,14 +58,29 @@ def test_a_chunk_of_another_dtype_than_its_metadata_says_is_refused(tmp_path):
     [path] = (tmp_path / DIR).glob("*.distcp")
     [info] = FileSystemReader(str(tmp_path / DIR)).read_metadata().storage_data.values()
     with open(path, "rb") as f:
-        start, numel, first, size, stride = chunk_layout(
-            f.fileno(), info.offset, info.length, torch.float32, "w"
-        )
+        record = record_layout(f.fileno(), info.offset, info.length, torch.float32, "w")
         with pytest.raises(ValueError, match="torch.float32 stored, torch.float64"):
-            chunk_layout(f.fileno(), info.offset, info.length, torch.float64, "w")
-    assert (numel, first, size, stride) == (4, 0, (4,), (1,))
-    data = path.read_bytes()[start : start + 16]
+            record_layout(f.fileno(), info.offset, info.length, torch.float64, "w")
+    assert record[1:5] == (4, 0, (4,), (1,))
+    data = path.read_bytes()[record.start : record.start + 16]
     assert torch.frombuffer(bytearray(data), dtype=torch.float32).tolist() == [0, 1, 2, 3]
+    assert bytes(record.data) == data  # a short record is read whole: its data comes along
+
+
+def test_a_long_record_is_parsed_from_its_ends_and_its_data_read_from_the_file(tmp_path):
+    value = torch.arange(3000, dtype=torch.float32)  # 12 KB: longer than storage.SMALL
+    write(tmp_path, {"model.w": value}, None)
+    [path] = (tmp_path / DIR).glob("*.distcp")
+    [info] = FileSystemReader(str(tmp_path / DIR)).read_metadata().storage_data.values()
+    assert info.length > storage.SMALL
+    with open(path, "rb") as f:
+        record = record_layout(f.fileno(), info.offset, info.length, torch.float32, "w")
+    assert record.data is None and record[1:5] == (3000, 0, (3000,), (1,))
+    data = path.read_bytes()[record.start : record.start + 12000]
+    assert torch.frombuffer(bytearray(data), dtype=torch.float32).equal(value)
+    out = torch.zeros(3000)
+    read(tmp_path, {"model.w": out}, None)
+    assert out.equal(value)
 
 
 def test_a_load_that_reshards_reads_parts_of_chunks(tmp_path):

@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from bigtrain.checkpoint.blocks import Blocks
+
 
 class HashingFileSystem(FileSystem):
     """DCP's local file system, hashing every file it writes as the bytes go by (sha256 by file
@@ -192,12 +194,14 @@ class ChunkPlanner(DefaultLoadPlanner):
 
 
 def same_chunks(obj, saved) -> list[ChunkStorageMetadata] | None:
-    """The chunks `obj` (a tensor, or blocks with their own chunk list) asks for when they are
-    exactly the saved tensor's chunks, in the same order; else None."""
+    """The chunks `obj` (a plain tensor, or `Blocks`) asks for when they are exactly the saved
+    tensor's chunks, in the same order; else None."""
     if not isinstance(saved, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
         return None
-    if hasattr(obj, "__create_chunk_list__"):
+    if isinstance(obj, Blocks):
         chunks = obj.__create_chunk_list__()
+    elif hasattr(obj, "__create_chunk_list__"):  # a DTensor: DCP knows its mesh
+        return None
     else:
         chunks = [ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())]
     return chunks if saved.size == obj.size() and chunks == saved.chunks else None
@@ -245,6 +249,8 @@ def record_layout(fd: int, offset: int, length: int, dtype: torch.dtype, where: 
     if all(size) and first + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= numel:
         raise ValueError(f"{where}: a tensor of {size} at {first} overruns its {numel} elements")
     at = record.get_record_offset(name)
+    if at + nbytes > length:
+        raise ValueError(f"{where}: {nbytes} bytes at {at} overrun the {length}-byte record")
     data = memoryview(raw)[at : at + nbytes] if length <= SMALL else None
     return Record(offset + at, numel, first, size, stride, data)
 

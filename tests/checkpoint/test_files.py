@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bigtrain.checkpoint import storage
 from bigtrain.checkpoint.blocks import Blocks, range_views
@@ -201,3 +202,18 @@ def test_the_planner_names_a_missing_key_and_a_size_mismatch(tmp_path):
         plan_items(ChunkPlanner(), {"model.v": torch.zeros(3, 4)}, tmp_path)
     with pytest.raises(ValueError, match=r"model.w"):
         plan_items(ChunkPlanner(), {"model.w": torch.zeros(4, 3)}, tmp_path)
+
+
+def test_a_truncated_record_is_refused_naming_the_file_and_key(tmp_path):
+    """A short record is read whole: a file cut inside it is named, not parsed from what is left
+    (a long record's cut data is refused by read_into, tested through the load paths)."""
+    write(tmp_path, {"model.w": torch.arange(4.0)}, None)
+    [path] = (tmp_path / DIR).glob("*.distcp")
+    [info] = FileSystemReader(str(tmp_path / DIR)).read_metadata().storage_data.values()
+    assert info.length <= storage.SMALL
+    with open(path, "r+b") as f:
+        f.truncate(info.offset + info.length - 10)
+        with pytest.raises(ValueError, match=r"'model.w'.*the file ends 10 bytes short"):
+            record_layout(f.fileno(), info.offset, info.length, torch.float32, f"{path}: 'model.w'")
+    with pytest.raises(CheckpointException, match="the file ends 10 bytes short"):
+        read(tmp_path, {"model.w": torch.zeros(4)}, None)  # DCP carries each rank's error

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bigtrain.config import load_config  # noqa: E402
-from bigtrain.plan_goodput import plan_goodput  # noqa: E402
+from bigtrain.plan.goodput import plan_goodput  # noqa: E402
 
 GPUS = (512, 2048, 8192, 16384)
 RESTARTS = (600, 300, 180, 60)

@@ -3,6 +3,10 @@ zero-2 (2 ranks each, torchrun on gloo), every step's loss and the final weight 
 
     python bench/loss_compare.py --save ref.json [--repo DIR]    # before a change
     python bench/loss_compare.py --check ref.json                # after it: exit 1 on any change
+    python bench/loss_compare.py --tiny 60 --save ref.json       # configs/tiny.yaml as shipped
+
+`--tiny N`: configs/tiny.yaml with its own model, precision and batch (not the micro model), for
+N steps, every step's loss logged (the architecture refactors' check).
 
 `--repo` runs another checkout's code (its `python -m bigtrain`), so a reference can be taken from
 the commit before the change. Results are bit-exact only on the same machine and library versions.
@@ -50,8 +54,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_run(repo: Path, backend: str, out: Path, cache: Path) -> dict:
-    args = ["train", "configs/tiny.yaml", *MICRO, *BACKENDS[backend]]
+def tiny(steps: int) -> list[str]:
+    """configs/tiny.yaml as shipped, for `steps` steps, every loss logged, no checkpoints."""
+    return [
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.progress=false",
+        "checkpoint.every=-1",
+        "wandb.mode=disabled",
+    ]
+
+
+def one_run(repo: Path, backend: str, out: Path, cache: Path, steps: int | None = None) -> dict:
+    overrides = MICRO if steps is None else tiny(steps)
+    args = ["train", "configs/tiny.yaml", *overrides, *BACKENDS[backend]]
     args += [f"train.out_dir={out}", f"data.cache_dir={cache}"]
     if backend == "local":
         command = [sys.executable, "-m", "bigtrain", *args]
@@ -76,11 +92,16 @@ def main() -> None:
     parser.add_argument("--check", type=Path)
     parser.add_argument("--repo", type=Path, default=ROOT)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    parser.add_argument("--tiny", type=int, metavar="STEPS", help="configs/tiny.yaml as shipped")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        got = {b: one_run(args.repo, b, Path(tmp) / b, Path(tmp) / "cache") for b in args.backends}
+        got = {
+            b: one_run(args.repo, b, Path(tmp) / b, Path(tmp) / "cache", args.tiny)
+            for b in args.backends
+        }
     for backend, result in got.items():
-        print(f"{backend:7s} loss@20 {result['losses'][-1]:.6f} {result['fingerprint'][:16]}")
+        losses = result["losses"]
+        print(f"{backend:7s} loss@{len(losses)} {losses[-1]:.6f} {result['fingerprint']}")
     if args.save:
         args.save.write_text(json.dumps(got, indent=1) + "\n")
     if args.check:

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv, pick_device  # noqa: E402
-from bigtrain.plan import COMPONENTS, bigtrain_layout, count_params  # noqa: E402
+from bigtrain.plan.memory import COMPONENTS, state_bytes  # noqa: E402
+from bigtrain.plan.shapes import count_params, meta_model  # noqa: E402
 from bigtrain.precision import detect_hardware, resolve_policy  # noqa: E402
 from bigtrain.runner import run  # noqa: E402
 from bigtrain.store.rundir import read_jsonl  # noqa: E402
@@ -68,11 +69,11 @@ def main() -> None:
         cfg = load_config(files, overrides)
         final = run(cfg, DistEnv())
         metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
-        n, _ = count_params(cfg)
+        n, _ = count_params(meta_model(cfg.model, cfg.data))
         policy = resolve_policy(
             cfg.precision, detect_hardware(pick_device(cfg.train.device, DistEnv())), n
         )
-        layout = bigtrain_layout(
+        per_param = state_bytes(
             cfg.parallel.backend, cfg.parallel.zero_stage, policy
         ).per_rank_bytes_per_param(1)
         speeds = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][
@@ -80,7 +81,7 @@ def main() -> None:
         ]  # first interval has warm-up
         rows[name] = {
             "tokens_per_s": sum(speeds) / max(1, len(speeds)),
-            "bytes_per_param": layout,
+            "bytes_per_param": per_param,
             "train_loss": final["loss"],
             "val_loss": [m["val_loss"] for m in metrics if "val_loss" in m][-1],
             "skipped_steps": final["skipped_steps"],

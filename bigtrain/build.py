@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config import Config, to_dict, to_yaml
+from bigtrain.config.resilience import MonitorConfig
 from bigtrain.data import (
     BatchLoader,
     TokenCorpus,
@@ -44,7 +46,7 @@ from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
-from bigtrain.parallel.mesh import for_mesh, mesh_shape, replication
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.parallel.parallelize import parallelize
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
@@ -71,9 +73,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMonitor:
+def make_monitor(
+    cfg: MonitorConfig, backend: Backend, layout: Layout, device: torch.device
+) -> GradMonitor:
     """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs."""
-    choice = cfg.monitor.kernel
+    choice = cfg.kernel
     if choice == "triton" and not kernel.available(device):
         raise ConfigError(
             f"key 'monitor.kernel' got 'triton', but Triton cannot launch on {device} "
@@ -83,8 +87,8 @@ def make_monitor(cfg: Config, backend: Backend, device: torch.device) -> GradMon
     use_kernel = use_kernel and kernel.available(device)
     trainable = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
     names = [canonical_name(n) for n, _ in trainable]
-    replicas = [replication(p) for _, p in trainable]
-    return GradMonitor(cfg.monitor, names, device, use_kernel, replicas, backend.replica_group)
+    replicas = [layout.replication(p) for _, p in trainable]
+    return GradMonitor(cfg, names, device, use_kernel, replicas, layout)
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,10 @@ def build(cfg: Config, env: DistEnv) -> Run:
     clock.mark("process")  # the interpreter, imports and the config
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
-    # A mesh that does not divide the world: exit 2 before any work. tp ranks share a batch.
-    cfg = for_mesh(cfg, env.world_size)  # train.global_batch_size -> grad_accum_steps
+    # The one layout of this process; sizes that do not divide: exit 2 before any work.
+    layout = Layout.of(cfg.parallel, env.world_size, env.rank)
+    # train.global_batch_size -> grad_accum_steps for the data-parallel ranks (tp shares a batch)
+    cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
     if cfg.parallel.backend == "local" and env.world_size != 1:
         raise ConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
@@ -132,6 +138,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     init_process_group(
         env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
     )
+    layout = layout.connect(device.type)  # the DeviceMesh: every rank, once
     clock.mark("process_group")
     created = not out.exists()
     run_dir = RunDir(out, env.is_main)
@@ -139,7 +146,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     clock.previous_end = last_event_time(out / "events.jsonl")  # a restart's gap starts there
     log_file = add_rank_file(out, env.rank)
     try:
-        return _assemble(cfg, env, run_dir, device, lock, log_file, config_yaml, clock)
+        return _assemble(cfg, env, layout, run_dir, device, lock, log_file, config_yaml, clock)
     except BaseException:
         remove_handler(log_file)
         if lock is not None:
@@ -167,7 +174,7 @@ def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> 
 
 
 def make_data(
-    cfg: Config, env: DistEnv, device: torch.device
+    cfg: Config, env: DistEnv, layout: Layout, device: torch.device
 ) -> tuple[TrainingData, BatchLoader, list]:
     """(the training data, its batch loader, the validation batches)."""
     if cfg.data.pin_memory and device.type != "cuda":
@@ -176,8 +183,7 @@ def make_data(
             "(leave it null: on for CUDA)"
         )
     t = cfg.train
-    shape = mesh_shape(cfg.parallel, env.world_size)
-    dp_rank, dp_size = shape.dp_rank(env.rank), shape.dp_size  # a tp group reads one slice
+    dp_rank, dp_size = layout.dp_rank, layout.dp_size  # a tp group reads one slice
     if cfg.data.source == "prepared":
         data = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
         needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp_size
@@ -247,6 +253,7 @@ def make_callbacks(cfg, env, run_dir, manager, val, int8_layers, tokenizer_dir) 
 def _assemble(
     cfg: Config,
     env: DistEnv,
+    layout: Layout,
     run_dir: RunDir,
     device: torch.device,
     lock: RunLock | None,
@@ -254,27 +261,30 @@ def _assemble(
     config_yaml: str,
     clock: StartupClock,
 ) -> Run:
-    manager = CheckpointManager(run_dir.checkpoints, cfg.checkpoint.keep, env.rank, env.world_size)
+    manager = CheckpointManager(
+        run_dir.checkpoints, cfg.checkpoint.keep, layout.rank, layout.world_size
+    )
     _check_run_dir(cfg, run_dir, manager)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    data, loader, val = make_data(cfg, env, device)
+    data, loader, val = make_data(cfg, env, layout, device)
     clock.mark("data")
-    model, facts = make_model(cfg, data.vocab_size, device, data.eos_id)
+    model, facts = make_model(cfg, layout, data.vocab_size, device, data.eos_id)
     manager.carry = save_run_files(run_dir.path, data.tokenizer_dir, model, env.is_main)
-    backend = parallelize(model, cfg, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
-    if cfg.parallel.tensor_parallel > 1 and uses_gpt_plan(model):
-        torch.manual_seed(dropout_seed(cfg.train.seed, env.rank))
+    backend = parallelize(model, cfg, layout, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
+    if layout.tp > 1 and uses_gpt_plan(model):
+        torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
     peak_flops, peak_source = resolve_peak_flops(
         device,
         dtype_name(facts.policy.compute_dtype),
         facts.policy.allow_tf32,
         cfg.train.peak_flops,
     )
-    monitor = make_monitor(cfg, backend, device)
+    monitor = make_monitor(cfg.monitor, backend, layout, device)
     clock.mark("model")
     setup = RunSetup(
+        layout=layout,
         policy=facts.policy,
         num_params=facts.num_params,
         shapes=facts.shapes,

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_goodput_options(plan) -> None:
-    """`plan --goodput`: the simulated goodput of a long run (plan_goodput.py)."""
+    """`plan --goodput`: the simulated goodput of a long run (plan/goodput.py)."""
     g = plan.add_argument_group("goodput (docs/goodput.md)")
     g.add_argument("--goodput", action="store_true", help="simulate goodput at --gpus GPUs")
     g.add_argument("--gpus", type=int, default=None, help="GPUs of the planned run")
@@ -226,7 +226,7 @@ def _train(items: list[str], local_rank: int | None) -> int:
 def _memory_plan(cfg, env) -> dict:
     """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
     from bigtrain.parallel.env import pick_device
-    from bigtrain.plan import predicted_memory
+    from bigtrain.plan.memory import predicted_memory
     from bigtrain.precision import detect_hardware
 
     hardware = detect_hardware(pick_device(cfg.train.device, env))
@@ -263,7 +263,7 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     cfg = _load(items)  # before the heavy imports, as in _train
     from bigtrain.parallel.env import DistEnv, pick_device
-    from bigtrain.plan import parse_bytes, plan_text
+    from bigtrain.plan.text import parse_bytes, plan_text
     from bigtrain.precision import Hardware, detect_hardware
 
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
@@ -276,7 +276,7 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
 
 
 def _plan_goodput(args: argparse.Namespace) -> int:
-    from bigtrain.plan_goodput import plan_goodput
+    from bigtrain.plan.goodput import plan_goodput
 
     if args.gpus is None:
         raise ConfigError("--goodput needs --gpus N: the GPUs of the planned run")

@@ -199,27 +199,7 @@ def test_a_hang_timeout_must_be_positive():
 
 
 @pytest.mark.unit
-def test_global_batch_size_derives_grad_accum_at_each_world_size():
-    from bigtrain.config import for_world_size
-
-    cfg = load_config([], ["train.global_batch_size=64", "train.micro_batch_size=8"])
-    assert [for_world_size(cfg, ws).train.grad_accum_steps for ws in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert for_world_size(cfg, 2).train.global_batch_size == 64
-    plain = load_config([], ["train.grad_accum_steps=3"])
-    assert for_world_size(plain, 4) is plain  # without a global batch nothing is derived
-    with pytest.raises(
-        ConfigError, match=r"\(64\) must be a positive multiple .* \(8\) x world size \(3\) = 24"
-    ):
-        for_world_size(cfg, 3)
-    with pytest.raises(ConfigError, match=r"world size \(16\) = 128"):
-        for_world_size(cfg, 16)
-    both = load_config(
-        [], ["train.global_batch_size=64", "train.micro_batch_size=8", "train.grad_accum_steps=3"]
-    )
-    with pytest.raises(
-        ConfigError, match=r"grad_accum_steps' \(3\) disagrees .* gives 4 at world size 2"
-    ):
-        for_world_size(both, 2)
+def test_a_global_batch_size_must_be_positive():
     with pytest.raises(ConfigError, match="train.global_batch_size' got 0"):
         load_config([], ["train.global_batch_size=0"])
 

@@ -29,7 +29,8 @@ LAYERS = [
     ("bigtrain.callbacks",),
     ("bigtrain.build", "bigtrain.resume"),
     ("bigtrain.runner",),
-    ("bigtrain.plan", "bigtrain.cli", "bigtrain.__main__", "bigtrain"),
+    ("bigtrain.plan",),
+    ("bigtrain.cli", "bigtrain.__main__", "bigtrain"),
 ]
 
 

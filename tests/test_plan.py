@@ -8,7 +8,8 @@ import torch
 from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env, shutdown
-from bigtrain.plan import COMPONENTS, bigtrain_layout, count_params, zero_paper_layout
+from bigtrain.plan.memory import COMPONENTS, state_bytes, zero_paper_bytes
+from bigtrain.plan.shapes import count_params, meta_model
 from bigtrain.precision import Hardware, resolve_policy
 from tests.conftest import micro_overrides, run_cli
 from tests.distributed import run_distributed
@@ -20,15 +21,15 @@ CPU = Hardware("cpu", "test CPU", cpu_bf16=True)
 @pytest.mark.parametrize(("stage", "gigabytes"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure(stage, gigabytes):
     """Figure 1 of the ZeRO paper: 7.5B parameters, 64 data-parallel ranks, mixed-precision Adam."""
-    layout = zero_paper_layout(stage)
-    per_rank = sum(layout.per_rank_bytes_per_param(1 if stage == 0 else 64).values()) * 7.5e9
+    states = zero_paper_bytes(stage)
+    per_rank = sum(states.per_rank_bytes_per_param(1 if stage == 0 else 64).values()) * 7.5e9
     assert per_rank / 1e9 == pytest.approx(gigabytes, abs=0.05)
 
 
 @pytest.mark.unit
 def test_param_count_matches_the_built_model(micro):
     cfg = micro()
-    n, block = count_params(cfg)
+    n, block = count_params(meta_model(cfg.model, cfg.data))
     from bigtrain.model import build_model, num_params
 
     model = build_model(cfg.model, cfg.data.vocab_size)
@@ -100,9 +101,9 @@ def test_plan_matches_measured_storage(tmp_path, corpus_files, cache_dir, backen
     ]
     measured = run_distributed(measure, world, args)
     cfg = load_config([], args)
-    n, _ = count_params(cfg)
-    layout = bigtrain_layout(backend, 2, resolve_policy(cfg.precision, CPU, n))
-    planned = layout.per_rank_bytes_per_param(world)
+    n, _ = count_params(meta_model(cfg.model, cfg.data))
+    states = state_bytes(backend, 2, resolve_policy(cfg.precision, CPU, n))
+    planned = states.per_rank_bytes_per_param(world)
     for rank in measured:
         assert rank["n"] == n
         for component in COMPONENTS:
@@ -141,7 +142,8 @@ def test_activation_estimate_matches_what_autograd_saves(micro):
     from torch import nn
 
     from bigtrain.model import build_model
-    from bigtrain.plan import activation_bytes_per_token, model_shape
+    from bigtrain.plan.memory import activation_bytes_per_token
+    from bigtrain.plan.shapes import model_shape
 
     cfg = micro()
     model = build_model(cfg.model, 384)
@@ -159,13 +161,13 @@ def test_activation_estimate_matches_what_autograd_saves(micro):
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.reshape(-1, 384), ids.reshape(-1))
     measured = sum(saved.values()) / ids.numel()
-    estimate = activation_bytes_per_token(model_shape(cfg), "none", 4, 4)
+    estimate = activation_bytes_per_token(model_shape(cfg.model, cfg.data), "none", 4, 4)
     assert estimate["layers"] + estimate["head"] == pytest.approx(measured, rel=0.02)
 
 
 @pytest.mark.unit
 def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
-    from bigtrain.plan import plan_text
+    from bigtrain.plan.text import plan_text
 
     cfg = load_config(["configs/llama-70b.yaml"])
     h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
@@ -208,7 +210,8 @@ def test_plan_cli_parses_gpu_memory_and_rejects_nonsense():
     [("gpt2-124m", 124_475_904), ("llama-1b", 1_235_814_400), ("llama-7b", 6_738_415_616)],
 )
 def test_recipes_have_the_published_sizes(name, params):
-    assert count_params(load_config([f"configs/{name}.yaml"]))[0] == params
+    cfg = load_config([f"configs/{name}.yaml"])
+    assert count_params(meta_model(cfg.model, cfg.data))[0] == params
 
 
 @pytest.mark.unit
@@ -216,12 +219,14 @@ def test_hsdp_traffic_per_mesh_axis_by_hand():
     """Shard 4 x replicate 2, 1000 parameters, 3 micro-batches, resharded after forward: 6 BF16
     all-gathers and one FP32 reduce-scatter over shard, one FP32 all-reduce of the 250-element
     shard over replicate (ring: (g - 1) / g of the data in each, twice for an all-reduce)."""
-    from bigtrain.plan_comm import fsdp_traffic
+    from bigtrain.parallel.layout import Layout
+    from bigtrain.plan.comm import fsdp_traffic
 
     cfg = load_config(
         [], ["parallel.backend=fsdp", "parallel.replicate=2", "train.grad_accum_steps=3"]
     )
-    traffic = fsdp_traffic(cfg, 1000, 8, gathered_itemsize=2, reduce_itemsize=4)
+    layout = Layout.of(cfg.parallel, 8)
+    traffic = fsdp_traffic(cfg.parallel, 3, layout, 1000, gathered_itemsize=2, reduce_itemsize=4)
     assert [(t.axis, t.size, t.collective) for t in traffic] == [
         ("shard", 4, "all-gather x 6"),
         ("shard", 4, "reduce-scatter x 1"),
@@ -232,7 +237,7 @@ def test_hsdp_traffic_per_mesh_axis_by_hand():
 
 @pytest.mark.unit
 def test_hsdp_plan_divides_the_states_by_the_shard_degree_only():
-    from bigtrain.plan import plan_text
+    from bigtrain.plan.text import plan_text
 
     cfg = load_config(["configs/llama-70b.yaml", "configs/parallel/hsdp.yaml"])
     h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
@@ -251,8 +256,8 @@ def test_tensor_parallel_plan_counts_the_split_layers_and_the_tp_all_reduces():
     gate/up colwise and o/down rowwise split 36,864 parameters per block over tp; FSDP2 shards
     the rest and the tp slice over shard; each micro-batch all-reduces the residual stream
     7 times per block (2 rowwise outputs forward, 5 colwise input gradients backward)."""
-    from bigtrain.plan import meta_model
-    from bigtrain.plan_comm import fsdp_traffic, tp_layout
+    from bigtrain.parallel.layout import Layout
+    from bigtrain.plan.comm import fsdp_traffic, tp_split
 
     cfg = load_config(
         [],
@@ -268,11 +273,12 @@ def test_tensor_parallel_plan_counts_the_split_layers_and_the_tp_all_reduces():
             "train.grad_accum_steps=3",
         ],
     )
-    layout = tp_layout(meta_model(cfg), cfg.parallel.tp_plan)
+    split = tp_split(meta_model(cfg.model, cfg.data), cfg.parallel.tp_plan)
     per_block = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64
-    assert (layout.split_params, layout.colwise, layout.rowwise) == (2 * per_block, 5, 2)
+    assert (split.split_params, split.colwise, split.rowwise) == (2 * per_block, 5, 2)
     n = 100_000
-    traffic = fsdp_traffic(cfg, n, 4, 2, 4, layout, activation_bytes=1000.0)
+    layout = Layout.of(cfg.parallel, 4)
+    traffic = fsdp_traffic(cfg.parallel, 3, layout, n, 2, 4, split, activation_bytes=1000.0)
     held = n - per_block  # the unsplit part, plus half of the split one
     assert [(t.axis, t.collective) for t in traffic] == [
         ("tp", "all-reduce x 42"),
@@ -287,8 +293,7 @@ def test_the_gpt2_preset_splits_all_but_the_fused_qkv_layer():
     """configs/parallel/tp2-hf-gpt2.yaml on a 2-block transformers GPT-2 (width 64, MLP 256):
     c_fc, attn.c_proj and mlp.c_proj are split over tp; c_attn (colwise_qkv) stays whole but
     all-reduces its input gradient like a colwise layer."""
-    from bigtrain.plan import meta_model
-    from bigtrain.plan_comm import tp_layout
+    from bigtrain.plan.comm import tp_split
 
     cfg = load_config(
         ["configs/parallel/tp2-hf-gpt2.yaml"],
@@ -298,9 +303,9 @@ def test_the_gpt2_preset_splits_all_but_the_fused_qkv_layer():
             "data.vocab_size=384",
         ],
     )
-    layout = tp_layout(meta_model(cfg), cfg.parallel.tp_plan)
+    split = tp_split(meta_model(cfg.model, cfg.data), cfg.parallel.tp_plan)
     per_block = (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
-    assert (layout.split_params, layout.colwise, layout.rowwise) == (2 * per_block, 2, 2)
+    assert (split.split_params, split.colwise, split.rowwise) == (2 * per_block, 2, 2)
 
 
 @pytest.mark.unit
@@ -310,8 +315,9 @@ def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
     split; per micro-batch each block all-gathers and reduce-scatters its attention and MLP
     inputs/outputs forward and backward (4 each), lm_head's input once more: 9 per micro-batch,
     27 over 3; the activations per rank halve."""
-    from bigtrain.plan import meta_model, plan_text
-    from bigtrain.plan_comm import fsdp_traffic, tp_layout
+    from bigtrain.parallel.layout import Layout
+    from bigtrain.plan.comm import fsdp_traffic, tp_split
+    from bigtrain.plan.text import plan_text
 
     overrides = [
         "data.vocab_size=384",
@@ -327,11 +333,12 @@ def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
         "train.grad_accum_steps=3",
     ]
     cfg = load_config([], [*overrides, "parallel.tensor_parallel=2"])
-    layout = tp_layout(meta_model(cfg), {})
+    split = tp_split(meta_model(cfg.model, cfg.data), {})
     per_block = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 192 * 64
-    assert layout.sequence_parallel and (layout.colwise, layout.rowwise) == (5, 2)
-    assert layout.split_params == 2 * per_block + 384 * 64
-    traffic = fsdp_traffic(cfg, 100_000, 4, 2, 4, layout, activation_bytes=1000.0)
+    assert split.sequence_parallel and (split.colwise, split.rowwise) == (5, 2)
+    assert split.split_params == 2 * per_block + 384 * 64
+    layout = Layout.of(cfg.parallel, 4)
+    traffic = fsdp_traffic(cfg.parallel, 3, layout, 100_000, 2, 4, split, activation_bytes=1000.0)
     assert traffic[0].collective == "all-gather + reduce-scatter x 27"
     assert traffic[0].bytes_per_step == 2 * 27 * 500.0
     split = plan_text(cfg, 4, CPU)

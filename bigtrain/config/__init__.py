@@ -1,7 +1,6 @@
 from bigtrain.config.data import MixtureSource
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.load import (
-    for_world_size,
     load_config,
     to_dict,
     to_yaml,
@@ -29,7 +28,6 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "FaultConfig",
-    "for_world_size",
     "MixtureSource",
     "ModelConfig",
     "MonitorConfig",

@@ -7,7 +7,6 @@ one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -313,30 +312,6 @@ def _check_signs(config: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
-
-
-def for_world_size(config: Config, world_size: int, label: str = "world size") -> Config:
-    """The config with `train.grad_accum_steps` derived from `train.global_batch_size` (when set)
-    for `world_size` data-parallel ranks (`label` names them in errors: under tensor parallelism
-    they are fewer than the world); ConfigError with the numbers when it does not divide."""
-    t = config.train
-    if t.global_batch_size is None:
-        return config
-    per_step = t.micro_batch_size * world_size
-    accum, rest = divmod(t.global_batch_size, per_step)
-    if rest or accum == 0:
-        raise ConfigError(
-            f"key 'train.global_batch_size' ({t.global_batch_size}) must be a positive multiple "
-            f"of train.micro_batch_size ({t.micro_batch_size}) x {label} ({world_size}) = "
-            f"{per_step}"
-        )
-    if t.grad_accum_steps not in (1, accum):
-        raise ConfigError(
-            f"key 'train.grad_accum_steps' ({t.grad_accum_steps}) disagrees with "
-            f"train.global_batch_size ({t.global_batch_size}), which gives {accum} at {label} "
-            f"{world_size}: set one of them"
-        )
-    return dataclasses.replace(config, train=dataclasses.replace(t, grad_accum_steps=accum))
 
 
 def _check_optim_and_data(config: Config) -> None:

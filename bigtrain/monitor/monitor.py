@@ -26,6 +26,7 @@ from bigtrain.monitor.stats import (
     scale_stats,
     weighted_stats,
 )
+from bigtrain.parallel.layout import Layout
 
 
 @dataclass
@@ -69,14 +70,16 @@ class GradMonitor:
         device: torch.device,
         use_kernel: bool,
         replication: list[int] | None = None,
-        replica_group: dist.ProcessGroup | None = None,
+        layout: Layout | None = None,
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
         replicas hold equal shards): its local statistics are weighted 1/replication before the
-        SUM all-reduce, so a tensor counts once however many ranks repeat it. `replica_group`:
-        this rank's HSDP replicas, compared on full steps (one more small collective)."""
+        SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
+        this rank sits (one process by default): the loss is averaged over its loss ranks, and
+        its HSDP replicas are compared on full steps (one more small collective)."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
-        self.replica_group = replica_group
+        self.layout = layout if layout is not None else Layout(world_size=1)
+        self.replica_group = self.layout.replica_group
         self.weights: torch.Tensor | None = None
         if replication is not None and any(r != 1 for r in replication):
             assert len(replication) == len(names), "one replication count per tensor"
@@ -104,7 +107,7 @@ class GradMonitor:
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
         flags = self._flags(stats, full, stop_requested)
         stats = weighted_stats(stats, self.weights)
-        stats, loss, flags = reduce_grad_stats(stats, local_loss, flags)
+        stats, loss, flags = reduce_grad_stats(stats, local_loss, flags, self.layout.loss_ranks)
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])

@@ -117,11 +117,12 @@ def local_grad_stats(
 
 
 def reduce_grad_stats(
-    stats: GradStats, local_loss: torch.Tensor, flags: torch.Tensor
+    stats: GradStats, local_loss: torch.Tensor, flags: torch.Tensor, loss_ranks: int
 ) -> tuple[GradStats, torch.Tensor, torch.Tensor]:
     """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
     and `flags`, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
-    Returns the reduced stats, the mean loss over ranks and the flags summed over ranks (a
+    Returns the reduced stats, the mean loss over the `loss_ranks` ranks that hold one (the
+    layout's), and the flags summed over ranks (a
     preemption request, replica differences: they ride along at no extra cost); identical on
     every rank."""
     flags = flags.float().reshape(-1)
@@ -136,7 +137,7 @@ def reduce_grad_stats(
         max_abs = torch.where(max_abs.isnan(), float("inf"), max_abs)
         dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
     reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    return reduced, packed[2 * n] / dist.get_world_size(), packed[2 * n + 1 :]
+    return reduced, packed[2 * n] / loss_ranks, packed[2 * n + 1 :]
 
 
 def replica_differences(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -31,6 +31,7 @@ from bigtrain.optim.optimizer import (
     fp32_optimizer_state,
     set_fp32_optimizer_state,
 )
+from bigtrain.parallel.layout import Layout
 from bigtrain.precision.policy import Phase
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
@@ -48,8 +49,8 @@ class Backend(abc.ABC):
     scaler: LossScaler | None = None
     """bigtrain's own loss scaler, whose state travels in the trainer state; None without loss
     scaling, and on ZeRO (DeepSpeed's scaler is saved with the backend's files)."""
-    replica_group: dist.ProcessGroup | None = None
-    """The ranks that hold the same shards as this one (HSDP replicas); None without replicas."""
+    layout: Layout = Layout(world_size=1)
+    """Where this rank sits (parallel/layout.py); one process unless the backend is given one."""
     state_key = "params"  # local_state's key of the master tensors
     state_label = "param"  # state_tensors' name prefix
 
@@ -223,14 +224,14 @@ class Backend(abc.ABC):
         self.after_load_local_state()
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean of a scalar over ranks (identity in one process)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        """Mean of a loss over the ranks that hold one (identity in one process)."""
+        if self.layout.distributed:
             value = value.clone()
-            if dist.get_backend() == "nccl":
+            if dist.get_backend() == "nccl" and self.layout.loss_ranks == self.layout.world_size:
                 dist.all_reduce(value, op=dist.ReduceOp.AVG)
-            else:  # gloo has no AVG
+            else:  # gloo has no AVG; with pipeline stages only the last holds a loss
                 dist.all_reduce(value, op=dist.ReduceOp.SUM)
-                value /= dist.get_world_size()
+                value /= self.layout.loss_ranks
         return value
 
     def loss_context(self) -> contextlib.AbstractContextManager:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import Config
 from bigtrain.parallel.backend import weights_fingerprint
-from bigtrain.parallel.mesh import MeshShape
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.parallel.torch_backend import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
@@ -47,15 +45,12 @@ class FSDPBackend(TorchBackend):
         policy: PrecisionPolicy,
         cfg: Config,
         device: torch.device,
-        shape: MeshShape,
-        mesh: DeviceMesh,
+        layout: Layout,
     ) -> None:
-        """`model`: fully sharded already, on `mesh` of `shape` (parallelize.py)."""
-        self.mesh_shape, self.mesh = shape, mesh
-        if shape.replicate > 1:
-            self.replica_group = mesh.get_group("replicate")
+        """`model`: fully sharded already, on the layout's mesh (parallelize.py)."""
+        self.layout = layout
         # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
-        self.logits_split_by_vocab = shape.tp > 1 and uses_gpt_plan(model)
+        self.logits_split_by_vocab = layout.tp > 1 and uses_gpt_plan(model)
         self.seed = cfg.train.seed
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
@@ -63,7 +58,7 @@ class FSDPBackend(TorchBackend):
 
     def borrowed_rng(self, step: int) -> None:
         if self.logits_split_by_vocab:  # the GPT plan: each tp rank its own dropout masks
-            torch.manual_seed(dropout_seed(self.seed, dist.get_rank(), step))
+            torch.manual_seed(dropout_seed(self.seed, self.layout.rank, step))
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """The cross-entropy over logits split by vocabulary: each tp rank reduces its part

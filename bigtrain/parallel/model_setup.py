@@ -22,6 +22,7 @@ from torch import nn
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import uses_meta_init
 from bigtrain.precision import PrecisionPolicy, apply_to_model, detect_hardware, resolve_policy
 from bigtrain.precision.int8 import Int8Layer, convert_to_int8, int_mm_available
@@ -39,14 +40,19 @@ def build_site(cfg: Config, num_params: int) -> str:
 
 
 def build(
-    cfg: Config, vocab_size: int, site: str, policy: PrecisionPolicy, device: torch.device
+    cfg: Config,
+    layout: Layout,
+    vocab_size: int,
+    site: str,
+    policy: PrecisionPolicy,
+    device: torch.device,
 ) -> nn.Module:
     """The model, built at `site`."""
     if site == "partitioned":
         from bigtrain.parallel.zero import build_partitioned  # imports deepspeed: only then
 
         return build_partitioned(
-            lambda: build_model(cfg.model, vocab_size, init_seed=None), cfg, policy
+            lambda: build_model(cfg.model, vocab_size, init_seed=None), cfg, layout, policy
         )
     if site == "meta":
         with torch.device("meta"):
@@ -84,7 +90,11 @@ class ModelFacts:
 
 
 def make_model(
-    cfg: Config, vocab_size: int, device: torch.device, eos_id: int | None = None
+    cfg: Config,
+    layout: Layout,
+    vocab_size: int,
+    device: torch.device,
+    eos_id: int | None = None,
 ) -> tuple[nn.Module, ModelFacts]:
     """The model with its precision policy applied (not yet wrapped), and what building it found
     out (ModelFacts)."""
@@ -93,7 +103,7 @@ def make_model(
     n_params = num_params(shaped)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
     site = build_site(cfg, n_params)
-    model = build(cfg, vocab_size, site, policy, device)
+    model = build(cfg, layout, vocab_size, site, policy, device)
     apply_to_model(model, policy)
     if cfg.data.document_mask:
         if not isinstance(model, GPT):

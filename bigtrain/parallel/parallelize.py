@@ -1,14 +1,14 @@
 """How a built model becomes a trained one: one function, one order.
 
-    backend = parallelize(model, cfg, policy, device)
+    backend = parallelize(model, cfg, layout, policy, device)
 
-1. the device mesh (fsdp): data-parallel shard and replicate dimensions, tensor parallel;
-2. tensor parallelism (parallel.tensor_parallel > 1): bigtrain's GPT by its own plan, other
-   models by parallel.tp_plan (tensor_parallel.py);
-3. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
+The layout (layout.py) was decided and connected to its DeviceMesh in the run's assembly:
+1. tensor parallelism (parallel.tensor_parallel > 1): bigtrain's GPT by its own plan, other
+   models by parallel.tp_plan (tensor_parallel.py), over the layout's tp axis;
+2. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
    per transformer block (apply.py);
-4. data parallelism: FSDP2's fully_shard per block and the root with the policy's mixed
-   precision (fsdp), or the model handed to DeepSpeed, which partitions it (zero), or nothing
+3. data parallelism: FSDP2's fully_shard per block and the root with the policy's mixed
+   precision over the layout's (replicate, shard) mesh (fsdp), or the model handed to DeepSpeed, which partitions it (zero), or nothing
    (local); a model built on the meta device gets its shards' values here.
 
 The Backend returned (backend.py) then owns the model and its optimizer: the step and its state.
@@ -18,7 +18,6 @@ Where the model was built (whole, meta, partitioned) is decided before, in model
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -30,24 +29,25 @@ from bigtrain.parallel.apply import (
 )
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.fsdp import FSDPBackend, fsdp_mixed_precision
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.local import LocalBackend
-from bigtrain.parallel.mesh import build_mesh, mesh_shape, shard_mesh
 from bigtrain.parallel.meta_init import materialize
 from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 
 
 def parallelize(
-    model: nn.Module, cfg: Config, policy: PrecisionPolicy, device: torch.device
+    model: nn.Module, cfg: Config, layout: Layout, policy: PrecisionPolicy, device: torch.device
 ) -> Backend:
-    """The model parallelized as parallel.* says (module docstring), in its backend."""
+    """The model parallelized as parallel.* says over `layout` (module docstring), in its
+    backend."""
     if cfg.parallel.backend == "fsdp":
-        return _fully_sharded(model, cfg, policy, device)
+        return _fully_sharded(model, cfg, layout, policy, device)
     _block_transforms(model, cfg)
     if cfg.parallel.backend == "zero":
         from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
 
-        return ZeroBackend(model, policy, cfg, device)  # DeepSpeed partitions it
+        return ZeroBackend(model, policy, cfg, device, layout)  # DeepSpeed partitions it
     return LocalBackend(model, policy, cfg, device)
 
 
@@ -58,19 +58,17 @@ def _block_transforms(model: nn.Module, cfg: Config) -> None:
 
 
 def _fully_sharded(
-    model: nn.Module, cfg: Config, policy: PrecisionPolicy, device: torch.device
+    model: nn.Module, cfg: Config, layout: Layout, policy: PrecisionPolicy, device: torch.device
 ) -> FSDPBackend:
-    assert dist.is_initialized(), "FSDP2 needs a process group"
-    shape = mesh_shape(cfg.parallel, dist.get_world_size())
-    mesh = build_mesh(shape, device.type)
+    assert layout.mesh is not None, "FSDP2 shards over the layout's mesh (Layout.connect)"
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model = model.to(device)
-    if shape.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
-        apply_tensor_parallel(model, mesh["tp"], cfg.parallel.tp_plan)
+    if layout.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
+        apply_tensor_parallel(model, layout.tp_mesh, cfg.parallel.tp_plan)
     _block_transforms(model, cfg)
     # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
-    data_mesh, mp = shard_mesh(mesh), fsdp_mixed_precision(policy)
+    data_mesh, mp = layout.data_mesh, fsdp_mixed_precision(policy)
     reshard = cfg.parallel.reshard_after_forward
     for block in transformer_blocks(model):
         fully_shard(block, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -78,4 +76,4 @@ def _fully_sharded(
     fully_shard(model, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
         materialize(model, device, cfg.train.seed)
-    return FSDPBackend(model, policy, cfg, device, shape, mesh)
+    return FSDPBackend(model, policy, cfg, device, layout)

@@ -47,6 +47,7 @@ from bigtrain.parallel.backend import (
     scale_to_norm,
     weights_fingerprint,
 )
+from bigtrain.parallel.layout import Layout
 from bigtrain.precision.policy import Phase, PrecisionPolicy, dtype_name
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.utils.names import canonical_name
@@ -55,11 +56,12 @@ from bigtrain.utils.tensors import full_shape
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
-def deepspeed_config(cfg: Config, policy: PrecisionPolicy, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for this run, derived from bigtrain's config and policy."""
+def deepspeed_config(cfg: Config, policy: PrecisionPolicy, layout: Layout) -> dict[str, Any]:
+    """The DeepSpeed config dict for this run, derived from bigtrain's config, policy and layout
+    (every rank is a data-parallel rank under ZeRO)."""
     t = cfg.train
     ds: dict[str, Any] = {
-        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "train_batch_size": layout.global_batch(t.micro_batch_size, t.grad_accum_steps),
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
         "gradient_clipping": 0.0,  # bigtrain clips with the monitor's norm (ZeroBackend.clip_grads)
@@ -131,7 +133,7 @@ def check_accelerator_dtype(compute_dtype: torch.dtype) -> None:
 
 
 def build_partitioned(
-    build: Callable[[], nn.Module], cfg: Config, policy: PrecisionPolicy
+    build: Callable[[], nn.Module], cfg: Config, layout: Layout, policy: PrecisionPolicy
 ) -> nn.Module:
     """ZeRO-3: `build()` inside deepspeed.zero.Init with this run's DeepSpeed config, which
     partitions each layer across the ranks as soon as it is built. Its values are placeholders
@@ -141,7 +143,7 @@ def build_partitioned(
     check_zero_precision(cfg, policy)
     check_accelerator_dtype(policy.compute_dtype)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
-    config = deepspeed_config(cfg, policy, dist.get_world_size())
+    config = deepspeed_config(cfg, policy, layout)
     # zero.Init takes its dtype from the config (the compute dtype), as the engine expects the
     # partitions; the FP32 masters are made at initialize and then written exactly.
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -163,7 +165,12 @@ class ZeroBackend(Backend):
     state_key, state_label = "fp32", "fp32_partition"
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        cfg: Config,
+        device: torch.device,
+        layout: Layout,
     ) -> None:
         import deepspeed
 
@@ -171,6 +178,7 @@ class ZeroBackend(Backend):
         check_accelerator_dtype(policy.compute_dtype)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
+        self.layout = layout
         assert is_partitioned(model) == (self.stage == 3 and hasattr(model, "init_value")), (
             "ZeRO-3 builds bigtrain's GPT partitioned (model_setup.py), everything else whole"
         )
@@ -180,7 +188,7 @@ class ZeroBackend(Backend):
         optimizer = make_adamw(
             adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
         )
-        self.ds_config = deepspeed_config(cfg, policy, dist.get_world_size())
+        self.ds_config = deepspeed_config(cfg, policy, layout)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config
         )
@@ -190,7 +198,7 @@ class ZeroBackend(Backend):
         ]
         self._empty = torch.empty(0, device=device)
         self.fragments = zero_state.local_fragments(
-            self.optimizer, self._params, self.stage, dist.get_rank()
+            self.optimizer, self._params, self.stage, layout.rank
         )
         self._last_scale = self.loss_scale()
         self._min_scale = cfg.precision.loss_scale_min

@@ -90,6 +90,6 @@ def resolve_peak_flops(
     return peak, f"measured: 1024^3 {compute_dtype} matmul on this CPU"
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int) -> float:
-    """Model FLOPs utilisation of `world_size` devices processing `tokens_per_s` (all ranks)."""
-    return tokens_per_s * flops_per_token / (peak_flops * world_size)
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devices: int) -> float:
+    """Model FLOPs utilisation of `num_devices` devices processing `tokens_per_s` (all of them)."""
+    return tokens_per_s * flops_per_token / (peak_flops * num_devices)

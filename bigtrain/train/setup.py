@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigtrain.data.summary import CorpusSummary
+from bigtrain.parallel.layout import Layout
 from bigtrain.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)
 class RunSetup:
-    """What was built: the precision policy, the model's size and shapes, the throughput
-    yardsticks, what a checkpoint must match on resume, and the corpus."""
+    """What was built: the parallel layout, the precision policy, the model's size and shapes,
+    the throughput yardsticks, what a checkpoint must match on resume, and the corpus."""
 
+    layout: Layout  # where this rank sits, with its DeviceMesh (parallel/layout.py)
     policy: PrecisionPolicy
     num_params: int
     shapes: dict[str, list[int]]  # by canonical name: what a checkpoint must hold

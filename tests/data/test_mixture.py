@@ -26,7 +26,7 @@ from bigtrain.data.tokenizer import (
     train_bpe,
 )
 from bigtrain.errors import ConfigError
-from bigtrain.plan import vocab_size_for_plan
+from bigtrain.plan.shapes import vocab_size_for_plan
 from bigtrain.telemetry.sinks import flat_record
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared
 from tests.stubs import StubLoader, StubManager, StubTrainer, nonfinite, stub_healer
@@ -328,7 +328,11 @@ def test_a_bare_path_is_an_entry_of_weight_one():
 
 def test_plan_reads_the_vocabulary_of_the_first_source(prepared):
     cfg = load_config([], ["data.source=prepared", f"data.mixture=[{prepared['code']}]"])
-    assert vocab_size_for_plan(cfg) == PreparedData.open(prepared["code"]).vocab_size == 256
+    assert (
+        vocab_size_for_plan(cfg.model, cfg.data)
+        == PreparedData.open(prepared["code"]).vocab_size
+        == 256
+    )
 
 
 def test_the_corpus_key_follows_tokens_and_weights_not_manifest_notes(prepared, tmp_path):

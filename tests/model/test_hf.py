@@ -67,6 +67,7 @@ def test_document_mask_needs_the_builtin_gpt():
 
     from bigtrain.config import load_config
     from bigtrain.errors import ConfigError
+    from bigtrain.parallel.layout import Layout
     from bigtrain.parallel.model_setup import make_model
 
     cfg = load_config([], ["data.document_mask=true", "model.seq_len=16"])
@@ -74,7 +75,7 @@ def test_document_mask_needs_the_builtin_gpt():
         cfg, model=dataclasses.replace(cfg.model, kind="hf", hf_config=TINY_GPT2)
     )
     with pytest.raises(ConfigError, match="data.document_mask=true needs model.kind=gpt"):
-        make_model(cfg, 50, torch.device("cpu"), eos_id=0)
+        make_model(cfg, Layout(1), 50, torch.device("cpu"), eos_id=0)
     plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="gpt"))
-    model, _ = make_model(plain, 50, torch.device("cpu"), eos_id=7)
+    model, _ = make_model(plain, Layout(1), 50, torch.device("cpu"), eos_id=7)
     assert model.document_eos == 7

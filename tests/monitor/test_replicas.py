@@ -25,17 +25,15 @@ def shard_grads(shard: int) -> list[tuple[str, torch.Tensor]]:
 def probe(perturbed_rank: int) -> tuple[float, dict | None, dict | None]:
     import torch.distributed as dist
 
-    from bigtrain.parallel.mesh import MeshShape, build_mesh
+    from bigtrain.parallel.layout import Layout
 
     dist.init_process_group("gloo")
-    mesh = build_mesh(MeshShape(replicate=2, shard=2), "cpu")
-    named = shard_grads(mesh.get_local_rank("shard"))
+    layout = Layout(4, dist.get_rank(), replicate=2, shard=2).connect("cpu")
+    named = shard_grads(layout.coord("shard"))
     if dist.get_rank() == perturbed_rank:  # a corrupted all-reduce on one replica
         named[1][1][0] += 1e-3
     cpu = torch.device("cpu")
-    monitor = GradMonitor(
-        MonitorConfig(), ["a", "b"], cpu, False, [2, 2], mesh.get_group("replicate")
-    )
+    monitor = GradMonitor(MonitorConfig(), ["a", "b"], cpu, False, [2, 2], layout)
     detector = Detector(MonitorConfig(), ["a", "b"])
     cheap = monitor.check(named, torch.tensor(2.0), 1.0, full=False)
     full = monitor.check(named, torch.tensor(2.0), 1.0, full=True)

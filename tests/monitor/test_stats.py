@@ -76,6 +76,7 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
         local_grad_stats(named, torch.device("cpu"), use_kernel=False),
         torch.tensor(float(rank + 1)),
         torch.tensor([float(rank == 1)]),  # a preemption request on rank 1 only
+        loss_ranks=2,
     )
     dist.destroy_process_group()
     return (

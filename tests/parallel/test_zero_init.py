@@ -15,6 +15,7 @@ from bigtrain.config import load_config
 from bigtrain.model import build_model, num_params
 from bigtrain.model.init import initial_value
 from bigtrain.parallel.env import init_process_group, read_env, shutdown
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.model_setup import make_model
 from bigtrain.parallel.zero import is_partitioned
 from bigtrain.utils.names import canonical_name
@@ -68,7 +69,10 @@ def _partitioned_build_and_write(args: list[str]) -> torch.nn.Module:
     the module's own FP32 partitions (ZeroBackend writes the optimizer's; the optimizer's FP32
     copies and gradient buffers would not fit in this test's budget of half the model)."""
     cfg = load_config([], args)
-    model, facts = make_model(cfg, cfg.model.vocab_size, torch.device("cpu"))
+    layout = Layout.of(
+        cfg.parallel, torch.distributed.get_world_size(), torch.distributed.get_rank()
+    )
+    model, facts = make_model(cfg, layout, cfg.model.vocab_size, torch.device("cpu"))
     assert facts.build_site == "partitioned" and is_partitioned(model)
     initial = InitialValues(model, cfg.train.seed, torch.device("cpu"))
     rank = torch.distributed.get_rank()

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from bigtrain.cli import main
-from bigtrain.plan_goodput import run_mode
-from bigtrain.telemetry.goodput import (
+from bigtrain.plan.goodput import run_mode
+from bigtrain.plan.goodput_inputs import LLAMA3_COUNTS, GoodputInputs
+from bigtrain.plan.simulation import (
     CAUSES,
     SimParams,
     best_interval,
@@ -21,7 +22,6 @@ from bigtrain.telemetry.goodput import (
     simulate,
     young_interval,
 )
-from bigtrain.telemetry.goodput_inputs import LLAMA3_COUNTS, GoodputInputs
 
 pytestmark = pytest.mark.unit
 

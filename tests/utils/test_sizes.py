@@ -1,7 +1,7 @@
 import pytest
 
 from bigtrain.errors import ConfigError
-from bigtrain.plan import parse_bytes
+from bigtrain.plan.text import parse_bytes
 from bigtrain.utils.sizes import parse_size
 
 pytestmark = pytest.mark.unit

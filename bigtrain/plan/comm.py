@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import ParallelConfig
 from bigtrain.parallel.apply import transformer_blocks
-from bigtrain.parallel.mesh import mesh_shape
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.tensor_parallel import GPT_PLAN, block_plan, uses_gpt_plan
 
 
@@ -39,7 +39,7 @@ class AxisTraffic:
 
 
 @dataclass(frozen=True)
-class TPLayout:
+class TPSplit:
     """What tensor parallelism splits: the parameters of the split layers (all blocks; for
     bigtrain's GPT also the vocabulary-parallel embedding and lm_head), per block the number of
     colwise and rowwise layers, and whether the residual stream is split along the sequence."""
@@ -55,7 +55,7 @@ class TPLayout:
         return num_params - self.split_params + self.split_params / tp
 
 
-def tp_layout(model: nn.Module, patterns: dict[str, str]) -> TPLayout:
+def tp_split(model: nn.Module, patterns: dict[str, str]) -> TPSplit:
     """Count what tensor parallelism splits in a (meta-device) model: bigtrain's GPT by its own
     plan, another model by `patterns` (parallel.tp_plan)."""
     gpt = uses_gpt_plan(model)
@@ -71,10 +71,10 @@ def tp_layout(model: nn.Module, patterns: dict[str, str]) -> TPLayout:
     if gpt:  # the vocabulary rows of the embedding and of an untied lm_head
         split += sum(p.numel() for p in {*model.tok_emb.parameters(), *model.lm_head.parameters()})
     styles = [s.removesuffix("_qkv") for s in plan.values()]  # all-reduce as a colwise layer
-    return TPLayout(split, styles.count("colwise"), styles.count("rowwise"), len(blocks), gpt)
+    return TPSplit(split, styles.count("colwise"), styles.count("rowwise"), len(blocks), gpt)
 
 
-def tp_traffic(tp: TPLayout, size: int, accum: int, activation_bytes: float) -> AxisTraffic:
+def tp_traffic(tp: TPSplit, size: int, accum: int, activation_bytes: float) -> AxisTraffic:
     """The tp axis per step. Without sequence parallelism each colwise layer all-reduces its
     input gradient (backward) and each rowwise layer its output (forward). With it (bigtrain's
     GPT) each block all-gathers its attention and MLP inputs and reduce-scatters their outputs,
@@ -91,48 +91,48 @@ def tp_traffic(tp: TPLayout, size: int, accum: int, activation_bytes: float) -> 
 
 
 def fsdp_traffic(
-    cfg: Config,
+    parallel: ParallelConfig,
+    grad_accum_steps: int,
+    layout: Layout,
     num_params: int,
-    world_size: int,
     gathered_itemsize: int,
     reduce_itemsize: int,
-    tp: TPLayout | None = None,
+    tp: TPSplit | None = None,
     activation_bytes: float = 0.0,
 ) -> list[AxisTraffic]:
-    """Per mesh axis (tp, shard, replicate), what one step moves through each rank.
+    """Per mesh axis (tp, shard, replicate) of `layout`, what one step moves through each rank.
     `activation_bytes`: one micro-batch's residual stream (micro x seq x d_model, compute dtype),
     what tensor parallelism moves around each split layer (tp_traffic); activation recompute
     adds forward ones, not counted here."""
-    shape = mesh_shape(cfg.parallel, world_size)
-    tp = tp or TPLayout()
-    held = tp.per_rank_params(num_params, shape.tp)  # what FSDP2 shards on this tp rank
-    accum = cfg.train.grad_accum_steps
-    gathers = accum * (2 if cfg.parallel.reshard_after_forward else 1)
+    tp = tp or TPSplit()
+    held = tp.per_rank_params(num_params, layout.tp)  # what FSDP2 shards on this tp rank
+    accum = grad_accum_steps
+    gathers = accum * (2 if parallel.reshard_after_forward else 1)
     out = []
-    if shape.tp > 1:
-        out.append(tp_traffic(tp, shape.tp, accum, activation_bytes))
+    if layout.tp > 1:
+        out.append(tp_traffic(tp, layout.tp, accum, activation_bytes))
     out += [
         AxisTraffic(
             "shard",
-            shape.shard,
+            layout.shard,
             f"all-gather x {gathers}",
-            gathers * ring_bytes(held, shape.shard, gathered_itemsize),
+            gathers * ring_bytes(held, layout.shard, gathered_itemsize),
         ),
         AxisTraffic(
             "shard",
-            shape.shard,
+            layout.shard,
             "reduce-scatter x 1",
-            ring_bytes(held, shape.shard, reduce_itemsize),
+            ring_bytes(held, layout.shard, reduce_itemsize),
         ),
     ]
-    if shape.replicate > 1:
-        shard_elements = held / shape.shard
+    if layout.replicate > 1:
+        shard_elements = held / layout.shard
         out.append(
             AxisTraffic(
                 "replicate",
-                shape.replicate,
+                layout.replicate,
                 "all-reduce x 1",
-                ring_bytes(shard_elements, shape.replicate, reduce_itemsize, all_reduce=True),
+                ring_bytes(shard_elements, layout.replicate, reduce_itemsize, all_reduce=True),
             )
         )
     return out

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from bigtrain.errors import ConfigError
-from bigtrain.telemetry.goodput import KINDS, SimParams
+from bigtrain.plan.simulation import KINDS, SimParams
 
 LLAMA3_GPU_HOURS = 16_384 * 54 * 24
 LLAMA3_COUNTS = {"hardware": 406, "numeric": 6, "transient": 0, "hang": 7, "preemption": 47}

@@ -1,6 +1,6 @@
 """`bigtrain plan CONFIG --goodput --gpus N [--from RUN_DIR] [--set key=value ...] [--json]`.
 
-The inputs of the simulation (telemetry/goodput_inputs.py) come from, in order: defaults (the Llama
+The inputs of the simulation (goodput_inputs.py) come from, in order: defaults (the Llama
 3 report's failure rates, public cost figures), the config (checkpoint size per GPU from `plan`'s
 memory model, the step time, the snapshot and checkpoint cadence), costs measured in a run
 directory (telemetry/run_costs.py), and the user's `--set`. A measured fixed cost (the restart, a
@@ -24,18 +24,16 @@ import numpy as np
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import model_flops_per_token
-from bigtrain.parallel.mesh import mesh_shape
-from bigtrain.plan import bigtrain_layout, count_params, meta_model, sharding_degree
-from bigtrain.plan_comm import TPLayout, tp_layout
-from bigtrain.precision.policy import Hardware, resolve_policy
-from bigtrain.telemetry.goodput import (
+from bigtrain.plan.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
+from bigtrain.plan.memory import planned
+from bigtrain.plan.simulation import (
     CAUSES,
     best_interval,
     daly_interval,
     simulate,
     young_interval,
 )
-from bigtrain.telemetry.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
+from bigtrain.precision.policy import Hardware
 from bigtrain.telemetry.run_costs import measured_costs
 
 PEAK_FLOPS, MFU = 989e12, 0.40
@@ -56,16 +54,12 @@ CUTS = {
 def config_inputs(cfg: Config, gpus: int) -> Sourced:
     """Defaults, then what the config says: checkpoint bytes per GPU, step time, cadence."""
     try:
-        shape = mesh_shape(cfg.parallel, gpus)
+        sm90 = Hardware("cuda", "sm90", cuda_capability=(9, 0))
+        run = planned(cfg, gpus, sm90, global_batch=False)  # the per-GPU work is held
     except ConfigError as e:
         raise ConfigError(f"--gpus {gpus} is not a multiple of the config's mesh: {e}") from None
-    model = meta_model(cfg)
-    n, _ = count_params(cfg, model)
-    tp = tp_layout(model, cfg.parallel.tp_plan) if shape.tp > 1 else TPLayout()
-    policy = resolve_policy(cfg.precision, Hardware("cuda", "sm90", cuda_capability=(9, 0)), n)
-    layout = bigtrain_layout(cfg.parallel.backend, cfg.parallel.zero_stage, policy)
-    saved = layout.bytes_per_param["master weights"] + layout.bytes_per_param["optimizer states"]
-    degree = sharding_degree(cfg, gpus, n, tp)
+    n, degree, states = run.num_params, run.degree, run.states().bytes_per_param
+    saved = states["master weights"] + states["optimizer states"]
     src = Sourced(gpus)
     src.set(
         "ckpt_gb_per_gpu",
@@ -73,8 +67,8 @@ def config_inputs(cfg: Config, gpus: int) -> Sourced:
         f"plan: {n / 1e9:.2f}B params x {saved:g} B (master + optimizer states) / {degree:.4g}",
     )
     t = cfg.train
-    tokens = t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len / shape.tp
-    flops = model_flops_per_token(model, cfg.model)
+    tokens = t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len / run.layout.tp
+    flops = model_flops_per_token(run.model, cfg.model)
     step_s = flops * tokens / (PEAK_FLOPS * MFU)
     src.set(
         "step_s",

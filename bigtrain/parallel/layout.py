@@ -1,0 +1,232 @@
+"""The one parallel layout of a run: every dimension's size, this rank's coordinate in each, and
+the numbers derived from them. Decided once per process (`Layout.of`, in the run's assembly and in
+`bigtrain plan`) and passed down; nothing else divides the world size.
+
+Dimensions, outermost first (docs/parallelism.md):
+
+    ft         fault-tolerant replica groups: separate jobs that may die and rejoin (torchft);
+               1 until fault tolerance is on. A job's ranks are the dimensions below.
+    pp         pipeline stages; 1 until pipeline parallelism is on.
+    replicate  HSDP replicas of the sharded model (parallel.replicate).
+    shard      FSDP2 shards or ZeRO partitions: what is left of the world.
+    tp         tensor parallelism (parallel.tensor_parallel), innermost: a tp group is a run of
+               consecutive ranks (one node's GPUs, for its per-layer collectives).
+    ep         expert parallelism: a sub-group of a replica's shard ranks that splits the experts
+               (consecutive shard ranks); 1 until mixture-of-experts models.
+
+Within a job, ranks are numbered row-major over (pp, replicate, shard, tp). The data-parallel
+ranks are (ft, replicate, shard) flattened: each reads its own slice of the global batch; the tp
+ranks and pipeline stages of one data-parallel rank read the same slice. Only the replicate axis's
+once-a-step all-reduce crosses replicas, and only the ft axis crosses jobs.
+
+A planned layout (no process group) and a run's are the same class: `connect()` adds the
+DeviceMesh of the run, a collective every rank calls once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from bigtrain.config.schema import ParallelConfig, TrainConfig
+from bigtrain.errors import ConfigError
+
+JOB_AXES = ("pp", "replicate", "shard", "tp")
+"""The axes of one job's ranks, outermost first (row-major rank order)."""
+MESH_AXES = ("replicate", "shard", "tp")
+"""The axes the DeviceMesh of the fsdp backend holds (size-1 replicate and tp left out)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of every dimension, this rank's place, and the groups (after `connect`)."""
+
+    world_size: int
+    """Ranks of this job (one fault-tolerant replica group)."""
+    rank: int = 0
+    pp: int = 1
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+    ep: int = 1
+    ft: int = 1
+    """Fault-tolerant replica groups (jobs)."""
+    ft_group: int = 0
+    """This job's replica group."""
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """The DeviceMesh over MESH_AXES once connected (the fsdp backend); None before, and for
+    backends that use the default group (local, zero)."""
+
+    def __post_init__(self) -> None:
+        assert self.pp * self.replicate * self.shard * self.tp == self.world_size, (
+            "the job's dimensions multiply to its world size (Layout.of checks the config)"
+        )
+        assert 0 <= self.rank < self.world_size and 0 <= self.ft_group < self.ft
+
+    @classmethod
+    def of(cls, cfg: ParallelConfig, world_size: int, rank: int = 0) -> Layout:
+        """The layout of `world_size` ranks under parallel.*; ConfigError with the keys and the
+        numbers when they do not divide."""
+        model_copies = cfg.replicate * cfg.tensor_parallel
+        if world_size % model_copies:
+            raise ConfigError(
+                f"key 'parallel.replicate' ({cfg.replicate}) x parallel.tensor_parallel "
+                f"({cfg.tensor_parallel}) = {model_copies} must divide the world size "
+                f"({world_size}): the shard degree is world size / (replicate x "
+                f"tensor_parallel) = {world_size} / {model_copies}, not an integer"
+            )
+        shard = world_size // model_copies
+        return cls(world_size, rank, replicate=cfg.replicate, shard=shard, tp=cfg.tensor_parallel)
+
+    def at_rank(self, rank: int) -> Layout:
+        """The same layout seen from another rank (tests, the planner's tables)."""
+        return dataclasses.replace(self, rank=rank, mesh=None)
+
+    # --- coordinates -------------------------------------------------------------------------
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every axis (ft: its job's replica group; ep: its place in
+        the expert-parallel group among consecutive shard ranks)."""
+        out, rest = {}, self.rank
+        for axis in reversed(JOB_AXES):
+            rest, out[axis] = divmod(rest, self.size(axis))
+        return {"ft": self.ft_group, **dict(reversed(out.items())), "ep": out["shard"] % self.ep}
+
+    def coord(self, axis: str) -> int:
+        return self.coords[axis]
+
+    # --- what the rest of bigtrain asks ------------------------------------------------------
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks over all replica groups: each reads its own slice of the batch."""
+        return self.ft * self.replicate * self.shard
+
+    @property
+    def dp_rank(self) -> int:
+        """The slice of the global batch this rank reads; the tp ranks and pipeline stages of one
+        data-parallel rank read the same one."""
+        c = self.coords
+        return (self.ft_group * self.replicate + c["replicate"]) * self.shard + c["shard"]
+
+    @property
+    def model_size(self) -> int:
+        """Ranks that hold one model copy between them (the ranks of one data-parallel rank)."""
+        return self.pp * self.tp
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks of this job that hold a loss (the last pipeline stage's); the mean loss over the
+        job is their sum over this many. The tp ranks of a data-parallel rank hold the same
+        loss, so the mean over them equals the mean over data-parallel ranks."""
+        return self.world_size // self.pp
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.coords["pp"] == self.pp - 1
+
+    @property
+    def distributed(self) -> bool:
+        """More than one rank in this job: collectives have something to do."""
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        """`replicate 2 x shard 4 x tp 2`: the axes with a size above 1 (shard always)."""
+        parts = [f"{axis} {self.size(axis)}" for axis in ("ft", "pp") if self.size(axis) > 1]
+        parts += [f"{a} {n}" for a, n in zip(self.mesh_axes, self.mesh_sizes, strict=True)]
+        return " x ".join(parts + ([f"ep {self.ep}"] if self.ep > 1 else []))
+
+    # --- the global batch --------------------------------------------------------------------
+
+    def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
+        """Sequences per optimizer step over every data-parallel rank."""
+        return micro_batch_size * grad_accum_steps * self.dp_size
+
+    def batch(self, train: TrainConfig) -> TrainConfig:
+        """`train` with grad_accum_steps derived from train.global_batch_size (when set) for this
+        layout's data-parallel ranks; ConfigError with the numbers when it does not divide."""
+        if train.global_batch_size is None:
+            return train
+        label = "world size" if self.dp_size == self.world_size else "data-parallel size"
+        per_step = train.micro_batch_size * self.dp_size
+        accum, rest = divmod(train.global_batch_size, per_step)
+        if rest or accum == 0:
+            raise ConfigError(
+                f"key 'train.global_batch_size' ({train.global_batch_size}) must be a positive "
+                f"multiple of train.micro_batch_size ({train.micro_batch_size}) x {label} "
+                f"({self.dp_size}) = {per_step}"
+            )
+        if train.grad_accum_steps not in (1, accum):
+            raise ConfigError(
+                f"key 'train.grad_accum_steps' ({train.grad_accum_steps}) disagrees with "
+                f"train.global_batch_size ({train.global_batch_size}), which gives {accum} at "
+                f"{label} {self.dp_size}: set one of them"
+            )
+        return dataclasses.replace(train, grad_accum_steps=accum)
+
+    # --- the DeviceMesh and process groups ---------------------------------------------------
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The DeviceMesh's named axes, outermost first; size-1 replicate and tp left out."""
+        return tuple(a for a in MESH_AXES if self.size(a) > 1 or a == "shard")
+
+    @property
+    def mesh_sizes(self) -> tuple[int, ...]:
+        return tuple(self.size(a) for a in self.mesh_axes)
+
+    def connect(self, device_type: str) -> Layout:
+        """This layout with its DeviceMesh (a collective: every rank calls it, once); itself
+        where no process group was started (one process on the local backend). A one-axis
+        mesh over the whole world is the default group: no new group is made."""
+        if not dist.is_initialized():
+            return self
+        assert self.pp == 1 and self.ft == 1, "pipeline stages and replica groups: not yet"
+        mesh = init_device_mesh(device_type, self.mesh_sizes, mesh_dim_names=self.mesh_axes)
+        return dataclasses.replace(self, mesh=mesh)
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's `axis` (None where the axis has one rank, or in a
+        layout without a mesh)."""
+        if self.mesh is None or self.size(axis) == 1:
+            return None
+        return self.mesh.get_group(axis)
+
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """What fully_shard takes: (replicate, shard) is HSDP, shard alone FSDP."""
+        assert self.mesh is not None, "connect() first"
+        return self.mesh[("replicate", "shard")] if self.replicate > 1 else self.mesh["shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None and self.tp > 1, "a connected layout with tp > 1"
+        return self.mesh["tp"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same shards as this one (HSDP replicas); None without."""
+        return self.group("replicate")
+
+    def replication(self, tensor: torch.Tensor) -> int:
+        """Over how many ranks of the job the tensor's values are repeated: the sizes of its
+        DTensor's Replicate placements, times the ranks outside its mesh (a norm gain sharded
+        over `shard` only is the same on every rank of a tp group); 1 for a plain tensor, which
+        each rank holds as its own."""
+        if not isinstance(tensor, DTensor):
+            return 1
+        mesh = tensor.device_mesh
+        repeated = [
+            mesh.size(i) for i, p in enumerate(tensor.placements) if isinstance(p, Replicate)
+        ]
+        return self.world_size // mesh.size() * math.prod(repeated)

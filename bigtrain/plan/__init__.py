@@ -1,0 +1,12 @@
+"""The planner, `bigtrain plan`: what a config will cost before anything runs.
+
+shapes.py          the model on the meta device: its size, largest block and activation shape
+comm.py            what tensor parallelism splits, and the bytes each mesh axis moves per step
+memory.py          bytes per rank by component, activations, the largest micro-batch; the
+                   planned run (PlannedRun: the config at a world size, with the same Layout
+                   a run of it builds, so a plan and a run cannot disagree on the sizes)
+text.py            `bigtrain plan`'s table
+simulation.py      the goodput model: failures and their costs over a long run (Monte Carlo)
+goodput_inputs.py  its inputs with where each came from (defaults, config, a run, --set)
+goodput.py         `bigtrain plan --goodput`: the simulation at a size, the best interval
+"""

@@ -1,0 +1,178 @@
+"""`bigtrain plan`'s table: the precision policy, memory per rank by component for every backend,
+the traffic per mesh axis (fsdp), activations and the largest micro-batch that fits."""
+
+from __future__ import annotations
+
+from bigtrain.config.schema import Config
+from bigtrain.plan.comm import fsdp_traffic
+from bigtrain.plan.memory import (
+    CHECKPOINTING,
+    COMPONENTS,
+    PlannedRun,
+    activation_bytes_per_token,
+    gathered_dtype_bytes,
+    largest_micro_batch,
+    planned,
+    reserve_bytes,
+    residual_bytes,
+    state_bytes,
+    transient_weight_bytes,
+    zero_paper_bytes,
+)
+from bigtrain.precision.policy import Hardware, dtype_name
+from bigtrain.utils.sizes import parse_size
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_bytes(text: str) -> int:
+    """GPU memory: '80GiB', '80 GB', '81920MiB'. A plain number is refused: nobody means bytes,
+    and GB (data sheets) and GiB (nvidia-smi, in MiB) differ by 7%, enough to change the largest
+    micro-batch; guessing one would plan silently wrong half the time."""
+    return parse_size(text, "--gpu-memory", unit_required=True)
+
+
+def activation_lines(run: PlannedRun, gpu_memory: int | None) -> list[str]:
+    """Activations per sequence under each checkpointing mode and, with `gpu_memory`, the
+    largest micro-batch that fits beside the states (per tp rank where tp splits them)."""
+    shape, policy, tp_split = run.shape, run.policy, run.tp_split_ways
+    c = policy.compute_dtype.itemsize
+    residual = residual_bytes(run.backend, policy)
+    attention = (
+        "explicit FP32-softmax attention: seq x seq probabilities kept"
+        if policy.fp32_softmax
+        else "SDPA attention"
+    )
+    lines = [
+        "",
+        f"activations per sequence of {shape.seq_len} tokens ({dtype_name(policy.compute_dtype)}, "
+        f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}"
+        + (f"; per tp rank, split {tp_split} ways" if tp_split > 1 else "")
+        + "):",
+        f"  {'checkpointing':<14} {'kept':>10} {'transient':>10} {'per sequence':>13}",
+    ]
+    per_sequence = {}
+    for mode in CHECKPOINTING:
+        a = activation_bytes_per_token(shape, mode, c, residual, policy.fp32_softmax)
+        kept = (a["layers"] + a["head"]) * shape.seq_len / tp_split
+        transient = a["transient"] * shape.seq_len / tp_split
+        per_sequence[mode] = kept + transient
+        lines.append(
+            f"  {mode:<14} {fmt_bytes(kept):>10} {fmt_bytes(transient):>10} "
+            f"{fmt_bytes(kept + transient):>13}"
+        )
+    if gpu_memory is None:
+        return lines
+    return lines + _fit_lines(run, gpu_memory, per_sequence)
+
+
+def _fit_lines(run: PlannedRun, gpu_memory: int, per_sequence: dict[str, float]) -> list[str]:
+    cfg, n = run.cfg, run.num_params
+    persistent = sum(run.states().per_rank_bytes_per_param(run.degree).values()) * n
+    weights = transient_weight_bytes(cfg.parallel, run.policy, n, run.block_params)
+    weights /= run.tp_split_ways
+    fits = {
+        mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
+        for mode in CHECKPOINTING
+    }
+    chosen = cfg.parallel.activation_checkpointing
+    lines = [
+        "",
+        f"largest micro-batch on {fmt_bytes(gpu_memory)} per GPU (states {fmt_bytes(persistent)}, "
+        f"transient weights and gradients {fmt_bytes(weights)}, reserve "
+        f"{fmt_bytes(reserve_bytes(gpu_memory))}):",
+    ]
+    for mode in CHECKPOINTING:
+        mark = "  <- parallel.activation_checkpointing" if mode == chosen else ""
+        note = " (does not fit)" if fits[mode] == 0 else ""
+        lines.append(f"  {mode:<14} {fits[mode]:>5}{note}{mark}")
+    configured = cfg.train.micro_batch_size
+    if configured > fits[chosen]:
+        lines.append(
+            f"  train.micro_batch_size={configured} exceeds {fits[chosen]} with "
+            f"activation_checkpointing={chosen}"
+        )
+    return lines
+
+
+def comm_lines(run: PlannedRun) -> list[str]:
+    """fsdp: bytes each rank receives per optimizer step, by mesh axis and collective."""
+    cfg, policy, layout = run.cfg, run.policy, run.layout
+    lines = ["", f"communication per rank and optimizer step, mesh {layout.describe()}:"]
+    activations = cfg.train.micro_batch_size * run.shape.seq_len * run.shape.d_model
+    traffic = fsdp_traffic(
+        cfg.parallel,
+        cfg.train.grad_accum_steps,
+        layout,
+        run.num_params,
+        gathered_dtype_bytes(policy),
+        policy.reduce_dtype.itemsize,
+        run.tp,
+        activations * policy.compute_dtype.itemsize,
+    )
+    for t in traffic:
+        lines.append(
+            f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(t.bytes_per_step):>10}"
+        )
+    return lines
+
+
+def plan_text(
+    cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
+) -> str:
+    run = planned(cfg, world_size, hardware)
+    cfg, n, policy = run.cfg, run.num_params, run.policy
+    backend, stage = run.backend, cfg.parallel.zero_stage
+    lines = [
+        f"model: {n / 1e6:.2f}M parameters (largest block {run.block_params / 1e6:.2f}M), "
+        f"world size {world_size}, backend {backend}"
+        + (f" stage {stage}" if backend == "zero" else ""),
+        f"precision policy ({hardware.name}):",
+        policy.table(),
+        "",
+        f"memory per rank, {backend}"
+        + (f" (states sharded over {run.degree:.4g} ranks)" if backend == "fsdp" else "")
+        + ":",
+    ]
+    per_param = run.states().per_rank_bytes_per_param(run.degree)
+    for c in COMPONENTS:
+        lines.append(f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * n):>10}")
+    total = sum(per_param.values())
+    lines.append(f"  {'total':<17} {total:>7.3f} B/param  {fmt_bytes(total * n):>10}")
+    if backend == "fsdp":
+        gathered = gathered_dtype_bytes(policy)
+        held = "two gathered blocks" if cfg.parallel.reshard_after_forward else "all blocks"
+        transient = transient_weight_bytes(cfg.parallel, policy, n, run.block_params)
+        lines.append(
+            f"  + transient: {held} in {gathered * 8}-bit "
+            f"({fmt_bytes(transient)} with one block of FP32 gradients)"
+        )
+    lines += backend_lines(run)
+    if backend == "fsdp":
+        lines += comm_lines(run)
+    lines += activation_lines(run, gpu_memory)
+    return "\n".join(lines)
+
+
+def backend_lines(run: PlannedRun) -> list[str]:
+    """Every backend's states per rank at this world size, with the ZeRO paper's figure."""
+    world_size, n = run.layout.world_size, run.num_params
+    lines = ["", f"all backends at world size {world_size} (B/param per rank, total per rank):"]
+    for name, stage in (("local", 0), ("fsdp", 0), ("zero", 1), ("zero", 2), ("zero", 3)):
+        if name == "local" and world_size > 1:
+            label, ranks = "local (1 rank)", 1
+        else:
+            label, ranks = (f"zero-{stage}" if name == "zero" else name), world_size
+        b = sum(state_bytes(name, stage, run.policy).per_rank_bytes_per_param(ranks).values())
+        extra = ""
+        if name == "zero":
+            paper = sum(zero_paper_bytes(stage).per_rank_bytes_per_param(ranks).values())
+            extra = f"   (ZeRO paper: {paper:.3f} B/param, {fmt_bytes(paper * n)})"
+        lines.append(f"  {label:<15} {b:>7.3f}  {fmt_bytes(b * n):>10}{extra}")
+    return lines

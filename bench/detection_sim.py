@@ -7,7 +7,7 @@ step follow without training, and bigtrain's own Detector (bigtrain/resilience/d
 windows filled with the healthy steps before s, gives the verdict. Only step s is seen: a fault
 missed there is counted as missed (the real runs of detection_runs.validate show what follows).
 
-Kinds, as the drills of bigtrain/callbacks/faults.py inject them on rank r:
+Kinds, as the drills of bigtrain/callbacks/fault_injection.py inject them on rank r:
     nan_grad, inf_grad   one value of the first gradient r holds a part of
     nan_loss             r's loss and every gradient it holds
     spike_xF             r's loss and all its gradient halves x F (a bad batch: fault.spike_step)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.parallel.env import DistEnv, pick_device  # noqa: E402
-from bigtrain.plan.memory import COMPONENTS, state_bytes  # noqa: E402
+from bigtrain.plan.footprint import COMPONENTS, state_bytes  # noqa: E402
 from bigtrain.plan.shapes import count_params, meta_model  # noqa: E402
 from bigtrain.precision import detect_hardware, resolve_policy  # noqa: E402
 from bigtrain.runner import run  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import step_bench  # noqa: E402
 
 from bigtrain.build import build  # noqa: E402
-from bigtrain.callbacks.sinks import SinkLogger  # noqa: E402
+from bigtrain.callbacks.sink_logger import SinkLogger  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
 
 

@@ -19,14 +19,14 @@ from torch import nn
 from bigtrain.callbacks.checkpointing import CheckpointCallback
 from bigtrain.callbacks.costs import CostLedger
 from bigtrain.callbacks.evaluate import EvalCallback
-from bigtrain.callbacks.faults import FaultInjector, corrupt_newest_checkpoint
+from bigtrain.callbacks.fault_injection import FaultInjector, corrupt_newest_checkpoint
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.preempt import PreemptionHandler
-from bigtrain.callbacks.profile import ProfilerCallback
+from bigtrain.callbacks.profiler import ProfilerCallback
 from bigtrain.callbacks.samples import SampleCallback
-from bigtrain.callbacks.sinks import SinkLogger, make_sinks
+from bigtrain.callbacks.sink_logger import SinkLogger, make_sinks
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.checkpoint.manager import CheckpointManager

@@ -226,7 +226,7 @@ def _train(items: list[str], local_rank: int | None) -> int:
 def _memory_plan(cfg, env) -> dict:
     """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
     from bigtrain.parallel.env import pick_device
-    from bigtrain.plan.memory import predicted_memory
+    from bigtrain.plan.footprint import predicted_memory
     from bigtrain.precision import detect_hardware
 
     hardware = detect_hardware(pick_device(cfg.train.device, env))

@@ -35,7 +35,7 @@ from bigtrain.checkpoint.manifest import (
 from bigtrain.checkpoint.sources import HFSource, InitialValues
 from bigtrain.config import Config, ModelConfig, config_changes
 from bigtrain.errors import ConfigError
-from bigtrain.model.hf_layout import Part, check_hf_config, layout_for
+from bigtrain.model.hf_mapping import Part, check_hf_config, mapping_for
 from bigtrain.parallel.backend import Backend
 from bigtrain.train import Trainer
 from bigtrain.train.setup import StartPoint
@@ -185,7 +185,7 @@ def start_weights(
 
 
 def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) -> HFSource:
-    """A Hugging Face directory as a source for this model: the GPT-2 or Llama layout for the
+    """A Hugging Face directory as a source for this model: the GPT-2 or Llama mapping for the
     built-in GPT, transformers' own names (under `hf.`) for model.kind=hf."""
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -198,8 +198,8 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
     else:
         from transformers import AutoConfig
 
-        layout = layout_for(model_cfg, {k: tuple(v) for k, v in shapes.items()})
+        mapping = mapping_for(model_cfg, {k: tuple(v) for k, v in shapes.items()})
         found = AutoConfig.from_pretrained(str(path)).to_dict()
-        check_hf_config(layout, found, f"key 'model.init_from': Hugging Face directory '{path}'")
-        parts = layout.parts
+        check_hf_config(mapping, found, f"key 'model.init_from': Hugging Face directory '{path}'")
+        parts = mapping.parts
     return HFSource(path, parts)

@@ -8,7 +8,7 @@ import torch
 from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env, shutdown
-from bigtrain.plan.memory import COMPONENTS, state_bytes, zero_paper_bytes
+from bigtrain.plan.footprint import COMPONENTS, state_bytes, zero_paper_bytes
 from bigtrain.plan.shapes import count_params, meta_model
 from bigtrain.precision import Hardware, resolve_policy
 from tests.conftest import micro_overrides, run_cli
@@ -142,7 +142,7 @@ def test_activation_estimate_matches_what_autograd_saves(micro):
     from torch import nn
 
     from bigtrain.model import build_model
-    from bigtrain.plan.memory import activation_bytes_per_token
+    from bigtrain.plan.footprint import activation_bytes_per_token
     from bigtrain.plan.shapes import model_shape
 
     cfg = micro()

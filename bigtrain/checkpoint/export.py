@@ -2,7 +2,7 @@
 transformers model directory.
 
 The checkpoint's own config (its `config.yaml`) says which model it holds: bigtrain's GPT maps onto
-GPT2LMHeadModel or LlamaForCausalLM (model/hf_layout.py), a `model.kind=hf` model is written in its
+GPT2LMHeadModel or LlamaForCausalLM (model/hf_mapping.py), a `model.kind=hf` model is written in its
 own class. Tensors stream from the checkpoint (checkpoint/state.py CheckpointReader) one at a
 time, so memory holds at most one shard plus one tensor. `--check` then loads the directory with
 transformers and compares its logits with bigtrain's own forward of the same weights.
@@ -26,7 +26,7 @@ from bigtrain.config import Config, load_saved_config
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import architecture_only, build_model
-from bigtrain.model.hf_layout import Layout, layout_for, layout_for_hf
+from bigtrain.model.hf_mapping import HFMapping, mapping_for, mapping_for_hf
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +42,12 @@ def export_checkpoint(
     tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else None
     shapes = manifest.get("shapes") or source.shapes  # as the source reads
     vocab_size = vocab_size_of(cfg, shapes, tokenizer_dir)
-    layout = checkpoint_layout(cfg, shapes, vocab_size)
-    files = export_hf(layout, source.full, out_dir, tokenizer_dir, max_shard_bytes)
+    mapping = checkpoint_mapping(cfg, shapes, vocab_size)
+    files = export_hf(mapping, source.full, out_dir, tokenizer_dir, max_shard_bytes)
     result: dict[str, Any] = {
         "checkpoint": str(path),
         "out_dir": str(out_dir),
-        "architecture": layout.architecture,
+        "architecture": mapping.architecture,
         "files": files,
         "step": manifest["step"],
     }
@@ -82,12 +82,12 @@ def vocab_size_of(cfg: Config, shapes: dict[str, tuple], tokenizer_dir: Path | N
     )
 
 
-def checkpoint_layout(cfg: Config, shapes: dict[str, tuple], vocab_size: int) -> Layout:
+def checkpoint_mapping(cfg: Config, shapes: dict[str, tuple], vocab_size: int) -> HFMapping:
     if cfg.model.kind == "gpt":
-        return layout_for(dataclasses.replace(cfg.model, vocab_size=vocab_size), shapes)
+        return mapping_for(dataclasses.replace(cfg.model, vocab_size=vocab_size), shapes)
     with torch.device("meta"):  # the architecture only: the weights come from the checkpoint
         built = build_model(architecture_only(cfg.model), vocab_size)
-    return layout_for_hf(built.hf.config, shapes)  # type: ignore[union-attr]
+    return mapping_for_hf(built.hf.config, shapes)  # type: ignore[union-attr]
 
 
 @torch.no_grad()

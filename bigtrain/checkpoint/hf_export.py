@@ -23,7 +23,7 @@ from torch import nn
 
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
-from bigtrain.model.hf_layout import Layout
+from bigtrain.model.hf_mapping import HFMapping
 from bigtrain.utils.files import usual_permissions
 
 logger = logging.getLogger(__name__)
@@ -37,18 +37,18 @@ FP32_BYTES = 4
 
 
 def export_hf(
-    layout: Layout,
+    mapping: HFMapping,
     read: Callable[[str], torch.Tensor],
     out_dir: str | Path,
     tokenizer_dir: str | Path | None,
     max_shard_bytes: int = 5 * 10**9,
     generation: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Write the model described by `layout` into `out_dir`, a new directory (an existing
+    """Write the model described by `mapping` into `out_dir`, a new directory (an existing
     non-empty one is refused: never overwrite a user's files).
 
     `read(name)` returns the full FP32 tensor of bigtrain canonical name `name`; it is called
-    once per tensor, in `layout.shapes` order, once the shards before its HF tensor's are
+    once per tensor, in `mapping.shapes` order, once the shards before its HF tensor's are
     written. `tokenizer_dir`: a transformers tokenizer directory
     (or hub name) whose files are copied and whose bos/eos/pad ids go into config.json and
     generation_config.json. `max_shard_bytes`: the largest safetensors file (a tensor larger than
@@ -62,13 +62,13 @@ def export_hf(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-export-", dir=out_dir.parent))
     try:
         tokenizer = load_tokenizer(str(tokenizer_dir)) if tokenizer_dir is not None else None
-        ids = _token_ids(tokenizer, layout.config.get("vocab_size"))
-        _write_weights(layout, read, tmp, max_shard_bytes)
-        config = {**layout.config, **ids}
+        ids = _token_ids(tokenizer, mapping.config.get("vocab_size"))
+        _write_weights(mapping, read, tmp, max_shard_bytes)
+        config = {**mapping.config, **ids}
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_generation_config(tmp, {**ids, **(generation or {})})
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, layout.config, tmp)
+            _save_tokenizer(tokenizer, mapping.config, tmp)
         usual_permissions(tmp)  # mkdtemp made it 0700, safetensors its files 0600
         _refuse_existing(out_dir)  # someone may have made it meanwhile
         if out_dir.exists():
@@ -78,7 +78,7 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = sorted(p.name for p in out_dir.iterdir())
-    logger.info("export: %s written to %s (%s)", layout.architecture, out_dir, ", ".join(files))
+    logger.info("export: %s written to %s (%s)", mapping.architecture, out_dir, ", ".join(files))
     return files
 
 
@@ -144,29 +144,31 @@ def shard_file_names(num_shards: int) -> list[str]:
 
 
 def _hf_tensors(
-    layout: Layout, read: Callable[[str], torch.Tensor]
+    mapping: HFMapping, read: Callable[[str], torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, FP32 CPU tensor) in `layout.hf_shapes()` order, one bigtrain tensor read at a
+    """(HF name, FP32 CPU tensor) in `mapping.hf_shapes()` order, one bigtrain tensor read at a
     time (the few of one HF tensor, GPT-2's q, k and v, before it is written)."""
-    read_in_order = ((name, read(name).detach().to("cpu", torch.float32)) for name in layout.shapes)
-    yield from layout.split(read_in_order)
-    for hf_name, shape in layout.extra.items():
+    read_in_order = (
+        (name, read(name).detach().to("cpu", torch.float32)) for name in mapping.shapes
+    )
+    yield from mapping.split(read_in_order)
+    for hf_name, shape in mapping.extra.items():
         yield hf_name, torch.zeros(shape, dtype=torch.float32)
 
 
 def _write_weights(
-    layout: Layout, read: Callable[[str], torch.Tensor], directory: Path, max_shard_bytes: int
+    mapping: HFMapping, read: Callable[[str], torch.Tensor], directory: Path, max_shard_bytes: int
 ) -> None:
     """Safetensors shards (and the index when there are several), streamed shard by shard."""
     from safetensors.torch import save_file
 
-    hf_shapes = layout.hf_shapes()
+    hf_shapes = mapping.hf_shapes()
     shards = plan_shards(hf_shapes, max_shard_bytes)
     files = shard_file_names(len(shards))
     shard_of = {name: i for i, names in enumerate(shards) for name in names}
     buffer: dict[str, torch.Tensor] = {}
     current = 0
-    for hf_name, tensor in _hf_tensors(layout, read):
+    for hf_name, tensor in _hf_tensors(mapping, read):
         assert shard_of[hf_name] == current, "tensors come in the planned order"
         buffer[hf_name] = tensor
         if len(buffer) == len(shards[current]):  # complete: written before the next read

@@ -6,8 +6,8 @@ asks for exactly the slices it keeps (an FSDP2 shard's rows, a ZeRO fragment), s
 the whole model:
 
 - `InitialValues`: a model's exact FP32 initial values, made one parameter at a time.
-- `HFSource`: a transformers directory (safetensors, sharded or not) through the name and layout
-  mapping of model/hf_layout.py (GPT-2's q/k/v in one c_attn, transposed Conv1D weights), sliced.
+- `HFSource`: a transformers directory (safetensors, sharded or not) through the name and mapping
+  mapping of model/hf_mapping.py (GPT-2's q/k/v in one c_attn, transposed Conv1D weights), sliced.
 
 bigtrain's own checkpoints load through DCP (checkpoint/state.py); `CheckpointReader` there is a
 source too (whole tensors, for export and generation), and checkpoint/legacy.py reads the
@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from bigtrain.errors import ConfigError
-from bigtrain.model.hf_layout import Part, hf_rows
+from bigtrain.model.hf_mapping import Part, hf_rows
 from bigtrain.model.init import initial_value
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
@@ -128,7 +128,7 @@ class InitialValues(Source):
 
 
 class HFSource(Source):
-    """A transformers model directory, read through a layout's parts (model/hf_layout.py)."""
+    """A transformers model directory, read through a mapping's parts (model/hf_mapping.py)."""
 
     def __init__(self, directory: Path, parts: dict[str, Part]) -> None:
         self.origin = f"Hugging Face directory '{directory}'"
@@ -184,7 +184,7 @@ class HFSource(Source):
 
     def _shape(self, part: Part, whole_rows: int) -> tuple[int, ...]:
         """The bigtrain tensor's shape as the file gives it; an HF tensor whose row count is not
-        the layout's (another model config) gives -1 rows, so check_covers names the tensor."""
+        the mapping's (another model config) gives -1 rows, so check_covers names the tensor."""
         shape = tuple(self._handle(part.hf_name).get_slice(part.hf_name).get_shape())
         shape = shape[::-1] if part.transpose else shape
         if (shape[0] if shape else 1) != whole_rows:

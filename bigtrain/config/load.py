@@ -18,9 +18,21 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
-from bigtrain.config.mesh import check_mesh
+from bigtrain.config.model import check_model
+from bigtrain.config.parallel import check_parallel
 from bigtrain.config.resilience import check_rules
-from bigtrain.config.schema import Config, FaultConfig
+from bigtrain.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    FaultConfig,
+    Int8Config,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    ResilienceConfig,
+    TrainConfig,
+)
 from bigtrain.config.telemetry import check_telemetry
 from bigtrain.errors import ConfigError
 
@@ -215,8 +227,9 @@ def load_config(files: list[str], overrides: list[str] | None = None) -> Config:
     return config
 
 
-def _get(config: Config, key: str) -> Any:
-    value: Any = config
+def _get(root: object, key: str) -> Any:
+    """The value at a dotted key under `root`."""
+    value: Any = root
     for part in key.split("."):
         value = getattr(value, part)
     return value
@@ -229,41 +242,16 @@ def validate(config: Config) -> None:
         if value not in allowed:
             hint = f" ({HINTS[key]})" if key in HINTS else ""
             raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
-    _check_model(config)
+    check_model(config.model)
     _check_signs(config)
-    _check_checkpoints_and_hangs(config)
-    _check_optim_and_data(config)
+    _check_checkpoints_and_hangs(config.checkpoint, config.resilience)
+    _check_optim_and_data(config.optim, config.data)
     check_data(config.data)
     check_eval(config.eval)
     check_telemetry(config.profile, config.log)
-    _check_monitor_and_int8(config)
-    _check_parallel_and_train(config)
-
-
-def _check_model(config: Config) -> None:
-    m = config.model
-    if m.kind == "gpt" and m.d_model % m.n_heads:
-        raise ConfigError(
-            f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})"
-        )
-    if (
-        m.kind == "gpt"
-        and m.n_kv_heads is not None
-        and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads)
-    ):
-        raise ConfigError(
-            f"key 'model.n_kv_heads' ({m.n_kv_heads}) must be positive and divide model.n_heads "
-            f"({m.n_heads})"
-        )
-    if m.kind == "gpt" and m.position == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError("key 'model.n_heads': rope needs an even head dim (d_model / n_heads)")
-    if m.kind == "hf" and not (m.hf_config or m.hf_path or m.init_from):
-        raise ConfigError(
-            "model.kind=hf needs 'model.hf_config' (a dict), 'model.hf_path' or 'model.init_from' "
-            "(a Hugging Face directory)"
-        )
-    if m.kind == "hf" and m.hf_config is not None and "model_type" not in m.hf_config:
-        raise ConfigError(_hf_config_without_model_type(dict(m.hf_config)))
+    _check_monitor_and_int8(config.monitor, config.precision.int8, config.resilience)
+    check_parallel(config.parallel, config.model)
+    _check_train(config.train, config.model)
 
 
 def _check_signs(config: Config) -> None:
@@ -314,22 +302,19 @@ def _check_signs(config: Config) -> None:
             raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
 
 
-def _check_optim_and_data(config: Config) -> None:
-    if not config.optim.lr > 0.0:
-        raise ConfigError(f"key 'optim.lr' got {config.optim.lr}, expected a positive number")
-    if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(
-            f"key 'optim.min_lr_ratio' got {config.optim.min_lr_ratio}, expected 0..1"
-        )
-    if not 0.0 < config.data.val_fraction < 0.5:
-        raise ConfigError(
-            f"key 'data.val_fraction' got {config.data.val_fraction}, expected 0 < f < 0.5"
-        )
+def _check_optim_and_data(optim: OptimConfig, data: DataConfig) -> None:
+    if not optim.lr > 0.0:
+        raise ConfigError(f"key 'optim.lr' got {optim.lr}, expected a positive number")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"key 'optim.min_lr_ratio' got {optim.min_lr_ratio}, expected 0..1")
+    if not 0.0 < data.val_fraction < 0.5:
+        raise ConfigError(f"key 'data.val_fraction' got {data.val_fraction}, expected 0 < f < 0.5")
 
 
-def _check_monitor_and_int8(config: Config) -> None:
-    check_rules(config.monitor)
-    int8 = config.precision.int8
+def _check_monitor_and_int8(
+    monitor: MonitorConfig, int8: Int8Config, resilience: ResilienceConfig
+) -> None:
+    check_rules(monitor)
     if int8.calibration_steps < 0:
         raise ConfigError(
             f"key 'precision.int8.calibration_steps' got {int8.calibration_steps}, expected >= 0"
@@ -343,31 +328,15 @@ def _check_monitor_and_int8(config: Config) -> None:
             f"key 'precision.int8.smoothing_alpha' got {int8.smoothing_alpha}, expected 0 < a <= 1"
         )
     for key in ("lr_backoff", "clip_backoff"):
-        value = getattr(config.resilience, key)
+        value = getattr(resilience, key)
         if not 0.0 < value <= 1.0:
             raise ConfigError(f"key 'resilience.{key}' got {value}, expected 0 < value <= 1")
 
 
-def _check_parallel_and_train(config: Config) -> None:
-    m, t = config.model, config.train
-    if config.parallel.zero_stage not in (1, 2, 3):
-        raise ConfigError(
-            f"key 'parallel.zero_stage' got {config.parallel.zero_stage}, expected 1, 2 or 3"
-        )
-    check_mesh(config)
-    if config.parallel.timeout_s <= 0:
-        raise ConfigError(
-            f"key 'parallel.timeout_s' got {config.parallel.timeout_s}, expected a positive number of seconds"
-        )
+def _check_train(t: TrainConfig, m: ModelConfig) -> None:
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(
             f"key 'train.stop_at_step' got {t.stop_at_step}, expected a positive step or null"
-        )
-    if config.parallel.activation_checkpointing == "selective" and m.dropout > 0:
-        raise ConfigError(
-            "parallel.activation_checkpointing=selective with model.dropout > 0: the saved "
-            "attention kernels would not advance the RNG in recompute, so dropout masks would "
-            "differ from the forward's; use block checkpointing or dropout 0"
         )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout' got {m.dropout}, expected 0 <= p < 1")
@@ -392,26 +361,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _hf_config_without_model_type(got: dict[str, Any]) -> str:
-    message = (
-        f"key 'model.hf_config' must name its 'model_type' (e.g. gpt2, llama); the value was read "
-        f"as YAML and gave the mapping {got}"
-    )
-    if any(":" in str(k) and v is None for k, v in got.items()):
-        # YAML reads `{a:1}` as a key 'a:1' without a value: a key needs ': ' (colon, space)
-        message += (
-            "; in YAML a key and its value are separated by ': ' (colon and space), e.g. "
-            "model.hf_config='{model_type: gpt2, n_layer: 2}'"
-        )
-    return message
-
-
-def _check_checkpoints_and_hangs(config: Config) -> None:
-    if config.checkpoint.every < -1:
+def _check_checkpoints_and_hangs(
+    checkpoint: CheckpointConfig, resilience: ResilienceConfig
+) -> None:
+    if checkpoint.every < -1:
         raise ConfigError(
-            f"key 'checkpoint.every' got {config.checkpoint.every}, expected N >= 0 or -1 (never)"
+            f"key 'checkpoint.every' got {checkpoint.every}, expected N >= 0 or -1 (never)"
         )
-    hang = config.resilience.hang_timeout_s
+    hang = resilience.hang_timeout_s
     if hang is not None and hang <= 0:
         raise ConfigError(
             f"key 'resilience.hang_timeout_s' got {hang}, expected a positive number of seconds "

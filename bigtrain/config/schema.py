@@ -6,76 +6,15 @@ the config is plain data that OmegaConf merges from YAML files and `key=value` o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from bigtrain.config.data import DataConfig
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.faults import FaultConfig
+from bigtrain.config.model import ModelConfig, default_d_ff
+from bigtrain.config.parallel import ParallelConfig
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 from bigtrain.config.telemetry import LogConfig, ProfileConfig
-
-
-@dataclass
-class ModelConfig:
-    kind: str = "gpt"
-    """`gpt`: bigtrain's built-in GPT. `hf`: a transformers causal LM (see `hf_config`, `hf_path`).
-    Read when the model is built; a change on resume is a config error."""
-    n_layers: int = 4
-    """Transformer blocks (gpt)."""
-    n_heads: int = 4
-    """Attention heads per block (gpt); must divide `d_model`."""
-    n_kv_heads: int | None = None
-    """Key/value heads (gpt): fewer than n_heads is grouped-query attention (Llama 2 70B, Llama 3);
-    must divide n_heads. None: n_heads."""
-    d_model: int = 128
-    """Residual stream width (gpt)."""
-    d_ff: int | None = None
-    """MLP hidden width (gpt). None: 4 x d_model for GELU, 8/3 x d_model rounded to 64 for SwiGLU."""
-    vocab_size: int | None = None
-    """Embedding rows. None: the tokenizer's vocabulary size. Must be >= the tokenizer's size."""
-    seq_len: int = 128
-    """Tokens per training sequence (and the positional table size for learned positions)."""
-    position: str = "learned"
-    """`learned` (GPT-2) or `rope` (Llama) positions."""
-    rope_theta: float = 10000.0
-    """Base of the rotary frequencies (rope only)."""
-    norm: str = "layernorm"
-    """`layernorm` (GPT-2) or `rmsnorm` (Llama). Norms always compute in FP32."""
-    norm_eps: float = 1e-5
-    """Epsilon of every normalisation."""
-    mlp: str = "gelu"
-    """`gelu` (GPT-2) or `swiglu` (Llama)."""
-    bias: bool = True
-    """Biases in linear layers and LayerNorm (GPT-2 has them, Llama does not)."""
-    tie_embeddings: bool = True
-    """Share the token embedding with the output projection (`lm_head`)."""
-    dropout: float = 0.0
-    """Dropout on attention weights and residual branches; 0 keeps training deterministic."""
-    init_std: float = 0.02
-    """Std of the normal init; residual output projections are scaled by 1/sqrt(2 n_layers)."""
-    hf_config: dict[str, Any] | None = None
-    """kind=hf: a transformers config as a dict with `model_type` (e.g. gpt2, llama); built from
-    scratch with random weights."""
-    hf_path: str | None = None
-    """kind=hf: a local directory holding `config.json` (and weights, which are then loaded), or a
-    hub name. Takes precedence over `hf_config`."""
-    init_from: str | None = None
-    """Start this run from existing weights: a Hugging Face model directory (`config.json` and
-    safetensors, sharded or not; GPT-2 and Llama layouts map onto kind=gpt by name, any model onto
-    kind=hf), or a bigtrain checkpoint of any backend and world size. Step 0, fresh optimizer
-    state, data from the start, an `init_from` event with the source and a checksum. Each rank
-    reads only the slices it keeps. Only when there is nothing to resume (a restarted job resumes
-    its own checkpoints). At setup."""
-
-
-def default_d_ff(cfg: ModelConfig) -> int:
-    """The MLP's hidden width when model.d_ff is not set: 4 x d_model (GELU), or 8/3 x d_model
-    rounded up to a multiple of 64 (SwiGLU, the same parameters in three matrices)."""
-    if cfg.mlp == "swiglu":
-        return 64 * math.ceil(8 * cfg.d_model / 3 / 64)
-    return 4 * cfg.d_model
 
 
 @dataclass
@@ -274,47 +213,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class ParallelConfig:
-    backend: str = "local"
-    """`local`: one process, one device. `fsdp`: PyTorch FSDP2 (fully_shard per block and the root).
-    `zero`: DeepSpeed ZeRO (`zero_stage`). The world size comes from the launcher."""
-    zero_stage: int = 2
-    """ZeRO stage for backend=zero: 1 shards optimizer states, 2 also gradients, 3 also weights."""
-    activation_checkpointing: str = "none"
-    """`none`; `block`: recompute each transformer block's activations in backward; `selective`:
-    recompute only the cheap ops (norms, activations, adds), keep matmul and attention outputs."""
-    compile: bool = False
-    """torch.compile each transformer block (in place; parameter names unchanged)."""
-    meta_init: bool | None = None
-    """Build the model on the meta device and materialise only this rank's shards (fsdp, gpt):
-    no process ever holds the whole model. None: on for fsdp from 1B parameters. The initial
-    weights are those of a whole build (drawn per parameter: model/init.py)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
-    backward (ZeRO-2-like speed)."""
-    replicate: int = 1
-    """fsdp: replicas of the sharded model (HSDP). The ranks form a `replicate x shard` mesh;
-    parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
-    the replicate dim, whose all-reduce of the gradients is the only traffic between replicas.
-    world size / replicate is the shard degree; it must divide. 1: plain FSDP. At start."""
-    tensor_parallel: int = 1
-    """fsdp: tensor-parallel degree, the innermost mesh axis `tp` (ranks of one node): each
-    matched linear layer is split over `tensor_parallel` ranks, which read the same batch.
-    world size / (replicate x tensor_parallel) is the shard degree; it must divide. Needs
-    `tp_plan` (model.kind=hf; not yet for the built-in GPT). At start."""
-    tp_plan: dict[str, str] = field(default_factory=dict)
-    """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
-    each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
-    v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
-    projections), for nn.Linear and transformers Conv1D layers alike; `colwise_qkv` for GPT-2's
-    fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
-    stay whole on every tp rank, see parallel/tp_conv1d.py). A colwise layer's output must feed
-    the next rowwise one. At start."""
-    timeout_s: float = 600.0
-    """Timeout of every collective: a lost rank stops the others after this long instead of never."""
-
-
-@dataclass
 class WandbConfig:
     mode: str = "offline"
     """`online`, `offline` (files under out_dir/wandb) or `disabled`."""
@@ -363,3 +261,23 @@ class Config:
     """Profiler traces of chosen steps and CUDA memory snapshots; off by default."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults for drills and tests; off by default."""
+
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "FaultConfig",
+    "LogConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "ProfileConfig",
+    "ResilienceConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "default_d_ff",
+]

@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from bigtrain.config.mesh import check_gpt_tensor_parallel
+from bigtrain.config.parallel import check_gpt_tensor_parallel
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.apply import transformer_blocks

@@ -24,8 +24,8 @@ import numpy as np
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import model_flops_per_token
+from bigtrain.plan.footprint import planned
 from bigtrain.plan.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
-from bigtrain.plan.memory import planned
 from bigtrain.plan.simulation import (
     CAUSES,
     best_interval,

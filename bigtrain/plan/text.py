@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bigtrain.config.schema import Config
 from bigtrain.plan.comm import fsdp_traffic
-from bigtrain.plan.memory import (
+from bigtrain.plan.footprint import (
     CHECKPOINTING,
     COMPONENTS,
     PlannedRun,

@@ -101,7 +101,7 @@ def oom_report(device: torch.device, run_dir: Path, rank: int) -> dict[str, Any]
 def out_of_memory(trainer, error: BaseException, memory_plan=None) -> OutOfMemory:
     """The `oom` event (from this rank) and the error that ends the run with exit 8, for an
     out-of-memory `error` raised while `trainer` ran. `memory_plan`: a function returning
-    `bigtrain plan`'s prediction for the config (bigtrain/plan/memory.py, above this layer)."""
+    `bigtrain plan`'s prediction for the config (bigtrain/plan/footprint.py, above this layer)."""
     rank = trainer.env.rank
     report = oom_report(trainer.device, trainer.run_dir.path, rank)
     plan: dict[str, Any] | None = None

@@ -3,7 +3,7 @@
 The loop marks its phases through `Trainer.ranges`: `begin(name)` ends the open range and opens
 the next, `end()` closes it. Off (the default) that is `NO_RANGES`, whose methods do nothing: no
 profiler object exists and a step pays a few empty method calls (bench/profile_off.py measures
-it). While a profiling window is ahead, callbacks/profile.py puts a `PhaseRanges` there, whose
+it). While a profiling window is ahead, callbacks/profiler.py puts a `PhaseRanges` there, whose
 ranges are torch.profiler.record_function ranges (user annotations in the trace).
 
 The window: `profile.steps = [start, end]` becomes torch.profiler.schedule(wait, warmup, active)

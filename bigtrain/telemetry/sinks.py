@@ -1,6 +1,6 @@
 """Metric sinks: where a run's records go besides metrics.jsonl (wandb, TensorBoard, MLflow).
 
-One protocol, `MetricSink`; callbacks/sinks.py drives every configured sink from the loop's hooks
+One protocol, `MetricSink`; callbacks/sink_logger.py drives every configured sink from the loop's hooks
 with the same records in the same order. What the sinks share lives here once:
 
 - `flat_record`: a metrics record as flat keys (`train/loss`, `layers/grad_norm/00.tok_emb`,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from bigtrain.callbacks.sinks import SinkLogger
+from bigtrain.callbacks.sink_logger import SinkLogger
 from bigtrain.config.schema import WandbConfig
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run

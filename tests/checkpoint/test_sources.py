@@ -20,8 +20,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("name", ["gpt2-untied-bias", "llama-gqa-untied"])
 def test_hf_source_reads_any_range_and_block_of_every_parameter(tmp_path, name):
-    _, params, layout, _ = export_gpt(CONFIGS[name], tmp_path / "hf", max_shard_bytes=20_000)
-    source = HFSource(tmp_path / "hf", layout.parts)
+    _, params, mapping, _ = export_gpt(CONFIGS[name], tmp_path / "hf", max_shard_bytes=20_000)
+    source = HFSource(tmp_path / "hf", mapping.parts)
     source.check_covers({n: tuple(p.shape) for n, p in params.items()})
     generator = torch.Generator().manual_seed(0)
     for pname, p in params.items():
@@ -37,8 +37,8 @@ def test_hf_source_reads_any_range_and_block_of_every_parameter(tmp_path, name):
 
 
 def test_a_source_that_does_not_fit_names_the_tensors(tmp_path):
-    _, params, layout, _ = export_gpt(CONFIGS["llama-gqa-untied"], tmp_path / "hf")
-    source = HFSource(tmp_path / "hf", layout.parts)
+    _, params, mapping, _ = export_gpt(CONFIGS["llama-gqa-untied"], tmp_path / "hf")
+    source = HFSource(tmp_path / "hf", mapping.parts)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     shapes["blocks.9.attn.q.weight"] = (32, 32)
     shapes["tok_emb.weight"] = (100, 32)
@@ -68,13 +68,13 @@ def test_local_source_reads_slices_and_steps(tmp_path):
 def test_hub_names_without_the_base_prefix_and_empty_shards(tmp_path):
     from safetensors.torch import load_file
 
-    _, params, layout, _ = export_gpt(CONFIGS["gpt2-untied-bias"], tmp_path / "hf")
+    _, params, mapping, _ = export_gpt(CONFIGS["gpt2-untied-bias"], tmp_path / "hf")
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     # the hub's gpt2 stores `wte.weight`, `h.0.*`: transformers adds `transformer.` on load
     bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     (tmp_path / "hf" / "model.safetensors").unlink()
     save_file(bare, str(tmp_path / "hf" / "model.safetensors"))
-    source = HFSource(tmp_path / "hf", layout.parts)
+    source = HFSource(tmp_path / "hf", mapping.parts)
     source.check_covers({n: tuple(p.shape) for n, p in params.items()})
     for name, p in params.items():
         assert torch.equal(source.full(name), p.detach()), name
@@ -82,17 +82,17 @@ def test_hub_names_without_the_base_prefix_and_empty_shards(tmp_path):
 
 
 def test_a_damaged_hf_directory_is_named(tmp_path):
-    _, _, layout, _ = export_gpt(
+    _, _, mapping, _ = export_gpt(
         CONFIGS["llama-gqa-untied"], tmp_path / "hf", max_shard_bytes=20_000
     )
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     missing = sorted(set(index["weight_map"].values()))[0]
     (tmp_path / "hf" / missing).unlink()
     with pytest.raises(ConfigError, match=f"cannot read '{missing}'"):
-        HFSource(tmp_path / "hf", layout.parts)
+        HFSource(tmp_path / "hf", mapping.parts)
     (tmp_path / "hf" / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a safetensors index"):
-        HFSource(tmp_path / "hf", layout.parts)
+        HFSource(tmp_path / "hf", mapping.parts)
 
 
 def test_a_local_checkpoint_of_the_old_layout_is_refused(tmp_path):
@@ -105,14 +105,14 @@ def test_a_local_checkpoint_of_the_old_layout_is_refused(tmp_path):
 def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
     import dataclasses
 
-    from bigtrain.model.hf_layout import check_hf_config, layout_for
+    from bigtrain.model.hf_mapping import check_hf_config, mapping_for
 
     cfg = CONFIGS["llama-gqa-untied"]
-    _, params, layout, _ = export_gpt(cfg, tmp_path / "hf")
+    _, params, mapping, _ = export_gpt(cfg, tmp_path / "hf")
     found = json.loads((tmp_path / "hf" / "config.json").read_text())
-    check_hf_config(layout, found, "dir")  # its own export passes
+    check_hf_config(mapping, found, "dir")  # its own export passes
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    other = layout_for(dataclasses.replace(cfg, rope_theta=500000.0, norm_eps=1e-6), shapes)
+    other = mapping_for(dataclasses.replace(cfg, rope_theta=500000.0, norm_eps=1e-6), shapes)
     with pytest.raises(
         ConfigError,
         match=r"rms_norm_eps 1e-05 there, 1e-06 here .*rope \(10000.0, 'default'\) there, \(500000.0",
@@ -122,7 +122,7 @@ def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
     with pytest.raises(
         ConfigError, match=r"tie_word_embeddings True there, False here \(model.tie_embeddings\)"
     ):
-        check_hf_config(layout, tied, "dir")
+        check_hf_config(mapping, tied, "dir")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group says so

@@ -171,7 +171,7 @@ def test_gpt_shapes_that_do_not_split_over_tp_are_config_errors(overrides, messa
 
 
 def test_a_vocabulary_that_does_not_split_names_a_padded_size():
-    from bigtrain.config.mesh import check_gpt_tensor_parallel
+    from bigtrain.config.parallel import check_gpt_tensor_parallel
     from bigtrain.config.schema import ModelConfig
 
     m = ModelConfig(n_heads=4, d_model=64, seq_len=32, vocab_size=50257)

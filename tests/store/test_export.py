@@ -12,7 +12,7 @@ from bigtrain.data.tokens import train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.model import build_model
 from bigtrain.model.gpt import GPT
-from bigtrain.model.hf_layout import Part, layout_for, layout_for_hf
+from bigtrain.model.hf_mapping import Part, mapping_for, mapping_for_hf
 from bigtrain.utils.names import canonical_name
 
 pytestmark = pytest.mark.unit
@@ -47,11 +47,11 @@ def export_gpt(cfg: ModelConfig, out_dir: Path, **kwargs):
     torch.manual_seed(0)
     model = GPT(cfg)
     params = trained_like(model)
-    layout = layout_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
+    mapping = mapping_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
     files = export_hf(
-        layout, params.__getitem__, out_dir, kwargs.pop("tokenizer_dir", None), **kwargs
+        mapping, params.__getitem__, out_dir, kwargs.pop("tokenizer_dir", None), **kwargs
     )
-    return model, params, layout, files
+    return model, params, mapping, files
 
 
 def written_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -63,14 +63,16 @@ def written_tensors(out_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
 def test_gpt_export_loads_in_transformers_with_the_same_logits(tmp_path, cfg):
-    model, _, layout, files = export_gpt(cfg, tmp_path / "out")
+    model, _, mapping, files = export_gpt(cfg, tmp_path / "out")
     assert files == ["config.json", "generation_config.json", "model.safetensors"]
     result = check_export(model, tmp_path / "out", VOCAB, cfg.seq_len)
     assert result["max_rel_diff"] <= 1e-4, result
     assert result["ok"] and result["missing_keys"] == [] and result["unexpected_keys"] == []
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == [layout.architecture]
-    assert layout.architecture == ("LlamaForCausalLM" if cfg.mlp == "swiglu" else "GPT2LMHeadModel")
+    assert config["architectures"] == [mapping.architecture]
+    assert mapping.architecture == (
+        "LlamaForCausalLM" if cfg.mlp == "swiglu" else "GPT2LMHeadModel"
+    )
     assert config["tie_word_embeddings"] is cfg.tie_embeddings
     # a tied table is written once, as save_pretrained does
     assert ("lm_head.weight" in written_tensors(tmp_path / "out")) is not cfg.tie_embeddings
@@ -78,24 +80,24 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(tmp_path, cfg):
 
 @pytest.mark.parametrize("name", ["gpt2-untied-nobias", "llama-gqa-untied-bias"])
 def test_layout_parts_rebuild_every_bigtrain_tensor_from_the_files(tmp_path, name):
-    _, params, layout, _ = export_gpt(CONFIGS[name], tmp_path / "out")
+    _, params, mapping, _ = export_gpt(CONFIGS[name], tmp_path / "out")
     written = written_tensors(tmp_path / "out")
-    assert set(written) == set(layout.hf_shapes())
-    assert {n: tuple(t.shape) for n, t in written.items()} == layout.hf_shapes()
+    assert set(written) == set(mapping.hf_shapes())
+    assert {n: tuple(t.shape) for n, t in written.items()} == mapping.hf_shapes()
     for bigtrain_name, param in params.items():
-        assert torch.equal(layout.join(bigtrain_name, written.__getitem__), param)
-    for hf_name in layout.extra:  # GPT-2's biases when the model has none
+        assert torch.equal(mapping.join(bigtrain_name, written.__getitem__), param)
+    for hf_name in mapping.extra:  # GPT-2's biases when the model has none
         assert not written[hf_name].any()
 
 
 def test_small_shards_get_an_index_that_transformers_loads(tmp_path):
     max_bytes = 20_000
-    model, _, layout, files = export_gpt(LLAMA, tmp_path / "out", max_shard_bytes=max_bytes)
+    model, _, mapping, files = export_gpt(LLAMA, tmp_path / "out", max_shard_bytes=max_bytes)
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     weight_map = index["weight_map"]
-    assert set(weight_map) == set(layout.hf_shapes()) and set(weight_map.values()) == set(shards)
+    assert set(weight_map) == set(mapping.hf_shapes()) and set(weight_map.values()) == set(shards)
     total = 0
     for shard in shards:
         tensors = load_file(str(tmp_path / "out" / shard))
@@ -112,18 +114,18 @@ def test_weights_stream_shard_by_shard(tmp_path, cfg):
     """Each tensor is read only once the shards before its own HF tensor's are on disk: memory
     holds one shard plus one tensor (GPT-2: q, k, v and their c_attn), not the model."""
     params = {n: p for n, p in GPT(cfg).named_parameters()}
-    layout = layout_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
-    shards = plan_shards(layout.hf_shapes(), 20_000)
+    mapping = mapping_for(cfg, {n: tuple(p.shape) for n, p in params.items()})
+    shards = plan_shards(mapping.hf_shapes(), 20_000)
     shard_of = {hf: i for i, names in enumerate(shards) for hf in names}
     on_disk = []
 
     def read(name: str) -> torch.Tensor:
         written = [f for d in tmp_path.glob(".out.tmp-export-*") for f in d.glob("*.safetensors")]
         on_disk.append(len(written))
-        assert len(written) == shard_of[layout.parts[name].hf_name], name
+        assert len(written) == shard_of[mapping.parts[name].hf_name], name
         return params[name]
 
-    export_hf(layout, read, tmp_path / "out", None, max_shard_bytes=20_000)
+    export_hf(mapping, read, tmp_path / "out", None, max_shard_bytes=20_000)
     assert len(on_disk) == len(params) and on_disk[-1] == len(shards) - 1 > 2
 
 
@@ -131,11 +133,11 @@ def test_a_wrong_layout_fails_the_check(tmp_path):
     torch.manual_seed(0)
     model = GPT(LLAMA)
     params = trained_like(model)
-    layout = layout_for(LLAMA, {n: tuple(p.shape) for n, p in params.items()})
-    gate, up = layout.parts["blocks.1.mlp.gate.weight"], layout.parts["blocks.1.mlp.up.weight"]
-    layout.parts["blocks.1.mlp.gate.weight"] = Part(up.hf_name, up.rows)  # gate as the value
-    layout.parts["blocks.1.mlp.up.weight"] = Part(gate.hf_name, gate.rows)
-    export_hf(layout, params.__getitem__, tmp_path / "out", None)
+    mapping = mapping_for(LLAMA, {n: tuple(p.shape) for n, p in params.items()})
+    gate, up = mapping.parts["blocks.1.mlp.gate.weight"], mapping.parts["blocks.1.mlp.up.weight"]
+    mapping.parts["blocks.1.mlp.gate.weight"] = Part(up.hf_name, up.rows)  # gate as the value
+    mapping.parts["blocks.1.mlp.up.weight"] = Part(gate.hf_name, gate.rows)
+    export_hf(mapping, params.__getitem__, tmp_path / "out", None)
     result = check_export(model, tmp_path / "out", VOCAB, LLAMA.seq_len)
     assert not result["ok"] and result["max_rel_diff"] > 1e-2
 
@@ -153,7 +155,7 @@ def test_existing_non_empty_out_dir_is_refused_and_left_alone(tmp_path):
 
 def test_a_failed_export_leaves_nothing_behind(tmp_path):
     params = {n: p for n, p in GPT(GPT2).named_parameters()}
-    layout = layout_for(GPT2, {n: tuple(p.shape) for n, p in params.items()})
+    mapping = mapping_for(GPT2, {n: tuple(p.shape) for n, p in params.items()})
 
     def read(name: str) -> torch.Tensor:
         if name == "blocks.1.attn.k.weight":  # mid-way through c_attn's parts
@@ -161,7 +163,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path):
         return params[name]
 
     with pytest.raises(OSError, match="unreadable"):
-        export_hf(layout, read, tmp_path / "out", None, max_shard_bytes=10_000)
+        export_hf(mapping, read, tmp_path / "out", None, max_shard_bytes=10_000)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -225,12 +227,12 @@ def test_hf_model_exports_in_its_own_class(tmp_path, tied):
     torch.manual_seed(0)
     model = build_model(ModelConfig(kind="hf", hf_config=hf_config, seq_len=16), VOCAB)
     params = trained_like(model)
-    # state_dict names list a tied table twice: the layout writes it once
+    # state_dict names list a tied table twice: the mapping writes it once
     shapes = {canonical_name(n): tuple(t.shape) for n, t in model.state_dict().items()}
-    layout = layout_for_hf(model.hf.config, shapes)
-    assert layout.architecture == "LlamaForCausalLM"
-    assert ("hf.lm_head.weight" in layout.parts) is not tied
-    export_hf(layout, params.__getitem__, tmp_path / "out", None)
+    mapping = mapping_for_hf(model.hf.config, shapes)
+    assert mapping.architecture == "LlamaForCausalLM"
+    assert ("hf.lm_head.weight" in mapping.parts) is not tied
+    export_hf(mapping, params.__getitem__, tmp_path / "out", None)
     assert check_export(model, tmp_path / "out", VOCAB, 16)["ok"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tied

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigtrain.callbacks.sinks import SinkLogger, configured_sinks, make_sinks
+from bigtrain.callbacks.sink_logger import SinkLogger, configured_sinks, make_sinks
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv

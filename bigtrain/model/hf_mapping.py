@@ -1,12 +1,12 @@
-"""The one mapping between bigtrain's tensors and a transformers model's: names, splits, layout.
+"""The one mapping between bigtrain's tensors and a transformers model's: names, splits, row ranges.
 
-A `Layout` says where each bigtrain parameter lies in a transformers (HF) tensor (the whole of
+A `HFMapping` says where each bigtrain parameter lies in a transformers (HF) tensor (the whole of
 one, or a row range of GPT-2's c_attn, which holds q, k and v), so that the same table serves both
 directions: exporting bigtrain weights to a transformers directory
-(`bigtrain.checkpoint.hf_export`) and reading a transformers checkpoint into bigtrain's GPT. Two layouts
-exist for the built-in GPT (`layout_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
+(`bigtrain.checkpoint.hf_export`) and reading a transformers checkpoint into bigtrain's GPT. Two mappings
+exist for the built-in GPT (`mapping_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
 (`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class by identity
-(`layout_for_hf`).
+(`mapping_for_hf`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Part:
 
 
 @dataclass
-class Layout:
+class HFMapping:
     """How a bigtrain model's tensors map onto a transformers model's.
 
     For every bigtrain name, with `p = parts[name]` and `t = hf[p.hf_name].T if p.transpose else
@@ -89,7 +89,7 @@ class Layout:
         for name, tensor in tensors:
             if tuple(tensor.shape) != self.shapes[name]:
                 raise ConfigError(
-                    f"tensor '{name}' was read with shape {tuple(tensor.shape)}, the layout was "
+                    f"tensor '{name}' was read with shape {tuple(tensor.shape)}, the mapping was "
                     f"made for {self.shapes[name]}"
                 )
             part = self.parts[name]
@@ -129,13 +129,13 @@ def hf_rows(parts: dict[str, Part]) -> dict[str, int]:
     return rows
 
 
-def layout_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> Layout:
-    """The transformers layout of bigtrain's GPT built from `cfg`, whose tensors have `shapes`
+def mapping_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> HFMapping:
+    """The transformers mapping of bigtrain's GPT built from `cfg`, whose tensors have `shapes`
     (canonical parameter names, as `named_parameters` gives them: a tied `lm_head.weight` is
     absent, or ignored when present). GPT-2 for learned positions, LayerNorm and GELU; Llama for
     rotary positions, RMSNorm and SwiGLU; any other combination is a ConfigError."""
     if cfg.kind != "gpt":
-        raise ConfigError(f"model.kind={cfg.kind}: layout_for maps the built-in GPT only")
+        raise ConfigError(f"model.kind={cfg.kind}: mapping_for maps the built-in GPT only")
     shapes = {n: tuple(s) for n, s in shapes.items()}
     if cfg.tie_embeddings:
         shapes.pop("lm_head.weight", None)  # the same tensor as tok_emb.weight: written once
@@ -150,10 +150,10 @@ def layout_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> Layout:
         architecture, config = "LlamaForCausalLM", _llama_config(cfg, vocab_size)
         parts = _llama_parts(cfg, vocab_size)
     else:
-        raise ConfigError(_no_layout_message(cfg))
+        raise ConfigError(_no_mapping_message(cfg))
     _check_covers(parts, shapes)
-    ordered = {n: shapes[n] for n in parts}  # tensors are read and written in the layout's order
-    return Layout(architecture, config, ordered, parts, extra)
+    ordered = {n: shapes[n] for n in parts}  # tensors are read and written in the mapping's order
+    return HFMapping(architecture, config, ordered, parts, extra)
 
 
 def _mismatches(cfg: ModelConfig, needs: dict[str, str]) -> list[str]:
@@ -164,13 +164,13 @@ def _mismatches(cfg: ModelConfig, needs: dict[str, str]) -> list[str]:
     ]
 
 
-def _no_layout_message(cfg: ModelConfig) -> str:
+def _no_mapping_message(cfg: ModelConfig) -> str:
     gpt2 = _mismatches(cfg, GPT2_NEEDS)
     if cfg.n_kv_heads not in (None, cfg.n_heads):
         gpt2.append(f"model.n_kv_heads=null or n_heads (have {cfg.n_kv_heads})")
     llama = _mismatches(cfg, LLAMA_NEEDS)
     return (
-        "no transformers layout for this model: GPT2LMHeadModel needs "
+        "no transformers mapping for this model: GPT2LMHeadModel needs "
         + ", ".join(gpt2)
         + "; LlamaForCausalLM needs "
         + ", ".join(llama)
@@ -315,8 +315,8 @@ def _llama_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     ).to_dict()
 
 
-def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
-    """The layout of a `model.kind=hf` model (bigtrain's `HFCausalLM`): `hf.<name>` is the
+def mapping_for_hf(hf_config, shapes: dict[str, Shape]) -> HFMapping:
+    """The mapping of a `model.kind=hf` model (bigtrain's `HFCausalLM`): `hf.<name>` is the
     transformers tensor `<name>`, written for the class transformers builds from `hf_config`.
     `shapes` are canonical parameter names as `named_parameters` gives them; when the config ties
     the output embedding, its tied copy is dropped if present (written once, as save_pretrained
@@ -334,7 +334,7 @@ def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
         raise ConfigError(f"model.hf_config: {type(hf_config).__name__} has no causal LM class")
     names = {n.removeprefix("hf."): tuple(s) for n, s in shapes.items() if n.startswith("hf.")}
     if len(names) != len(shapes):
-        raise ConfigError("layout_for_hf: every tensor name starts with 'hf.' (an HFCausalLM)")
+        raise ConfigError("mapping_for_hf: every tensor name starts with 'hf.' (an HFCausalLM)")
     if getattr(hf_config, "tie_word_embeddings", False):
         # transformers 5 maps each tied tensor to its source; 4.x lists the tied tensors only
         tied = getattr(cls, "_tied_weights_keys", None) or {}
@@ -345,7 +345,7 @@ def layout_for_hf(hf_config, shapes: dict[str, Shape]) -> Layout:
     config = hf_config.to_dict()
     config.pop("_name_or_path", None)  # where the model was loaded from: a local path, maybe
     config.update(architectures=[architecture], dtype="float32")
-    return Layout(
+    return HFMapping(
         architecture,
         config,
         {f"hf.{n}": s for n, s in names.items()},
@@ -400,16 +400,16 @@ def _normalised(config: dict[str, Any], key: str) -> Any:
     return float(value) if isinstance(value, float) else value
 
 
-def check_hf_config(layout: Layout, found: dict[str, Any], origin: str) -> None:
+def check_hf_config(mapping: HFMapping, found: dict[str, Any], origin: str) -> None:
     """The Hugging Face config `found` (a directory's config.json, defaults filled in) describes
-    the model this layout writes: every key that changes what the weights compute agrees, or a
+    the model this mapping writes: every key that changes what the weights compute agrees, or a
     ConfigError names each difference and the model.* key that sets it. Shapes alone would pass
     an untied head, another rope theta, norm eps or activation."""
-    _check_model_type(layout, found, origin)
-    keys = CHECKED_KEYS.get(layout.architecture, {})
+    _check_model_type(mapping, found, origin)
+    keys = CHECKED_KEYS.get(mapping.architecture, {})
     diffs = []
     for key, setting in keys.items():
-        want, have = _normalised(layout.config, key), _normalised(found, key)
+        want, have = _normalised(mapping.config, key), _normalised(found, key)
         same = (
             math.isclose(want, have, rel_tol=1e-6)
             if isinstance(want, float) and isinstance(have, float)
@@ -427,10 +427,10 @@ STYLES = {"gpt2": GPT2_NEEDS, "llama": LLAMA_NEEDS}
 """The model.* settings of bigtrain's GPT that build each transformers model type."""
 
 
-def _check_model_type(layout: Layout, found: dict[str, Any], origin: str) -> None:
-    """Another transformers model type than this layout writes: a ConfigError naming both and
+def _check_model_type(mapping: HFMapping, found: dict[str, Any], origin: str) -> None:
+    """Another transformers model type than this mapping writes: a ConfigError naming both and
     the settings that build the directory's model (their keys differ, so no key compares)."""
-    want, have = layout.config.get("model_type"), found.get("model_type")
+    want, have = mapping.config.get("model_type"), found.get("model_type")
     if have == want:
         return
     architecture = (found.get("architectures") or [f"model_type {have!r}"])[0]
@@ -441,5 +441,5 @@ def _check_model_type(layout: Layout, found: dict[str, Any], origin: str) -> Non
         fix = "read it with model.kind=hf"
     raise ConfigError(
         f"{origin} holds a {architecture} (model_type {have!r}), but this config builds a "
-        f"{layout.architecture} (model_type {want!r}): {fix}"
+        f"{mapping.architecture} (model_type {want!r}): {fix}"
     )

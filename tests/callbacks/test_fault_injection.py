@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigtrain.callbacks import faults
-from bigtrain.callbacks.faults import FaultInjector
+from bigtrain.callbacks import fault_injection
+from bigtrain.callbacks.fault_injection import FaultInjector
 from bigtrain.config.schema import FaultConfig
 from bigtrain.errors import ConfigError
 from tests.stubs import StubTrainer
@@ -146,7 +146,7 @@ def sent(monkeypatch) -> list[tuple[int, int]]:
     """Signals the injector sends (to itself), recorded instead of delivered."""
     calls: list[tuple[int, int]] = []
     fake = SimpleNamespace(getpid=os.getpid, kill=lambda pid, sig: calls.append((pid, sig)))
-    monkeypatch.setattr(faults, "os", fake)
+    monkeypatch.setattr(fault_injection, "os", fake)
     return calls
 
 
@@ -177,7 +177,7 @@ def test_kill_fires_once_per_run_directory_so_the_restarted_run_goes_on(tmp_path
 def test_hang_waits_forever_once_per_run_directory(tmp_path, monkeypatch):
     waits = []
     event = SimpleNamespace(wait=lambda: waits.append("forever"))
-    monkeypatch.setattr(faults, "threading", SimpleNamespace(Event=lambda: event))
+    monkeypatch.setattr(fault_injection, "threading", SimpleNamespace(Event=lambda: event))
     trainer = make(tmp_path, hang_step=[1])
     trainer.after_backward()
     assert waits == ["forever"] and trainer.events()[0]["type"] == "hang"
@@ -190,7 +190,7 @@ def test_the_slow_rank_sleeps_in_every_step_whatever_fault_rank_says(
     tmp_path, monkeypatch, rank, sleeps
 ):
     slept = []
-    monkeypatch.setattr(faults, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(fault_injection, "time", SimpleNamespace(sleep=slept.append))
     trainer = make(tmp_path, rank=rank, slow_rank=1, slow_s=0.25)  # fault.rank stays 0
     trainer.after_backward()
     assert slept == sleeps

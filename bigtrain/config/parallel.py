@@ -1,0 +1,138 @@
+"""The `parallel.*` section: the backend and the sizes of the layout's dimensions, and their
+checks against each other and the model (called by config/load.py's `validate`). Whether the sizes
+divide the world is checked at start, where the world is known (parallel/layout.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bigtrain.config.model import ModelConfig, default_d_ff
+from bigtrain.errors import ConfigError
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "local"
+    """`local`: one process, one device. `fsdp`: PyTorch FSDP2 (fully_shard per block and the root).
+    `zero`: DeepSpeed ZeRO (`zero_stage`). The world size comes from the launcher."""
+    zero_stage: int = 2
+    """ZeRO stage for backend=zero: 1 shards optimizer states, 2 also gradients, 3 also weights."""
+    activation_checkpointing: str = "none"
+    """`none`; `block`: recompute each transformer block's activations in backward; `selective`:
+    recompute only the cheap ops (norms, activations, adds), keep matmul and attention outputs."""
+    compile: bool = False
+    """torch.compile each transformer block (in place; parameter names unchanged)."""
+    meta_init: bool | None = None
+    """Build the model on the meta device and materialise only this rank's shards (fsdp, gpt):
+    no process ever holds the whole model. None: on for fsdp from 1B parameters. The initial
+    weights are those of a whole build (drawn per parameter: model/init.py)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
+    backward (ZeRO-2-like speed)."""
+    replicate: int = 1
+    """fsdp: replicas of the sharded model (HSDP). The ranks form a `replicate x shard` mesh;
+    parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
+    the replicate dim, whose all-reduce of the gradients is the only traffic between replicas.
+    world size / replicate is the shard degree; it must divide. 1: plain FSDP. At start."""
+    tensor_parallel: int = 1
+    """fsdp: tensor-parallel degree, the innermost mesh axis `tp` (ranks of one node): each
+    matched linear layer is split over `tensor_parallel` ranks, which read the same batch.
+    world size / (replicate x tensor_parallel) is the shard degree; it must divide. Needs
+    `tp_plan` (model.kind=hf; not yet for the built-in GPT). At start."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
+    each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
+    v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
+    projections), for nn.Linear and transformers Conv1D layers alike; `colwise_qkv` for GPT-2's
+    fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
+    stay whole on every tp rank, see parallel/tp_conv1d.py). A colwise layer's output must feed
+    the next rowwise one. At start."""
+    timeout_s: float = 600.0
+    """Timeout of every collective: a lost rank stops the others after this long instead of never."""
+
+
+def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
+    """What the parallel keys' types alone do not check, against the backend and the model."""
+    if p.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"key 'parallel.zero_stage' got {p.zero_stage}, expected 1, 2 or 3")
+    if p.replicate < 1:
+        raise ConfigError(
+            f"key 'parallel.replicate' got {p.replicate}, expected a positive integer"
+        )
+    if p.replicate > 1 and p.backend != "fsdp":
+        raise ConfigError(
+            f"key 'parallel.replicate' ({p.replicate}) needs parallel.backend=fsdp "
+            f"(HSDP), got parallel.backend={p.backend}"
+        )
+    _check_tensor_parallel(p, m)
+    if p.timeout_s <= 0:
+        raise ConfigError(
+            f"key 'parallel.timeout_s' got {p.timeout_s}, expected a positive number of seconds"
+        )
+    if p.activation_checkpointing == "selective" and m.dropout > 0:
+        raise ConfigError(
+            "parallel.activation_checkpointing=selective with model.dropout > 0: the saved "
+            "attention kernels would not advance the RNG in recompute, so dropout masks would "
+            "differ from the forward's; use block checkpointing or dropout 0"
+        )
+
+
+def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
+    if p.tensor_parallel < 1:
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' got {p.tensor_parallel}, expected a positive integer"
+        )
+    bad = {k: v for k, v in p.tp_plan.items() if v not in ("colwise", "rowwise", "colwise_qkv")}
+    if bad:
+        raise ConfigError(
+            f"key 'parallel.tp_plan' got {bad}, expected colwise, rowwise or colwise_qkv"
+        )
+    if p.tensor_parallel == 1:
+        return
+    if p.backend != "fsdp":
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' ({p.tensor_parallel}) needs parallel.backend=fsdp, "
+            f"got parallel.backend={p.backend}"
+        )
+    if m.kind == "gpt":
+        if p.tp_plan:
+            raise ConfigError(
+                f"key 'parallel.tp_plan' ({p.tp_plan}) is for model.kind=hf: bigtrain's GPT is "
+                "split by its own plan (q, k, v, gate, up colwise; proj, down rowwise)"
+            )
+        check_gpt_tensor_parallel(m, p.tensor_parallel)
+        return
+    if not p.tp_plan:
+        raise ConfigError(
+            f"key 'parallel.tp_plan' is empty, but parallel.tensor_parallel={p.tensor_parallel} "
+            "with model.kind=hf needs one: module name patterns -> colwise/rowwise, e.g. "
+            "{'self_attn.[qkv]_proj': colwise, 'self_attn.o_proj': rowwise, "
+            "'mlp.gate_proj': colwise, 'mlp.up_proj': colwise, 'mlp.down_proj': rowwise}"
+        )
+
+
+def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """What the built-in GPT's plan splits divides by the tp degree: whole heads (query and
+    key/value) per rank, the MLP's hidden units, the sequence (sequence parallelism) and, once
+    known, the vocabulary (the embedding and lm_head rows)."""
+    if tp == 1:
+        return
+    n_kv = m.n_kv_heads or m.n_heads
+    widths = {
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": n_kv,
+        "model.d_ff": m.d_ff or default_d_ff(m),
+        "model.seq_len": m.seq_len,
+    }
+    if m.vocab_size is not None:
+        widths["vocab size"] = m.vocab_size
+    bad = [f"{key} = {value}" for key, value in widths.items() if value % tp]
+    if bad:
+        hint = ""
+        if "vocab size" in widths and widths["vocab size"] % tp:
+            padded = -(-widths["vocab size"] // (64 * tp)) * 64 * tp
+            hint = f" (pad the table: model.vocab_size={padded}, unused rows are never targets)"
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' ({tp}) must divide {', '.join(bad)}: each tp rank "
+            f"holds whole heads, an equal part of the MLP and vocabulary, and of the sequence{hint}"
+        )

@@ -30,7 +30,7 @@ from bigtrain.callbacks.sink_logger import SinkLogger, make_sinks
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.checkpoint.manager import CheckpointManager
-from bigtrain.config import Config, to_dict, to_yaml
+from bigtrain.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict, to_yaml
 from bigtrain.config.resilience import MonitorConfig
 from bigtrain.data import (
     BatchLoader,
@@ -160,13 +160,13 @@ def build(cfg: Config, env: DistEnv) -> Run:
         raise
 
 
-def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> None:
+def _check_run_dir(resume: str, run_dir: RunDir, manager: CheckpointManager) -> None:
     if run_dir.aborted_marker.exists():
         raise AbortRun(
             f"{run_dir.aborted_marker} exists: this run gave up earlier "
             f"({run_dir.aborted_marker.read_text().strip()}); remove the marker to try again"
         )
-    if cfg.checkpoint.resume == "never" and manager.committed():
+    if resume == "never" and manager.committed():
         raise ConfigError(
             f"checkpoint.resume=never but {run_dir.checkpoints} already holds checkpoints; "
             "use checkpoint.resume=auto or another train.out_dir"
@@ -174,29 +174,35 @@ def _check_run_dir(cfg: Config, run_dir: RunDir, manager: CheckpointManager) -> 
 
 
 def make_data(
-    cfg: Config, env: DistEnv, layout: Layout, device: torch.device
+    data_cfg: DataConfig,
+    train: TrainConfig,
+    model: ModelConfig,
+    env: DistEnv,
+    layout: Layout,
+    device: torch.device,
 ) -> tuple[TrainingData, BatchLoader, list]:
-    """(the training data, its batch loader, the validation batches)."""
-    if cfg.data.pin_memory and device.type != "cuda":
+    """(the training data, its batch loader, the validation batches) of `data_cfg`, in
+    sequences of model.seq_len, batched as `train` says, for this rank's slice (`layout`)."""
+    if data_cfg.pin_memory and device.type != "cuda":
         raise ConfigError(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
             "(leave it null: on for CUDA)"
         )
-    t = cfg.train
+    t = train
     dp_rank, dp_size = layout.dp_rank, layout.dp_size  # a tp group reads one slice
-    if cfg.data.source == "prepared":
-        data = open_mixture(cfg.data, cfg.model.seq_len, t.seed, env.is_main)
+    if data_cfg.source == "prepared":
+        data = open_mixture(data_cfg, model.seq_len, t.seed, env.is_main)
         needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp_size
         check_length(data.stream, needed, t.max_steps)
     else:
-        data = from_corpus(
-            _token_corpus(cfg, env), cfg.model.seq_len, cfg.data.val_fraction, t.seed
-        )
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data.vocab_size:
+        corpus = _token_corpus(data_cfg, env)
+        data = from_corpus(corpus, model.seq_len, data_cfg.val_fraction, t.seed)
+    if model.vocab_size is not None and model.vocab_size < data.vocab_size:
         raise ConfigError(
-            f"key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+            f"key 'model.vocab_size' ({model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({data.vocab_size})"
         )
+    pin = device.type == "cuda" if data_cfg.pin_memory is None else data_cfg.pin_memory
     loader = BatchLoader(
         data.train,
         data.stream,
@@ -205,49 +211,70 @@ def make_data(
         dp_rank,
         dp_size,
         device,
-        prefetch=cfg.data.prefetch,
-        pin_memory=device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory,
+        prefetch=data_cfg.prefetch,
+        pin_memory=pin,
     )
     val = eval_batches(data.val, t.micro_batch_size, t.eval_batches, dp_rank, dp_size, device)
     return data, loader, val
 
 
-def _token_corpus(cfg: Config, env: DistEnv) -> TokenCorpus:
+def _token_corpus(data_cfg: DataConfig, env: DistEnv) -> TokenCorpus:
     # Rank 0 tokenizes (or finds the cache) first; the others then read the cache it wrote.
     if env.is_main:
-        corpus = prepare_corpus(cfg.data)
+        corpus = prepare_corpus(data_cfg)
     barrier()
     if not env.is_main:
-        corpus = prepare_corpus(cfg.data)
+        corpus = prepare_corpus(data_cfg)
     return corpus
 
 
-def make_callbacks(cfg, env, run_dir, manager, val, int8_layers, tokenizer_dir) -> list[Callback]:
-    """Every callback of a run (their priorities order them: train/hooks.py)."""
-    callbacks = [
-        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
-        StragglerReport(cfg.monitor.straggler_factor),
+def make_callbacks(
+    cfg: Config, env: DistEnv, run_dir: RunDir, manager: CheckpointManager, built: BuiltParts
+) -> list[Callback]:
+    """Every callback of a run, in the order they run (train/hooks.py), each with why it is there."""
+    order: list[Callback | None] = [
+        # Before anything reads the gradients or the loss: a drill's fault is in the step.
         FaultInjector(cfg.fault, env.rank),
-        EvalCallback(val, cfg.train.eval_every),
+        # The step's activations folded in before checkpoints and the healer's snapshot hold it.
+        Int8Calibration(built.int8_layers, cfg.precision.int8) if built.int8_layers else None,
+        # Writes result.val_loss, which the metrics record and the sinks read.
+        EvalCallback(built.val, cfg.train.eval_every),
+        # Writes result.samples after evaluation; the sinks read them.
+        SampleCallback(cfg.eval, str(built.tokenizer_dir), cfg.model.seq_len, cfg.train.seed)
+        if cfg.eval.sample_every > 0
+        else None,
         CheckpointCallback(manager, cfg.checkpoint),
+        # Writes result.step_time_by_rank, which the metrics record holds.
+        StragglerReport(cfg.monitor.straggler_factor),
+        # After a rollback has moved the cursor back.
+        SourceEvents() if cfg.data.source == "prepared" else None,
+        # Writes result.record, which the console and the sinks read.
         MetricsLogger(),
+        # After the checkpoint and the metrics; before preemption ends the run.
+        built.costs,
         ConsoleProgress(cfg.train.progress and env.is_main),
+        SinkLogger(built.sinks, cfg.log.hold_steps, to_dict(cfg)) if built.sinks else None,
+        # Ends the run (exit 4) once this step's checkpoint and metrics are written.
         PreemptionHandler(),
+        # The beat marks the step's end: after the step's checkpoint and evaluation.
+        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
+        # Last: the step's other callbacks are inside the step's trace.
+        ProfilerCallback(cfg.profile, env.rank)
+        if (cfg.profile.steps or cfg.profile.memory) and env.rank in cfg.profile.ranks
+        else None,
     ]
-    if cfg.eval.sample_every > 0:
-        callbacks.append(
-            SampleCallback(cfg.eval, str(tokenizer_dir), cfg.model.seq_len, cfg.train.seed)
-        )
-    if cfg.data.source == "prepared":
-        callbacks.append(SourceEvents())
-    if int8_layers:
-        callbacks.append(Int8Calibration(int8_layers, cfg.precision.int8))
-    sinks = make_sinks(cfg)  # every rank checks the packages; rank 0 logs
-    if sinks:
-        callbacks.append(SinkLogger(sinks, cfg.log.hold_steps, to_dict(cfg)))
-    if (cfg.profile.steps or cfg.profile.memory) and env.rank in cfg.profile.ranks:
-        callbacks.append(ProfilerCallback(cfg.profile, env.rank))
-    return callbacks
+    return [c for c in order if c is not None]
+
+
+@dataclass(frozen=True)
+class BuiltParts:
+    """What the callbacks are made from, besides the config."""
+
+    val: list  # the validation batches
+    int8_layers: dict
+    tokenizer_dir: str
+    sinks: list  # the metric sinks, not yet started (every rank checks the packages)
+    costs: CostLedger
 
 
 def _assemble(
@@ -264,11 +291,11 @@ def _assemble(
     manager = CheckpointManager(
         run_dir.checkpoints, cfg.checkpoint.keep, layout.rank, layout.world_size
     )
-    _check_run_dir(cfg, run_dir, manager)
+    _check_run_dir(cfg.checkpoint.resume, run_dir, manager)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    data, loader, val = make_data(cfg, env, layout, device)
+    data, loader, val = make_data(cfg.data, cfg.train, cfg.model, env, layout, device)
     clock.mark("data")
     model, facts = make_model(cfg, layout, data.vocab_size, device, data.eos_id)
     manager.carry = save_run_files(run_dir.path, data.tokenizer_dir, model, env.is_main)
@@ -291,7 +318,7 @@ def _assemble(
         flops_per_token=facts.flops_per_token,
         peak_flops=peak_flops,
         peak_flops_source=peak_source,
-        identity=run_identity(cfg, data.key, loader.global_batch_size),
+        identity=run_identity(cfg.model, data.key, loader.global_batch_size),
         config_yaml=config_yaml,
         corpus=data.summary,
         monitor_kernel="triton" if monitor.use_kernel else "torch",
@@ -299,10 +326,19 @@ def _assemble(
         skipped_rows=data.skipped_rows,
     )
     ledger = CostLedger(clock)
-    callbacks = make_callbacks(
-        cfg, env, run_dir, manager, val, facts.int8_layers, data.tokenizer_dir
-    ) + [ledger]
-    healer = Healer(cfg, monitor.names, manager, start_weights(cfg, backend, manager, device))
+    sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
+    parts = BuiltParts(val, facts.int8_layers, data.tokenizer_dir, sinks, ledger)
+    callbacks = make_callbacks(cfg, env, run_dir, manager, parts)
+    start = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
+    healer = Healer(
+        cfg.resilience,
+        cfg.monitor,
+        cfg.checkpoint.every,
+        cfg.train.max_steps,
+        monitor.names,
+        manager,
+        start,
+    )
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, setup, monitor, healer
     )

@@ -226,11 +226,11 @@ def _train(items: list[str], local_rank: int | None) -> int:
 def _memory_plan(cfg, env) -> dict:
     """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
     from bigtrain.parallel.env import pick_device
-    from bigtrain.plan.footprint import predicted_memory
+    from bigtrain.plan.footprint import planned, predicted_memory
     from bigtrain.precision import detect_hardware
 
     hardware = detect_hardware(pick_device(cfg.train.device, env))
-    return predicted_memory(cfg, env.world_size, hardware)
+    return predicted_memory(planned(cfg, env.world_size, hardware))
 
 
 def _prepare(items: list[str], out: Path) -> int:
@@ -263,6 +263,7 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     cfg = _load(items)  # before the heavy imports, as in _train
     from bigtrain.parallel.env import DistEnv, pick_device
+    from bigtrain.plan.footprint import planned
     from bigtrain.plan.text import parse_bytes, plan_text
     from bigtrain.precision import Hardware, detect_hardware
 
@@ -271,7 +272,7 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     hardware = detect_hardware(device)
     if memory is not None and device.type != "cuda":
         hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
-    print(plan_text(cfg, world_size, hardware, memory))
+    print(plan_text(planned(cfg, world_size, hardware), memory))
     return 0
 
 
@@ -314,8 +315,8 @@ def _export(path: Path, out: Path, max_shard_size: str, check: bool) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from bigtrain.inference import load_checkpoint_model
     from bigtrain.model.generate import Sampling
-    from bigtrain.store.generate_checkpoint import load_checkpoint_model
     from bigtrain.utils.logs import setup_console
 
     setup_console(0, sys.stderr)  # stdout holds the generated text alone

@@ -43,10 +43,11 @@ from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
 
 
-def run_identity(cfg: Config, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
+def run_identity(model_cfg: ModelConfig, corpus_key: str, global_batch_size: int) -> dict[str, Any]:
     """What may not change on resume without checkpoint.allow_config_change=true."""
     # model.init_from only says where a new run's weights come from: a resume ignores it.
-    model = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "init_from"}
+    fields = dataclasses.asdict(model_cfg).items()
+    model = {f"model.{k}": v for k, v in fields if k != "init_from"}
     return {
         **model,
         "data.corpus_and_tokenizer": corpus_key,
@@ -59,9 +60,9 @@ def start_state(
 ) -> StartPoint:
     """Resume or initialise `trainer`: where the run starts."""
     invalid: list[dict[str, str]] = []
-    found = _resume_target(cfg, manager, invalid)
+    found = _resume_target(cfg.checkpoint.resume, manager, invalid)
     if found is None:
-        details = init_from(cfg, trainer, manager) if cfg.model.init_from else None
+        details = init_from(cfg.model, trainer, manager) if cfg.model.init_from else None
         return StartPoint(None, details, tuple(invalid), fault_corrupted)
     path, manifest = found
     refuse_legacy(path, manifest)
@@ -79,7 +80,7 @@ def start_state(
         for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
         if k in os.environ
     }
-    changed = config_changes((path / "config.yaml").read_text(), cfg)
+    changed = config_changes(manager.saved_config(path), cfg)
     if cfg.train.global_batch_size is not None:  # derived for the world size, not a setting
         changed.pop("train.grad_accum_steps", None)
     resume = {
@@ -104,11 +105,10 @@ def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) ->
 
 
 def _resume_target(
-    cfg: Config, manager: CheckpointManager, invalid: list[dict[str, str]]
+    choice: str, manager: CheckpointManager, invalid: list[dict[str, str]]
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to resume and its manifest, or None; `invalid` gets the committed ones
-    passed over."""
-    choice = cfg.checkpoint.resume
+    """The checkpoint checkpoint.resume=`choice` names and its manifest, or None; `invalid` gets
+    the committed ones passed over."""
     if choice == "never":
         return None
     if choice == "auto":
@@ -134,22 +134,27 @@ def _check_shapes(path: Path, manifest: dict[str, Any], shapes: dict[str, list[i
         )
 
 
-def init_from(cfg: Config, trainer: Trainer, manager: CheckpointManager) -> dict[str, Any]:
+def init_from(
+    model_cfg: ModelConfig, trainer: Trainer, manager: CheckpointManager
+) -> dict[str, Any]:
     """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
     Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
     step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
-    load, details = init_loader(cfg, trainer.backend, trainer.setup.shapes, manager)
+    load, details = init_loader(model_cfg, trainer.backend, trainer.setup.shapes, manager)
     load()
     details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
     return details
 
 
 def init_loader(
-    cfg: Config, backend: Backend, shapes: dict[str, list[int]], manager: CheckpointManager
+    model_cfg: ModelConfig,
+    backend: Backend,
+    shapes: dict[str, list[int]],
+    manager: CheckpointManager,
 ) -> tuple[Callable[[], None], dict[str, Any]]:
     """What loads `model.init_from`'s weights into `backend` (a model of `shapes`) with a fresh
     optimizer, and the event's details."""
-    path = Path(cfg.model.init_from)
+    path = Path(model_cfg.init_from)
     details: dict[str, Any] = {"path": str(path)}
     if (path / MANIFEST).is_file() or committed_dirs(path / "checkpoints"):
         path = checkpoint_path(path, verify=manager.verify)  # a run directory: its newest
@@ -161,26 +166,28 @@ def init_loader(
         details.update(
             source="checkpoint", backend=manifest["backend"], source_step=manifest["step"]
         )
-        return lambda: backend.load(path, optimizer=False), details
-    source = hf_source(path, cfg.model, shapes)
+        return lambda: manager.load_weights(path, backend), details
+    source = hf_source(path, model_cfg, shapes)
     return lambda: backend.load_from(source, optimizer=False), {**details, "source": "huggingface"}
 
 
 def start_weights(
-    cfg: Config, backend: Backend, manager: CheckpointManager, device: torch.device
+    model_cfg: ModelConfig,
+    seed: int,
+    backend: Backend,
+    manager: CheckpointManager,
+    device: torch.device,
 ) -> Callable[[], None] | None:
     """What loads the run's initial weights again, with a fresh optimizer: a rollback to the
     start in a process that does not hold it (resumed, or snapshots off) rebuilds it so.
     model.init_from's source, or bigtrain's GPT's seeded initial values; None for a
     transformers model's own init, which is not kept."""
     model = backend.model
-    if cfg.model.init_from:
+    if model_cfg.init_from:
         shapes = {canonical_name(n): list(full_shape(p)) for n, p in model.named_parameters()}
-        return lambda: init_loader(cfg, backend, shapes, manager)[0]()
+        return lambda: init_loader(model_cfg, backend, shapes, manager)[0]()
     if hasattr(model, "init_value"):
-        return lambda: backend.load_from(
-            InitialValues(model, cfg.train.seed, device), optimizer=False
-        )
+        return lambda: backend.load_from(InitialValues(model, seed, device), optimizer=False)
     return None
 
 

@@ -33,7 +33,7 @@ def run(
     clean = False  # every rank reached the end without an error (shutdown may then barrier)
     try:
         trainer.run_dir.write_text("config.yaml", trainer.setup.config_yaml)
-        setup_events(built, cfg, env)
+        setup_events(built, env)
         built.costs.clock.mark("setup_other")
         if trainer.state.step >= cfg.train.max_steps:  # resumed from the last step's checkpoint
             final = _already_finished(built, started)
@@ -50,7 +50,7 @@ def run(
             trainer.event(
                 "stop",
                 reason=f"train.stop_at_step={cfg.train.stop_at_step}",
-                max_steps=cfg.train.max_steps,
+                max_steps=trainer.cfg.train.max_steps,
             )
             clean = True
             return {"step": state.step, "stopped": True}
@@ -70,7 +70,7 @@ def run(
                 shutdown(clean)
 
 
-def setup_events(built: Run, cfg: Config, env: DistEnv) -> None:
+def setup_events(built: Run, env: DistEnv) -> None:
     """What setup found, printed (rank 0) and as events: start (with the corpus), lock takeover,
     skipped rows, init_from, corrupted or invalid checkpoints, resume."""
     trainer, setup, start = built.trainer, built.trainer.setup, built.start
@@ -89,7 +89,7 @@ def setup_events(built: Run, cfg: Config, env: DistEnv) -> None:
         world_size=env.world_size,
         device=str(trainer.device),
         num_params=setup.num_params,
-        max_steps=cfg.train.max_steps,
+        max_steps=trainer.cfg.train.max_steps,
         precision=setup.policy.to_dict(),
         global_batch_size=trainer.loader.global_batch_size,
         monitor_kernel=setup.monitor_kernel,

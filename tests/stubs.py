@@ -130,6 +130,7 @@ class StubTrainer:
 
     step = Trainer.step
     event = Trainer.event
+    request_stop = Trainer.request_stop
 
     def __init__(
         self,
@@ -230,8 +231,8 @@ def stub_healer(
     """A Healer over the stub trainer's parts: no gradient names; the start rebuilt by zeroing
     the stub weight (what 'initial values' are for it)."""
     cfg = Config()
-    cfg.resilience = dataclasses.replace(cfg.resilience, **resilience)
-    cfg.monitor = dataclasses.replace(cfg.monitor, **(monitor or {}))
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=checkpoint_every)
-    healer = Healer(cfg, [], manager, start_weights=None)
+    r = dataclasses.replace(cfg.resilience, **resilience)
+    m = dataclasses.replace(cfg.monitor, **(monitor or {}))
+    max_steps = cfg.train.max_steps
+    healer = Healer(r, m, checkpoint_every, max_steps, [], manager, start_weights=None)
     return healer

@@ -1,6 +1,8 @@
-"""The package's layer order (docs/development.md): each layer imports only the layers before it,
-and no module imports another that imports it back, at module or function level. Imports under
-`if TYPE_CHECKING:` are annotations only and are not counted."""
+"""The package's architecture (docs/development.md): each layer imports only the layers before it
+(annotation-only imports under `if TYPE_CHECKING:` included), no module imports another that
+imports it back at module or function level (annotation-only imports aside), one name means one
+file, one class is named Layout, callbacks observe, and components take their own config
+sections."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ LAYERS = [
     ("bigtrain.resilience",),
     ("bigtrain.train",),
     ("bigtrain.callbacks",),
-    ("bigtrain.build", "bigtrain.resume"),
+    ("bigtrain.build", "bigtrain.resume", "bigtrain.inference"),
     ("bigtrain.runner",),
     ("bigtrain.plan",),
     ("bigtrain.cli", "bigtrain.__main__", "bigtrain"),
@@ -59,11 +61,12 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def bigtrain_imports(path: Path, modules: set[str]) -> dict[str, int]:
-    """{imported bigtrain module: line} of one file, at any depth, TYPE_CHECKING blocks excluded.
-    `from pkg import name` counts as pkg.name where that is a module, else as pkg."""
+def bigtrain_imports(path: Path, modules: set[str], annotations: bool = False) -> dict[str, int]:
+    """{imported bigtrain module: line} of one file, at any depth, TYPE_CHECKING blocks excluded
+    unless `annotations`. `from pkg import name` counts as pkg.name where that is a module, else
+    as pkg."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_lines(tree)
+    skip = set() if annotations else _type_checking_lines(tree)
     out: dict[str, int] = {}
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
@@ -83,16 +86,17 @@ def bigtrain_imports(path: Path, modules: set[str]) -> dict[str, int]:
     return out
 
 
-def import_graph() -> dict[str, dict[str, int]]:
+def import_graph(annotations: bool = False) -> dict[str, dict[str, int]]:
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(files)
-    return {name: bigtrain_imports(path, modules) for name, path in files.items()}
+    return {name: bigtrain_imports(path, modules, annotations) for name, path in files.items()}
 
 
 def test_every_import_follows_the_layer_order():
+    """Annotation-only imports too: a lower layer that names a higher one's type depends on it."""
     wrong = [
         f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)}) at line {line}"
-        for src, imports in import_graph().items()
+        for src, imports in import_graph(annotations=True).items()
         for dst, line in imports.items()
         if layer_of(dst) > layer_of(src)
     ]
@@ -135,3 +139,82 @@ def test_the_checker_finds_circles_and_layer_breaks():
     assert layer_of("bigtrain.resilience.healer") < layer_of("bigtrain.train.loop")
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("bigtrain_other.x")
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_two_modules_share_a_file_name():
+    names: dict[str, list[str]] = {}
+    for path in modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
+
+
+def test_every_package_says_what_it_owns():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init} has no docstring saying what the package owns"
+
+
+def test_one_class_is_named_layout_the_parallel_one():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}"
+        for path in modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == "Layout"
+    ]
+    assert found == ["bigtrain/parallel/layout.py"]
+
+
+def config_parameters() -> list[str]:
+    """Function parameters annotated with the whole `Config`."""
+    found = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                for arg in args:
+                    if arg.annotation is not None and ast.unparse(arg.annotation) == "Config":
+                        found.append(
+                            f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+                        )
+    return found
+
+
+def test_components_take_their_own_config_sections():
+    """The whole Config only where a component truly reads several sections (the run's assembly,
+    the loop, validation, the planner, the DeepSpeed config): fewer than 20 parameters."""
+    found = config_parameters()
+    assert 0 < len(found) < 20, "\n".join(found)
+
+
+def trainer_assignments(path: Path) -> list[str]:
+    """`trainer.x = ...` (or `self.trainer.x`, `trainer.x += ...`) in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and ast.unparse(sub.value) in (
+                    "trainer",
+                    "self.trainer",
+                ):
+                    found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_no_callback_assigns_the_trainers_attributes():
+    """Callbacks observe; a callback that needs the loop to stop, a start point recorded or
+    profiler ranges asks through the trainer's methods."""
+    found = [
+        hit
+        for path in sorted((PACKAGE / "callbacks").glob("*.py"))
+        for hit in trainer_assignments(path)
+    ]
+    assert found == []
+    assert trainer_assignments(PACKAGE / "resilience" / "replay.py")  # the check finds them

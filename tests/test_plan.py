@@ -8,7 +8,7 @@ import torch
 from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env, shutdown
-from bigtrain.plan.footprint import COMPONENTS, state_bytes, zero_paper_bytes
+from bigtrain.plan.footprint import COMPONENTS, planned, state_bytes, zero_paper_bytes
 from bigtrain.plan.shapes import count_params, meta_model
 from bigtrain.precision import Hardware, resolve_policy
 from tests.conftest import micro_overrides, run_cli
@@ -171,7 +171,7 @@ def test_largest_micro_batch_for_llama_70b_on_64_gpus_by_hand():
 
     cfg = load_config(["configs/llama-70b.yaml"])
     h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
-    text = plan_text(cfg, 64, h100, gpu_memory=80 * 2**30)
+    text = plan_text(planned(cfg, 64, h100), gpu_memory=80 * 2**30)
     # FSDP2: 16 B/param over 64 ranks; two gathered BF16 blocks + one FP32 gradient block
     states = 16 * 68_976_648_192 / 64
     transient = 855_654_400 * (2 + 2 + 4)
@@ -241,7 +241,7 @@ def test_hsdp_plan_divides_the_states_by_the_shard_degree_only():
 
     cfg = load_config(["configs/llama-70b.yaml", "configs/parallel/hsdp.yaml"])
     h100 = Hardware("cuda", "H100", cuda_capability=(9, 0))
-    text = plan_text(cfg, 512, h100)
+    text = plan_text(planned(cfg, 512, h100))
     # 16 B/param over the 64 ranks of a replica (not 512): 1 B/param for the states
     assert "memory per rank, fsdp (states sharded over 64 ranks):" in text
     assert f"{16 / 64 * 68_976_648_192 / 2**30:.1f} GiB" in text
@@ -341,8 +341,8 @@ def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
     traffic = fsdp_traffic(cfg.parallel, 3, layout, 100_000, 2, 4, split, activation_bytes=1000.0)
     assert traffic[0].collective == "all-gather + reduce-scatter x 27"
     assert traffic[0].bytes_per_step == 2 * 27 * 500.0
-    split = plan_text(cfg, 4, CPU)
-    whole = plan_text(load_config([], overrides), 2, CPU)  # the same data-parallel size
+    split = plan_text(planned(cfg, 4, CPU))
+    whole = plan_text(planned(load_config([], overrides), 2, CPU))  # the same data-parallel size
     assert "per tp rank, split 2 ways" in split
 
     def kept_without_checkpointing(text: str) -> float:

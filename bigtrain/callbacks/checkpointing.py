@@ -27,8 +27,6 @@ def nonfinite_state_values(backend, device: torch.device) -> int:
 
 
 class CheckpointCallback(Callback):
-    priority = 50
-
     def __init__(self, manager: CheckpointManager, cfg: CheckpointConfig) -> None:
         self.manager, self.cfg = manager, cfg
 

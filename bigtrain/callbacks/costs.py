@@ -29,8 +29,6 @@ RECENT = 1000  # steps whose median stands for a step's time (bounded: a run has
 
 
 class CostLedger(Callback):
-    priority = 85  # after the checkpoint (50) and metrics (80), before preemption ends it (95)
-
     def __init__(self, clock: StartupClock) -> None:
         self.clock = clock
         self.startup: dict[str, Any] | None = None

@@ -7,8 +7,6 @@ from bigtrain.train.step import StepResult
 
 
 class EvalCallback(Callback):
-    priority = 10
-
     def __init__(self, batches: list, every: int) -> None:
         self.batches, self.every = batches, every
 
@@ -19,7 +17,7 @@ class EvalCallback(Callback):
         if self.every > 0 and trainer.step == 0:
             # Expensive device-to-host synchronization: once, for the starting point of the curve.
             val_loss = trainer.backend.eval_loss(self.batches).item()
-            trainer.start_record = {"step": trainer.step, "val_loss": val_loss}
+            trainer.record_start({"step": trainer.step, "val_loss": val_loss})
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         if self.due(trainer):

@@ -17,8 +17,6 @@ from bigtrain.train.step import StepResult
 
 
 class FaultInjector(Callback):
-    priority = 0  # before any monitor reads the gradients
-
     def __init__(self, cfg: FaultConfig, rank: int) -> None:
         self.cfg, self.rank, self.active = cfg, rank, rank == cfg.rank
         self.fired: set[tuple[str, int]] = set()  # a rollback repeats step numbers: fire once

@@ -23,7 +23,6 @@ class Int8Calibration(Callback):
     all layers at once, so every rank holds the same scales), switches smoothing on when
     `calibration_steps` are done, and carries the scales in the trainer state."""
 
-    priority = 5  # before checkpoints (and the healer's snapshots, after all callbacks) read it
     state_key = "int8"
 
     def __init__(self, layers: dict[str, Int8Layer], cfg: Int8Config) -> None:

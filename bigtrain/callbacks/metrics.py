@@ -45,8 +45,6 @@ class MetricsLogger(Callback):
     console and wandb, which run after this; the record of the evaluation before a fresh run's first
     step (EvalCallback's `trainer.start_record`) is written in `on_start`."""
 
-    priority = 80
-
     def __init__(self) -> None:
         self.interval_time = 0.0
         self.interval_tokens = 0
@@ -96,8 +94,6 @@ class MetricsLogger(Callback):
 class ConsoleProgress(Callback):
     """tqdm bar on rank 0 (stderr) when stderr is a terminal; otherwise (batch jobs, CI logs) one
     line per logged step. Events are printed above the bar."""
-
-    priority = 90
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled

@@ -12,8 +12,6 @@ class SourceEvents(Callback):
     """Compares the cursor before and after each step with the positions where sources end; a
     resumed run does not repeat the events of positions its checkpoint had passed."""
 
-    priority = 75  # after a rollback has moved the cursor back
-
     def __init__(self) -> None:
         self.cursor = 0
         self.reported: set[str] = set()  # a rollback that moves the cursor back does not repeat

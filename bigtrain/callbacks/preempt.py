@@ -1,7 +1,7 @@
 """Preemption: SIGTERM or SIGUSR1 -> every rank checkpoints at the same step boundary -> exit 4.
 
-The handler only records the signal. The request rides in the monitor's SUM all-reduce of the next
-step (`Trainer.stop_signal` -> `Health.stop_requested`), so every rank learns of it in the same
+The handler only asks the trainer to stop (`Trainer.request_stop`). The request rides in the monitor's SUM
+all-reduce of the next step (`Trainer.stop_signal` -> `Health.stop_requested`), so every rank learns of it in the same
 step even when the signal reached one rank only; the checkpoint callback then writes a synchronous
 checkpoint and this callback ends the run with exit 4 (requeue me). Under SLURM deliver the signal
 to the tasks (`--signal=B:USR1@120` reaches the batch shell only; use `--signal=USR1@120` with srun
@@ -24,8 +24,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptionHandler(Callback):
-    priority = 95  # last: the checkpoint (50) and the metrics (80) of this step are written
-
     def __init__(self) -> None:
         self.previous: dict[int, Any] = {}
 
@@ -37,7 +35,7 @@ class PreemptionHandler(Callback):
             if trainer.stop_signal is not None:  # a second signal: stop now, the default way
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
-            trainer.stop_signal = signal.Signals(signum).name
+            trainer.request_stop(signal.Signals(signum).name)
 
         for sig in SIGNALS:
             self.previous[sig] = signal.signal(sig, handler)

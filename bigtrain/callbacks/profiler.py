@@ -5,7 +5,7 @@ profiler object exists.
 The profiler starts with the run (waiting, unrecorded, until the warm-up steps), steps once per
 optimizer step after every other callback, and writes its trace when the window ends (or the run
 ends inside it); a `profile` event from this rank names the files. The loop's phases are named
-ranges while the window is ahead (`trainer.ranges`), and empty calls again after it."""
+ranges while the window is ahead (`trainer.use_ranges`), and empty calls again after it."""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerCallback(Callback):
-    priority = 99  # last: the step's other callbacks are inside the step's trace
-
     def __init__(self, cfg: ProfileConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
         self.trainer = None
@@ -55,7 +53,7 @@ class ProfilerCallback(Callback):
         (trainer.run_dir.path / FOLDER).mkdir(parents=True, exist_ok=True)
         self.profiler = make_profiler(self.cfg, self.window, self._write)
         self.profiler.start()
-        trainer.ranges = PhaseRanges()
+        trainer.use_ranges(PhaseRanges())
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         if self.profiler is None:
@@ -88,7 +86,7 @@ class ProfilerCallback(Callback):
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
-            self.trainer.ranges = NO_RANGES
+            self.trainer.use_ranges(NO_RANGES)
 
     def on_finish(self, trainer) -> None:
         self._stop()

@@ -38,8 +38,6 @@ from bigtrain.utils.seeds import derived_seed
 
 
 class SampleCallback(Callback):
-    priority = 15  # after evaluation (10); before the metrics logger and wandb, which read samples
-
     def __init__(self, cfg: EvalConfig, tokenizer_dir: str, seq_len: int, seed: int) -> None:
         """`tokenizer_dir`: the run's tokenizer; `seq_len`: positions a sequence may fill
         (model.seq_len); `seed`: train.seed."""

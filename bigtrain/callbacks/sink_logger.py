@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bigtrain.config.schema import Config, ResilienceConfig
+from bigtrain.config.schema import LogConfig, ResilienceConfig, WandbConfig
 from bigtrain.telemetry.mlflow_sink import MlflowSink, tracking_uri
 from bigtrain.telemetry.sinks import (
     STEP_KEY,
@@ -39,30 +39,29 @@ def resolve_hold_steps(hold_steps: int | None, resilience: ResilienceConfig) -> 
     return resilience.snapshot_every + resilience.confirm_steps
 
 
-def configured_sinks(cfg: Config) -> list[str]:
+def configured_sinks(log: LogConfig, wandb: WandbConfig) -> list[str]:
     """log.sinks, less wandb while wandb.mode is disabled (how wandb was switched off before
     log.sinks existed)."""
-    return [s for s in cfg.log.sinks if not (s == "wandb" and cfg.wandb.mode == "disabled")]
+    return [s for s in log.sinks if not (s == "wandb" and wandb.mode == "disabled")]
 
 
-def make_sinks(cfg: Config) -> list[MetricSink]:
-    """The configured sinks, not yet started; ConfigError (exit 2) when a package is missing."""
-    names = configured_sinks(cfg)
-    require_packages(names, tracking_uri(Path(cfg.train.out_dir)))
+def make_sinks(log: LogConfig, wandb: WandbConfig, out_dir: Path) -> list[MetricSink]:
+    """The configured sinks of a run in `out_dir`, not yet started; ConfigError (exit 2) when a
+    package is missing."""
+    names = configured_sinks(log, wandb)
+    require_packages(names, tracking_uri(out_dir))
     made: dict[str, MetricSink] = {}
     for name in names:
         if name == "wandb":
-            made[name] = WandbSink(cfg.wandb)
+            made[name] = WandbSink(wandb)
         elif name == "tensorboard":
             made[name] = TensorBoardSink()
         else:
-            made[name] = MlflowSink(cfg.log.mlflow_experiment)
+            made[name] = MlflowSink(log.mlflow_experiment)
     return list(made.values())
 
 
 class SinkLogger(Callback):
-    priority = 90
-
     def __init__(self, sinks: list[MetricSink], hold_steps: int | None, config: dict) -> None:
         self.sinks, self.hold_steps_cfg, self.config = sinks, hold_steps, config
         self.active = False  # rank 0 after on_start: the sinks are open

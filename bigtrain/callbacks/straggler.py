@@ -38,8 +38,6 @@ class StragglerReport(Callback):
     memory into `result.peak_memory_bytes_by_rank` (both logged), and writes `straggler`
     events."""
 
-    priority = 70  # before metrics (80), so the per-rank times land in the step's record
-
     def __init__(self, factor: float) -> None:
         self.factor = factor
 

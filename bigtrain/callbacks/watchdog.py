@@ -57,8 +57,6 @@ def enable_nccl_flight_recorder(entries: int = 2000) -> None:
 
 
 class HangWatchdog(Callback):
-    priority = 99  # after the step's checkpoint and evaluation: the beat marks the step's end
-
     def __init__(
         self, cfg: ResilienceConfig, startup_timeout_s: float, rank: int, hang_dir: Path
     ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 from bigtrain.checkpoint.hf_export import check_export, export_hf
 from bigtrain.checkpoint.manager import open_checkpoint
 from bigtrain.checkpoint.sources import Source
-from bigtrain.config import Config, load_saved_config
+from bigtrain.config import Config, ModelConfig, load_saved_config
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import architecture_only, build_model
@@ -31,47 +32,77 @@ from bigtrain.model.hf_mapping import HFMapping, mapping_for, mapping_for_hf
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SavedModel:
+    """A verified checkpoint's model as it was trained: its config, tensors, tokenizer."""
+
+    path: Path
+    manifest: dict[str, Any]
+    cfg: Config  # the checkpoint's own config.yaml (a transformers model's config from it)
+    source: Source  # its tensors by canonical name, read one at a time
+    tokenizer_dir: Path | None
+    vocab_size: int
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def shapes(self) -> dict[str, tuple]:
+        return self.manifest.get("shapes") or self.source.shapes  # as the source reads
+
+    def model(self) -> nn.Module:
+        """bigtrain's model of the checkpoint in FP32 on the CPU, holding its weights."""
+        return model_from_source(self.cfg.model, self.vocab_size, self.source)
+
+
+def open_saved_model(path: Path) -> SavedModel:
+    """Checkpoint `path` (verified; a run directory: its newest committed checkpoint)."""
+    path, manifest, source = open_checkpoint(path)
+    cfg = load_saved_config(path / "config.yaml")
+    cfg = dataclasses.replace(cfg, model=with_saved_hf_config(cfg.model, path))
+    tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else None
+    shapes = manifest.get("shapes") or source.shapes
+    vocab_size = vocab_size_of(cfg.model, shapes, tokenizer_dir)
+    return SavedModel(path, manifest, cfg, source, tokenizer_dir, vocab_size)
+
+
 def export_checkpoint(
     path: Path, out_dir: Path, max_shard_bytes: int, check: bool = False
 ) -> dict[str, Any]:
     """Export checkpoint `path` (verified first; a run directory: its newest committed
     checkpoint) into `out_dir`; with `check`, also compare the logits (FP32). Returns what was
     written and, with check, the comparison."""
-    path, manifest, source = open_checkpoint(path)
-    cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
-    tokenizer_dir = path / "tokenizer" if (path / "tokenizer").is_dir() else None
-    shapes = manifest.get("shapes") or source.shapes  # as the source reads
-    vocab_size = vocab_size_of(cfg, shapes, tokenizer_dir)
-    mapping = checkpoint_mapping(cfg, shapes, vocab_size)
-    files = export_hf(mapping, source.full, out_dir, tokenizer_dir, max_shard_bytes)
+    saved = open_saved_model(path)
+    mapping = checkpoint_mapping(saved.cfg.model, saved.shapes, saved.vocab_size)
+    files = export_hf(mapping, saved.source.full, out_dir, saved.tokenizer_dir, max_shard_bytes)
     result: dict[str, Any] = {
-        "checkpoint": str(path),
+        "checkpoint": str(saved.path),
         "out_dir": str(out_dir),
         "architecture": mapping.architecture,
         "files": files,
-        "step": manifest["step"],
+        "step": saved.step,
     }
     if check:
-        model = model_from_source(cfg, vocab_size, source)
-        result["check"] = check_export(model, out_dir, vocab_size, cfg.model.seq_len)
+        seq_len = saved.cfg.model.seq_len
+        result["check"] = check_export(saved.model(), out_dir, saved.vocab_size, seq_len)
     return result
 
 
-def with_saved_hf_config(cfg: Config, path: Path) -> Config:
+def with_saved_hf_config(model: ModelConfig, path: Path) -> ModelConfig:
     """A model.kind=hf checkpoint carries its transformers config (hf_config.json): the
     architecture then comes from the checkpoint, not from hf_path or init_from, which may be gone."""
     saved = path / "hf_config.json"
-    if cfg.model.kind != "hf" or not saved.is_file():
-        return cfg
-    model = dataclasses.replace(cfg.model, hf_config=json.loads(saved.read_text()), hf_path=None)
-    return dataclasses.replace(cfg, model=model)
+    if model.kind != "hf" or not saved.is_file():
+        return model
+    return dataclasses.replace(model, hf_config=json.loads(saved.read_text()), hf_path=None)
 
 
-def vocab_size_of(cfg: Config, shapes: dict[str, tuple], tokenizer_dir: Path | None) -> int:
+def vocab_size_of(model: ModelConfig, shapes: dict[str, tuple], tokenizer_dir: Path | None) -> int:
     """The vocabulary the model was built with: model.vocab_size, else the tokenizer's size (as
     at training time), else the embedding table's rows."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
+    if model.vocab_size:
+        return model.vocab_size
     if tokenizer_dir is not None:
         return len(load_tokenizer(str(tokenizer_dir)))
     if "tok_emb.weight" in shapes:
@@ -82,18 +113,18 @@ def vocab_size_of(cfg: Config, shapes: dict[str, tuple], tokenizer_dir: Path | N
     )
 
 
-def checkpoint_mapping(cfg: Config, shapes: dict[str, tuple], vocab_size: int) -> HFMapping:
-    if cfg.model.kind == "gpt":
-        return mapping_for(dataclasses.replace(cfg.model, vocab_size=vocab_size), shapes)
+def checkpoint_mapping(model: ModelConfig, shapes: dict[str, tuple], vocab_size: int) -> HFMapping:
+    if model.kind == "gpt":
+        return mapping_for(dataclasses.replace(model, vocab_size=vocab_size), shapes)
     with torch.device("meta"):  # the architecture only: the weights come from the checkpoint
-        built = build_model(architecture_only(cfg.model), vocab_size)
+        built = build_model(architecture_only(model), vocab_size)
     return mapping_for_hf(built.hf.config, shapes)  # type: ignore[union-attr]
 
 
 @torch.no_grad()
-def model_from_source(cfg: Config, vocab_size: int, source: Source) -> nn.Module:
-    """bigtrain's model of the checkpoint's config in FP32 on the CPU, holding its weights."""
-    model = build_model(architecture_only(cfg.model), vocab_size, init_seed=None)  # copied below
+def model_from_source(model_cfg: ModelConfig, vocab_size: int, source: Source) -> nn.Module:
+    """bigtrain's model of `model_cfg` in FP32 on the CPU, holding the source's weights."""
+    model = build_model(architecture_only(model_cfg), vocab_size, init_seed=None)  # copied below
     for name, p in model.named_parameters():
         p.copy_(source.full(name))
     return model

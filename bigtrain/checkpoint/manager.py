@@ -7,8 +7,9 @@ every file fsynced, then `manifest.json` last (checkpoint/manifest.py), and the 
 renamed to `step_XXXXXXXX`. A crash during a write leaves at most a stale `.tmp-*` directory,
 which the next save removes.
 
-Each rank fsyncs and hashes the files it wrote itself. Asynchronously (`save(..., async_ok=True)`)
-the backend copies its state to host memory and writes it in the background; this rank's hashing
+Each rank fsyncs and hashes the files it wrote itself. The backend's tensors go through
+state_io.py (the backend only says what it holds). Asynchronously (`save(..., async_ok=True)`)
+its state is copied to host memory and written in the background; this rank's hashing
 follows there too, and the commit (gather the hashes, manifest, rename) happens at a later step
 boundary once every rank's background work is done (`poll_pending`).
 """
@@ -42,6 +43,7 @@ from bigtrain.checkpoint.manifest import (
 )
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.checkpoint.state import CheckpointReader
+from bigtrain.checkpoint.state_io import StateIO
 from bigtrain.utils.dist import all_gather_objects, all_true, barrier
 from bigtrain.utils.files import fsync_dir
 
@@ -55,8 +57,11 @@ class CheckpointManager:
     is for DCP and DeepSpeed): each rank writes and hashes its part, rank 0 writes the manifest and
     commits by rename once every rank is done."""
 
-    def __init__(self, root: Path, keep: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, root: Path, keep: int, rank: int = 0, world_size: int = 1, io: StateIO | None = None
+    ) -> None:
         self.root, self.keep, self.rank, self.world_size = root, keep, rank, world_size
+        self.io = io or StateIO()  # the backend's tensors, written and read
         self.pending: tuple[Future, tuple] | None = None  # (hashes of an async save, commit args)
         self.carry: list[Path] = []
         """Files and directories of the run that each checkpoint carries a copy of (the
@@ -105,11 +110,11 @@ class CheckpointManager:
             own += ["trainer.json", "config.yaml", "backend.json", *copy_into(self.carry, tmp)]
         commit = (step, tmp, final, backend.name, trainer_state["data"], identity, shapes)
         if async_ok:
-            written = backend.save_async(tmp, host_state)
+            written = self.io.save_async(backend, tmp, host_state)
             hashes = self._hasher.submit(lambda: self._hashed(tmp, own, written.result(), started))
             self.pending = (hashes, commit, (started, time.perf_counter() - started))
             return None
-        mine = self._hashed(tmp, own, backend.save(tmp, host_state), started)
+        mine = self._hashed(tmp, own, self.io.save(backend, tmp, host_state), started)
         return self._commit(*commit, mine, (started, None))
 
     def _hashed(
@@ -237,7 +242,7 @@ class CheckpointManager:
         manifest = read_manifest(path)
         refuse_legacy(path, manifest)
         trainer_state = json.loads((path / "trainer.json").read_text())
-        backend.load(path)
+        self.io.load(backend, path)
         saved = json.loads((path / "backend.json").read_text())
         if saved["backend"] == backend.name:
             backend.load_extra_state(saved)
@@ -250,6 +255,16 @@ class CheckpointManager:
         if not rng_file.exists():
             backend.borrowed_rng(int(manifest["step"]))
         return trainer_state
+
+    def load_weights(self, path: Path, backend) -> None:
+        """The model weights and buffers of a verified checkpoint, with a fresh optimizer: a new
+        run from them (model.init_from)."""
+        self.io.load(backend, path, optimizer=False)
+
+    @staticmethod
+    def saved_config(path: Path) -> str:
+        """The config a checkpoint was written with, as its YAML text."""
+        return (path / "config.yaml").read_text()
 
 
 def refuse_legacy(path: Path, manifest: dict[str, Any]) -> None:

@@ -1,3 +1,8 @@
+"""The typed configuration: one dataclass per section with a docstring per field and its checks
+beside it (model.py, parallel.py, data.py, resilience.py, ...; the whole tree in schema.py), YAML
+files and `key=value` overrides merged and validated (load.py), a saved run's config (saved.py),
+and the documentation read from the fields (docs.py)."""
+
 from bigtrain.config.data import MixtureSource
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.load import (

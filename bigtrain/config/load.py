@@ -63,6 +63,45 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "wandb.mode": ("online", "offline", "disabled"),
 }
 
+# Counts and factors that must be positive, or at least zero.
+POSITIVE = (
+    "model.seq_len",
+    "train.max_steps",
+    "train.micro_batch_size",
+    "train.grad_accum_steps",
+    "train.global_batch_size",
+    "train.log_every",
+    "train.lock_timeout_s",
+    "train.eval_batches",
+    "checkpoint.keep",
+    "data.vocab_size",
+    "data.num_proc",
+    "monitor.tensor_window",
+    "monitor.max_consecutive",
+    "monitor.top_k",
+    "resilience.snapshots",
+    "resilience.lr_backoff",
+    "resilience.clip_backoff",
+    "resilience.max_transient_per_rank",
+    "monitor.straggler_factor",
+)
+NON_NEGATIVE = (
+    "train.eval_every",
+    "data.prefetch",
+    "monitor.every",
+    "monitor.timing_every",
+    "fault.slow_s",
+    "resilience.snapshot_every",
+    "resilience.confirm_steps",
+    "resilience.skip_margin",
+    "resilience.lr_cooldown_steps",
+    "resilience.window",
+    "resilience.max_rollbacks",
+    "optim.warmup_steps",
+    "optim.grad_clip",
+    "optim.weight_decay",
+)
+
 # Why a value that the schema names is not accepted yet; appended to the error message.
 HINTS = {
     "precision.master_dtype": "FP16/BF16 master weights lose small updates; keep FP32 masters",
@@ -243,7 +282,14 @@ def validate(config: Config) -> None:
             hint = f" ({HINTS[key]})" if key in HINTS else ""
             raise ConfigError(f"key '{key}' got {value!r}, expected one of {list(allowed)}{hint}")
     check_model(config.model)
-    _check_signs(config)
+    for key in POSITIVE:  # None: not set (global_batch_size, lr_cooldown_steps)
+        value = _get(config, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"key '{key}' got {value}, expected a value > 0")
+    for key in NON_NEGATIVE:
+        value = _get(config, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
     _check_checkpoints_and_hangs(config.checkpoint, config.resilience)
     _check_optim_and_data(config.optim, config.data)
     check_data(config.data)
@@ -252,54 +298,6 @@ def validate(config: Config) -> None:
     _check_monitor_and_int8(config.monitor, config.precision.int8, config.resilience)
     check_parallel(config.parallel, config.model)
     _check_train(config.train, config.model)
-
-
-def _check_signs(config: Config) -> None:
-    """Counts and factors that must be positive, or at least zero."""
-    m, t = config.model, config.train
-    positive = {
-        "model.seq_len": m.seq_len,
-        "train.max_steps": t.max_steps,
-        "train.micro_batch_size": t.micro_batch_size,
-        "train.grad_accum_steps": t.grad_accum_steps,
-        "train.global_batch_size": 1 if t.global_batch_size is None else t.global_batch_size,
-        "train.log_every": t.log_every,
-        "train.lock_timeout_s": t.lock_timeout_s,
-        "train.eval_batches": t.eval_batches,
-        "checkpoint.keep": config.checkpoint.keep,
-        "data.vocab_size": config.data.vocab_size,
-        "data.num_proc": config.data.num_proc,
-        "monitor.tensor_window": config.monitor.tensor_window,
-        "monitor.max_consecutive": config.monitor.max_consecutive,
-        "monitor.top_k": config.monitor.top_k,
-        "resilience.snapshots": config.resilience.snapshots,
-        "resilience.lr_backoff": config.resilience.lr_backoff,
-        "resilience.clip_backoff": config.resilience.clip_backoff,
-        "resilience.max_transient_per_rank": config.resilience.max_transient_per_rank,
-        "monitor.straggler_factor": config.monitor.straggler_factor,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"key '{key}' got {value}, expected a value > 0")
-    non_negative = {
-        "train.eval_every": t.eval_every,
-        "data.prefetch": config.data.prefetch,
-        "monitor.every": config.monitor.every,
-        "monitor.timing_every": config.monitor.timing_every,
-        "fault.slow_s": config.fault.slow_s,
-        "resilience.snapshot_every": config.resilience.snapshot_every,
-        "resilience.confirm_steps": config.resilience.confirm_steps,
-        "resilience.skip_margin": config.resilience.skip_margin,
-        "resilience.lr_cooldown_steps": config.resilience.lr_cooldown_steps or 0,
-        "resilience.window": config.resilience.window,
-        "resilience.max_rollbacks": config.resilience.max_rollbacks,
-        "optim.warmup_steps": config.optim.warmup_steps,
-        "optim.grad_clip": config.optim.grad_clip,
-        "optim.weight_decay": config.optim.weight_decay,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"key '{key}' got {value}, expected a value >= 0")
 
 
 def _check_optim_and_data(optim: OptimConfig, data: DataConfig) -> None:

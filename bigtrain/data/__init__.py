@@ -1,5 +1,6 @@
-"""Corpus -> prepared token shards -> packed samples -> a deterministic, resumable, skippable
-stream per rank."""
+"""Data: corpus -> prepared token shards with a manifest (prepare.py) -> packed samples -> a
+deterministic, resumable, skippable stream per data-parallel rank (stream.py); mixtures of
+prepared directories, tokenizers, the one prepared-data reader."""
 
 from bigtrain.data.corpus import Documents, strip_play_markup
 from bigtrain.data.prepared import PreparedData

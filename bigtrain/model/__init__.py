@@ -1,4 +1,7 @@
-"""Models: architecture only. `build_model` picks the built-in GPT or a transformers causal LM."""
+"""Models, architecture only: bigtrain's GPT (gpt.py), transformers causal LMs (hf.py), their
+initial values (init.py), the loss, generation with a KV cache, and the map between bigtrain's
+tensors and a transformers checkpoint's (hf_mapping.py). `build_model` picks one. Nothing here
+knows of parallelism, precision or callbacks."""
 
 from __future__ import annotations
 

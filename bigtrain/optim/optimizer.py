@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import OptimConfig
 from bigtrain.errors import ConfigError
 from bigtrain.optim import adamw_kernel
 from bigtrain.optim.adamw import LowPrecisionAdamW
@@ -32,11 +32,15 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_adamw(
-    params: list[dict], cfg: Config, policy: PrecisionPolicy, device: torch.device
+    params: list[dict],
+    optim: OptimConfig,
+    policy: PrecisionPolicy,
+    device: torch.device,
+    rounding: str = "stochastic",
 ) -> torch.optim.Optimizer:
-    """torch's AdamW for FP32 states, bigtrain's for BF16/FP16 states (math in FP32); fused per
-    optim.fused (by default on CUDA)."""
-    optim = cfg.optim
+    """torch's AdamW for FP32 states, bigtrain's for BF16/FP16 states (math in FP32; BF16 states
+    rounded as precision.optimizer_state_rounding says); fused per optim.fused (by default on
+    CUDA)."""
     fused = device.type == "cuda" if optim.fused is None else optim.fused
     if policy.optimizer_state_dtype != torch.float32:
         if fused and not adamw_kernel.available(device):
@@ -51,7 +55,7 @@ def make_adamw(
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
             state_dtype=policy.optimizer_state_dtype,
-            rounding=cfg.precision.optimizer_state_rounding,
+            rounding=rounding,
             fused=fused,
         )
     return torch.optim.AdamW(

@@ -2,10 +2,9 @@
 
 The loop never branches on the backend. A backend owns the wrapped model and the optimizer, runs
 forward/backward under the precision policy, exposes its local gradient shards, clips, steps or
-skips, and says which blocks of which parameters its tensors hold (`blocks`): from that, saving
-and loading are written once here, in the one checkpoint format of every backend
-(checkpoint/state.py); the checkpoint manager adds the trainer state, the atomic commit and the
-manifest around `save`/`load`.
+skips, and says which blocks of which parameters its tensors hold (`blocks`, `master_state`):
+checkpoint/ reads and writes them, in the one checkpoint format of every backend
+(checkpoint/state_io.py, for the checkpoint manager).
 """
 
 from __future__ import annotations
@@ -13,29 +12,20 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
-import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigtrain.checkpoint import state as checkpoint_state
 from bigtrain.checkpoint.state import Block
+from bigtrain.checkpoint.state_io import persistent_buffers
 from bigtrain.model.loss import lm_loss
-from bigtrain.optim.optimizer import (
-    fp32_moments,
-    fp32_optimizer_state,
-    set_fp32_optimizer_state,
-)
 from bigtrain.parallel.layout import Layout
 from bigtrain.precision.policy import Phase
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
-from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
+from bigtrain.utils.tensors import local_tensor, to_cpu
 
 
 class Backend(abc.ABC):
@@ -129,7 +119,8 @@ class Backend(abc.ABC):
         """Load the FP32 master weights (and, with `optimizer`, the AdamW moments and step
         counts) from a source (checkpoint/sources.py: initial values, a Hugging Face
         directory), reading only the slices this rank keeps; persistent buffers too. The
-        optimizer state stays fresh without `optimizer`. Checkpoints load through `load`."""
+        optimizer state stays fresh without `optimizer`. Checkpoints load through checkpoint/
+        (CheckpointManager.load)."""
 
     def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)
         """Continue from the loss scale of a checkpoint written by another backend."""
@@ -140,13 +131,6 @@ class Backend(abc.ABC):
 
     def after_load_local_state(self) -> None:  # noqa: B027 (optional: nothing by default)
         """What must follow new master values (ZeRO: refresh the compute-dtype copies)."""
-
-    # Checkpoints: one format and one mechanism for every backend. The state is copied to host
-    # memory now (or taken from a snapshot's copy); DCP writes it from a writer thread over a gloo
-    # group of its own (on the default group its collectives would interleave with training's).
-    _writer: ThreadPoolExecutor | None = None
-    _spare: dict[str, Any] | None = None  # host buffers of the last checkpoint's copy
-    _group: dist.ProcessGroup | None = None
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -159,69 +143,6 @@ class Backend(abc.ABC):
 
     def load_extra_state(self, saved: dict[str, Any]) -> None:  # noqa: B027 (nothing by default)
         """Restore what extra_state returned (it holds `loss_scale` and `backend` too)."""
-
-    def checkpoint_group(self) -> dist.ProcessGroup | None:
-        """The group checkpoints are written and read over (None in one process); made at the
-        first save or load, which every rank reaches together."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return None
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
-
-    def save_async(
-        self, directory: Path, host_state: dict[str, Any] | None = None, threads: int = 1
-    ) -> Future[dict[str, str]]:
-        """Write this rank's part of the model and optimizer into `directory` (shared by ranks)
-        in the background: the state is copied to host memory now (or taken from `host_state`,
-        what local_state returned at this step), so training may go on; the future holds the
-        files this rank wrote, relative to `directory`, with their sha256 (checkpoint/state.py)."""
-        if host_state is None:  # the previous save's buffers are free again (one write at a time)
-            host_state = self._spare = self.local_state(into=self._spare)
-        ready = host_ready(self.device)
-        buffers = {k: to_cpu(v) for k, v in persistent_buffers(self.model).items()}
-        group = self.checkpoint_group()
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="bigtrain-ckpt-write")
-        args = (directory, host_state, buffers, ready, group, threads)
-        return self._writer.submit(self._write, *args)
-
-    def _write(self, directory: Path, host, buffers, ready, group, threads: int) -> dict[str, str]:
-        if ready is not None:
-            ready.synchronize()
-        optim = [fp32_optimizer_state(self.base_optimizer, s) if s else None for s in host["optim"]]
-        state = checkpoint_state.state_dict(self.blocks, host[self.state_key], optim, buffers)
-        return checkpoint_state.write(directory, state, group, threads)
-
-    def save(self, directory: Path, host_state: dict[str, Any] | None = None) -> dict[str, str]:
-        """save_async's files, written before returning: the loop waits, so DCP writes them with
-        up to 4 threads (the same bytes, in as many files per rank)."""
-        threads = min(4, os.cpu_count() or 1)
-        return self.save_async(directory, host_state, threads).result()
-
-    @torch.no_grad()
-    def load(self, directory: Path, optimizer: bool = True) -> None:
-        """Load a checkpoint of any backend, world size or mesh (DCP reshards): the master
-        weights in place, persistent buffers, and with `optimizer` the AdamW state (fresh
-        without: a new run from a checkpoint's weights)."""
-        masters, _ = self.master_state()
-        buffers = {k: local_tensor(v) for k, v in persistent_buffers(self.model).items()}
-        states = checkpoint_state.load(
-            directory,
-            self.blocks,
-            [local_tensor(m) for m in masters],
-            buffers,
-            self.param_shapes(),
-            optimizer,
-            self.checkpoint_group(),
-            [fp32_moments(self.base_optimizer, m) for m in masters] if optimizer else None,
-        )
-        for master, state in zip(masters, states, strict=True):
-            if state is not None:
-                set_fp32_optimizer_state(self.base_optimizer, master, *state)
-            else:
-                self.reset_optimizer_state(master)
-        self.after_load_local_state()
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a loss over the ranks that hold one (identity in one process)."""
@@ -320,13 +241,3 @@ def load_buffers(model: nn.Module, source: Any) -> None:
         value = source.buffer(name)
         if value is not None:
             local_tensor(buffer).copy_(value.view(buffer.shape))
-
-
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's buffers that belong in a checkpoint, by canonical name."""
-    out = {}
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                out[canonical_name(f"{module_name}.{name}" if module_name else name)] = buffer
-    return out

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.parallel.backend import weights_fingerprint
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
@@ -43,18 +43,21 @@ class FSDPBackend(TorchBackend):
         self,
         model: nn.Module,
         policy: PrecisionPolicy,
-        cfg: Config,
+        optim: OptimConfig,
+        precision: PrecisionConfig,
         device: torch.device,
         layout: Layout,
+        seed: int,
     ) -> None:
-        """`model`: fully sharded already, on the layout's mesh (parallelize.py)."""
+        """`model`: fully sharded already, on the layout's mesh (parallelize.py); `seed`:
+        train.seed, from which each tp rank's dropout seed is derived."""
         self.layout = layout
         # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
         self.logits_split_by_vocab = layout.tp > 1 and uses_gpt_plan(model)
-        self.seed = cfg.train.seed
+        self.seed = seed
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
-        super().__init__(model, policy, cfg, device)
+        super().__init__(model, policy, optim, precision, device)
 
     def borrowed_rng(self, step: int) -> None:
         if self.logits_split_by_vocab:  # the GPT plan: each tp rank its own dropout masks

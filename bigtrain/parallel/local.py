@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.parallel.backend import weights_fingerprint
 from bigtrain.parallel.torch_backend import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
@@ -16,12 +16,17 @@ class LocalBackend(TorchBackend):
     name = "local"
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        optim: OptimConfig,
+        precision: PrecisionConfig,
+        device: torch.device,
     ) -> None:
         assert all(p.dtype == policy.master_dtype for p in model.parameters()), (
             "master weights must be built in FP32"
         )
-        super().__init__(model.to(device), policy, cfg, device)
+        super().__init__(model.to(device), policy, optim, precision, device)
 
     def fingerprint(self) -> str:
         return weights_fingerprint(

@@ -14,12 +14,13 @@ bigtrain's GPT gets the same initial weights on every site (model/init.py).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import Config, Int8Config, ModelConfig, ParallelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.parallel.layout import Layout
@@ -29,42 +30,38 @@ from bigtrain.precision.int8 import Int8Layer, convert_to_int8, int_mm_available
 from bigtrain.utils.names import canonical_name
 
 
-def build_site(cfg: Config, num_params: int) -> str:
+def build_site(p: ParallelConfig, model_kind: str, num_params: int) -> str:
     """`partitioned`, `meta` or `whole` (module docstring)."""
-    p = cfg.parallel
-    if p.backend == "zero" and p.zero_stage == 3 and cfg.model.kind == "gpt":
+    if p.backend == "zero" and p.zero_stage == 3 and model_kind == "gpt":
         return "partitioned"
-    if uses_meta_init(p.meta_init, p.backend, cfg.model.kind, num_params):
+    if uses_meta_init(p.meta_init, p.backend, model_kind, num_params):
         return "meta"
     return "whole"
 
 
 def build(
-    cfg: Config,
-    layout: Layout,
+    model_cfg: ModelConfig,
+    seed: int,
     vocab_size: int,
     site: str,
-    policy: PrecisionPolicy,
     device: torch.device,
+    partitioned: Callable[[Callable[[], nn.Module]], nn.Module] | None = None,
 ) -> nn.Module:
-    """The model, built at `site`."""
+    """The model, built at `site`; `partitioned`: ZeRO-3's build of it (zero.py)."""
     if site == "partitioned":
-        from bigtrain.parallel.zero import build_partitioned  # imports deepspeed: only then
-
-        return build_partitioned(
-            lambda: build_model(cfg.model, vocab_size, init_seed=None), cfg, layout, policy
-        )
+        assert partitioned is not None
+        return partitioned(lambda: build_model(model_cfg, vocab_size, init_seed=None))
     if site == "meta":
         with torch.device("meta"):
-            return build_model(cfg.model, vocab_size, init_seed=None)
+            return build_model(model_cfg, vocab_size, init_seed=None)
     # GPT: drawn on the device the sharded sites draw on (CPU and CUDA generators differ).
-    gpt = cfg.model.kind == "gpt"
+    gpt = model_cfg.kind == "gpt"
     with torch.device(device) if gpt else contextlib.nullcontext():
-        return build_model(cfg.model, vocab_size, init_seed=cfg.train.seed)
+        return build_model(model_cfg, vocab_size, init_seed=seed)
 
 
 def apply_int8(
-    cfg: Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
+    int8: Int8Config, model: nn.Module, policy: PrecisionPolicy, device: torch.device
 ) -> dict[str, Int8Layer]:
     """Convert the selected linear layers to INT8 forward (before any wrapping or sharding), and
     record their names in the policy's table."""
@@ -72,7 +69,7 @@ def apply_int8(
         return {}
     int_mm_available(device)
     fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
-    layers = convert_to_int8(model, cfg.precision.int8, fp32)
+    layers = convert_to_int8(model, int8, fp32)
     policy.int8_modules = tuple(layers)
     return layers
 
@@ -102,8 +99,14 @@ def make_model(
         shaped = build_model(architecture_only(cfg.model), vocab_size, init_seed=None)
     n_params = num_params(shaped)
     policy = resolve_policy(cfg.precision, detect_hardware(device), n_params)
-    site = build_site(cfg, n_params)
-    model = build(cfg, layout, vocab_size, site, policy, device)
+    site = build_site(cfg.parallel, cfg.model.kind, n_params)
+    zero3 = None
+    if site == "partitioned":  # inside deepspeed.zero.Init with the run's DeepSpeed config
+        from bigtrain.parallel.zero import build_partitioned, deepspeed_config
+
+        ds_config = deepspeed_config(cfg, policy, layout)
+        zero3 = lambda build_fn: build_partitioned(build_fn, ds_config, policy)  # noqa: E731
+    model = build(cfg.model, cfg.train.seed, vocab_size, site, device, zero3)
     apply_to_model(model, policy)
     if cfg.data.document_mask:
         if not isinstance(model, GPT):
@@ -117,6 +120,6 @@ def make_model(
         num_params=n_params,
         shapes={canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
         flops_per_token=model_flops_per_token(shaped, cfg.model),
-        int8_layers=apply_int8(cfg, model, policy, device),
+        int8_layers=apply_int8(cfg.precision.int8, model, policy, device),
         build_site=site,
     )

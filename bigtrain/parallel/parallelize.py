@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import Config, ParallelConfig
 from bigtrain.parallel.apply import (
     apply_activation_checkpointing,
     apply_compile,
@@ -41,39 +41,46 @@ def parallelize(
 ) -> Backend:
     """The model parallelized as parallel.* says over `layout` (module docstring), in its
     backend."""
+    seed = cfg.train.seed
     if cfg.parallel.backend == "fsdp":
-        return _fully_sharded(model, cfg, layout, policy, device)
-    _block_transforms(model, cfg)
+        model = _fully_sharded(model, cfg.parallel, layout, policy, device, seed)
+        return FSDPBackend(model, policy, cfg.optim, cfg.precision, device, layout, seed)
+    _block_transforms(model, cfg.parallel)
     if cfg.parallel.backend == "zero":
         from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
 
         return ZeroBackend(model, policy, cfg, device, layout)  # DeepSpeed partitions it
-    return LocalBackend(model, policy, cfg, device)
+    return LocalBackend(model, policy, cfg.optim, cfg.precision, device)
 
 
-def _block_transforms(model: nn.Module, cfg: Config) -> None:
-    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.compile:
+def _block_transforms(model: nn.Module, parallel: ParallelConfig) -> None:
+    apply_activation_checkpointing(model, parallel.activation_checkpointing)
+    if parallel.compile:
         apply_compile(model)
 
 
 def _fully_sharded(
-    model: nn.Module, cfg: Config, layout: Layout, policy: PrecisionPolicy, device: torch.device
-) -> FSDPBackend:
+    model: nn.Module,
+    parallel: ParallelConfig,
+    layout: Layout,
+    policy: PrecisionPolicy,
+    device: torch.device,
+    seed: int,
+) -> nn.Module:
     assert layout.mesh is not None, "FSDP2 shards over the layout's mesh (Layout.connect)"
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model = model.to(device)
     if layout.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
-        apply_tensor_parallel(model, layout.tp_mesh, cfg.parallel.tp_plan)
-    _block_transforms(model, cfg)
+        apply_tensor_parallel(model, layout.tp_mesh, parallel.tp_plan)
+    _block_transforms(model, parallel)
     # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
     data_mesh, mp = layout.data_mesh, fsdp_mixed_precision(policy)
-    reshard = cfg.parallel.reshard_after_forward
+    reshard = parallel.reshard_after_forward
     for block in transformer_blocks(model):
         fully_shard(block, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root holds embeddings, final norm and lm_head (tied weights stay in one group).
     fully_shard(model, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
-        materialize(model, device, cfg.train.seed)
-    return FSDPBackend(model, policy, cfg, device, layout)
+        materialize(model, device, seed)
+    return model

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bigtrain.checkpoint.state import Block
-from bigtrain.config.schema import Config
+from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.model.loss import lm_loss
 from bigtrain.optim.optimizer import (
     MOMENTS,
@@ -36,14 +36,19 @@ class TorchBackend(Backend):
     _names: list[str] | None = None
 
     def __init__(
-        self, model: nn.Module, policy: PrecisionPolicy, cfg: Config, device: torch.device
+        self,
+        model: nn.Module,
+        policy: PrecisionPolicy,
+        optim: OptimConfig,
+        precision: PrecisionConfig,
+        device: torch.device,
     ) -> None:
         self.model, self.policy, self.device = model, policy, device
-        self.optimizer = make_adamw(
-            adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
-        )
+        groups = adamw_param_groups(model, optim.weight_decay)
+        rounding = precision.optimizer_state_rounding
+        self.optimizer = make_adamw(groups, optim, policy, device, rounding)
         self.scaler = (
-            LossScaler(cfg.precision, policy.loss_scaling == "dynamic")
+            LossScaler(precision, policy.loss_scaling == "dynamic")
             if policy.loss_scaling != "none"
             else None
         )

@@ -95,7 +95,7 @@ def deepspeed_config(cfg: Config, policy: PrecisionPolicy, layout: Layout) -> di
     return ds
 
 
-def check_zero_precision(cfg: Config, policy: PrecisionPolicy) -> None:
+def check_zero_precision(policy: PrecisionPolicy) -> None:
     """What the ZeRO backend cannot do, as config errors naming the key and the reason."""
     if len(policy.phases) > 1:
         raise ConfigError(
@@ -133,17 +133,17 @@ def check_accelerator_dtype(compute_dtype: torch.dtype) -> None:
 
 
 def build_partitioned(
-    build: Callable[[], nn.Module], cfg: Config, layout: Layout, policy: PrecisionPolicy
+    build: Callable[[], nn.Module], config: dict[str, Any], policy: PrecisionPolicy
 ) -> nn.Module:
-    """ZeRO-3: `build()` inside deepspeed.zero.Init with this run's DeepSpeed config, which
-    partitions each layer across the ranks as soon as it is built. Its values are placeholders
-    (build draws nothing): ZeroBackend writes the exact ones into its FP32 master partitions."""
+    """ZeRO-3: `build()` inside deepspeed.zero.Init with this run's DeepSpeed config (`config`,
+    deepspeed_config's), which partitions each layer across the ranks as soon as it is built. Its
+    values are placeholders (build draws nothing): ZeroBackend writes the exact ones into its FP32
+    master partitions."""
     import deepspeed
 
-    check_zero_precision(cfg, policy)
+    check_zero_precision(policy)
     check_accelerator_dtype(policy.compute_dtype)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
-    config = deepspeed_config(cfg, policy, layout)
     # zero.Init takes its dtype from the config (the compute dtype), as the engine expects the
     # partitions; the FP32 masters are made at initialize and then written exactly.
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -174,7 +174,7 @@ class ZeroBackend(Backend):
     ) -> None:
         import deepspeed
 
-        check_zero_precision(cfg, policy)
+        check_zero_precision(policy)
         check_accelerator_dtype(policy.compute_dtype)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
@@ -185,9 +185,9 @@ class ZeroBackend(Backend):
         if not is_partitioned(model):
             model = model.to(device)
         initial = InitialValues(model, cfg.train.seed, device)  # before DeepSpeed recasts it
-        optimizer = make_adamw(
-            adamw_param_groups(model, cfg.optim.weight_decay), cfg, policy, device
-        )
+        groups = adamw_param_groups(model, cfg.optim.weight_decay)
+        rounding = cfg.precision.optimizer_state_rounding
+        optimizer = make_adamw(groups, cfg.optim, policy, device, rounding)
         self.ds_config = deepspeed_config(cfg, policy, layout)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config

@@ -2,7 +2,7 @@
 
 shapes.py          the model on the meta device: its size, largest block and activation shape
 comm.py            what tensor parallelism splits, and the bytes each mesh axis moves per step
-memory.py          bytes per rank by component, activations, the largest micro-batch; the
+footprint.py       bytes per rank by component, activations, the largest micro-batch; the
                    planned run (PlannedRun: the config at a world size, with the same Layout
                    a run of it builds, so a plan and a run cannot disagree on the sizes)
 text.py            `bigtrain plan`'s table

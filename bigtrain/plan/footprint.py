@@ -98,6 +98,7 @@ class PlannedRun:
     tp: TPSplit
     policy: PrecisionPolicy
     shape: Shape
+    hardware: Hardware  # what the policy was resolved for
 
     @property
     def backend(self) -> str:
@@ -139,7 +140,8 @@ def planned(
     n, block = count_params(model)
     tp = tp_split(model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
     policy = resolve_policy(cfg.precision, hardware, n)
-    return PlannedRun(cfg, layout, model, n, block, tp, policy, model_shape(cfg.model, cfg.data))
+    shape = model_shape(cfg.model, cfg.data)
+    return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware)
 
 
 def activation_bytes_per_token(
@@ -228,12 +230,11 @@ def residual_bytes(backend: str, policy: PrecisionPolicy) -> int:
     return policy.compute_dtype.itemsize if casts else 4
 
 
-def predicted_memory(cfg: Config, world_size: int, hardware: Hardware) -> dict[str, int]:
-    """`bigtrain plan`'s memory per rank for `cfg` as numbers (the `oom` event reports them):
-    the states (weights, gradients, optimizer), the transient weights and gradients, and the
-    activations of one micro-batch under the configured checkpointing."""
-    run = planned(cfg, world_size, hardware)
-    policy, split = run.policy, run.tp_split_ways
+def predicted_memory(run: PlannedRun) -> dict[str, int]:
+    """`bigtrain plan`'s memory per rank for a planned run as numbers (the `oom` event reports
+    them): the states (weights, gradients, optimizer), the transient weights and gradients, and
+    the activations of one micro-batch under the configured checkpointing."""
+    cfg, policy, split = run.cfg, run.policy, run.tp_split_ways
     states = sum(run.states().per_rank_bytes_per_param(run.degree).values()) * run.num_params
     weights = transient_weight_bytes(cfg.parallel, policy, run.num_params, run.block_params) / split
     c, mode = policy.compute_dtype.itemsize, cfg.parallel.activation_checkpointing
@@ -243,4 +244,5 @@ def predicted_memory(cfg: Config, world_size: int, hardware: Hardware) -> dict[s
     activations = per_sequence * run.cfg.train.micro_batch_size
     sizes = {"states": states, "transient_weights": weights, "activations": activations}
     sizes["total"] = states + weights + activations
+    world_size = run.layout.world_size
     return {"world_size": world_size} | {f"{k}_bytes": int(v) for k, v in sizes.items()}

@@ -24,7 +24,7 @@ import numpy as np
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import model_flops_per_token
-from bigtrain.plan.footprint import planned
+from bigtrain.plan.footprint import PlannedRun, planned
 from bigtrain.plan.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
 from bigtrain.plan.simulation import (
     CAUSES,
@@ -51,13 +51,10 @@ CUTS = {
 }
 
 
-def config_inputs(cfg: Config, gpus: int) -> Sourced:
-    """Defaults, then what the config says: checkpoint bytes per GPU, step time, cadence."""
-    try:
-        sm90 = Hardware("cuda", "sm90", cuda_capability=(9, 0))
-        run = planned(cfg, gpus, sm90, global_batch=False)  # the per-GPU work is held
-    except ConfigError as e:
-        raise ConfigError(f"--gpus {gpus} is not a multiple of the config's mesh: {e}") from None
+def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
+    """Defaults, then what the planned run's config says: checkpoint bytes per GPU, step time,
+    cadence."""
+    cfg = run.cfg
     n, degree, states = run.num_params, run.degree, run.states().bytes_per_param
     saved = states["master weights"] + states["optimizer states"]
     src = Sourced(gpus)
@@ -226,7 +223,12 @@ def plan_goodput(
 ) -> GoodputPlan:
     if gpus < 1:
         raise ConfigError(f"--gpus got {gpus}, expected a positive integer")
-    src = config_inputs(cfg, gpus)
+    try:
+        sm90 = Hardware("cuda", "sm90", cuda_capability=(9, 0))
+        run = planned(cfg, gpus, sm90, global_batch=False)  # the per-GPU work is held
+    except ConfigError as e:
+        raise ConfigError(f"--gpus {gpus} is not a multiple of the config's mesh: {e}") from None
+    src = config_inputs(run, gpus)
     if run_dir is not None:
         add_measured(src, run_dir)
     src.override(list(sets))

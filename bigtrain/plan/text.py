@@ -3,7 +3,6 @@ the traffic per mesh axis (fsdp), activations and the largest micro-batch that f
 
 from __future__ import annotations
 
-from bigtrain.config.schema import Config
 from bigtrain.plan.comm import fsdp_traffic
 from bigtrain.plan.footprint import (
     CHECKPOINTING,
@@ -12,14 +11,13 @@ from bigtrain.plan.footprint import (
     activation_bytes_per_token,
     gathered_dtype_bytes,
     largest_micro_batch,
-    planned,
     reserve_bytes,
     residual_bytes,
     state_bytes,
     transient_weight_bytes,
     zero_paper_bytes,
 )
-from bigtrain.precision.policy import Hardware, dtype_name
+from bigtrain.precision.policy import dtype_name
 from bigtrain.utils.sizes import parse_size
 
 
@@ -123,11 +121,10 @@ def comm_lines(run: PlannedRun) -> list[str]:
     return lines
 
 
-def plan_text(
-    cfg: Config, world_size: int, hardware: Hardware, gpu_memory: int | None = None
-) -> str:
-    run = planned(cfg, world_size, hardware)
+def plan_text(run: PlannedRun, gpu_memory: int | None = None) -> str:
+    """The table for a planned run (footprint.py `planned`); with `gpu_memory`, what fits."""
     cfg, n, policy = run.cfg, run.num_params, run.policy
+    world_size, hardware = run.layout.world_size, run.hardware
     backend, stage = run.backend, cfg.parallel.zero_stage
     lines = [
         f"model: {n / 1e6:.2f}M parameters (largest block {run.block_params / 1e6:.2f}M), "

@@ -14,20 +14,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from bigtrain.checkpoint.manager import CheckpointManager
-from bigtrain.config.schema import Config
+from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 from bigtrain.errors import AbortRun
 from bigtrain.monitor.monitor import Health
-from bigtrain.resilience.detect import Detector, Verdict
+from bigtrain.precision.scaler import ScaleUpdate
+from bigtrain.resilience.detect import Anomaly, Detector, Verdict
 from bigtrain.resilience.recover import Recovery, hold, origin_record
 from bigtrain.resilience.replay import Replay
 from bigtrain.resilience.targets import Target, Targets
 from bigtrain.utils.clock import Tally, nested_bytes
 
-if TYPE_CHECKING:
-    from bigtrain.train.step import StepResult
+
+class StepOutcome(Protocol):
+    """What the healer reads of a step's result and writes into it (the loop's StepResult,
+    train/step.py, is one): the verdict's fields in, the decision out, before any callback runs."""
+
+    anomaly: Anomaly | None
+    overflow: bool
+    skipped: bool
+    scale_update: ScaleUpdate | None
+    action: str | None  # written: rollback, skip, warn or abort
+    rolled_back: bool  # written
+    checkpoint_now: bool  # written: checkpoint the restored state at once
+
+
+R = TypeVar("R")  # a step's result, handed through judge unchanged (a replay makes a new one)
 
 
 def abort(trainer, reason: str) -> NoReturn:
@@ -42,16 +56,22 @@ def abort(trainer, reason: str) -> NoReturn:
 class Healer:
     def __init__(
         self,
-        cfg: Config,
+        cfg: ResilienceConfig,
+        monitor: MonitorConfig,
+        checkpoint_every: int,
+        max_steps: int,
         names: list[str],
         manager: CheckpointManager,
         start_weights: Callable[[], None] | None,
     ) -> None:
-        r = cfg.resilience
-        self.cfg, self.monitor_cfg, self.max_steps = r, cfg.monitor, cfg.train.max_steps
-        self.detector = Detector(cfg.monitor, names)
+        """`cfg`: resilience.*; `monitor`: monitor.* (the rules and the actions); checkpoints
+        every `checkpoint_every` steps are rollback targets too; a back-off never outlasts
+        `max_steps`; `names`: the monitor's gradient names."""
+        r = cfg
+        self.cfg, self.monitor_cfg, self.max_steps = r, monitor, max_steps
+        self.detector = Detector(monitor, names)
         self.replay = Replay(r)
-        self.targets = Targets(r.snapshot_every, cfg.checkpoint.every, r.snapshots, r.confirm_steps)
+        self.targets = Targets(r.snapshot_every, checkpoint_every, r.snapshots, r.confirm_steps)
         self.recovery = Recovery(manager, start_weights)
         self.manager = manager
         self.consecutive = 0  # anomalous steps in a row
@@ -88,8 +108,8 @@ class Healer:
             state.lr_scale, state.clip_scale, state.backoff_until = 1.0, 1.0, 0
 
     def judge(
-        self, trainer, result: StepResult, health: Health, rng: dict | None, rerun: Callable
-    ) -> tuple[StepResult, Health, Verdict]:
+        self, trainer, result: R, health: Health, rng: dict | None, rerun: Callable
+    ) -> tuple[R, Health, Verdict]:
         """The step's verdict; an anomaly the ladder would act on is replayed once first."""
         loss_scaled = trainer.backend.loss_scale() is not None
         verdict = self.detector.verdict(health, loss_scaled)
@@ -117,7 +137,7 @@ class Healer:
         self.detector.name_tensors(anomaly, health, health.host_max_abs)
         verdict.anomaly, verdict.overflow = anomaly, False
 
-    def after_step(self, trainer, result: StepResult) -> None:
+    def after_step(self, trainer, result: StepOutcome) -> None:
         if result.overflow:
             update = result.scale_update
             trainer.event(
@@ -131,7 +151,7 @@ class Healer:
 
     # --- healthy and anomalous steps ----------------------------------------------------------
 
-    def _healthy(self, trainer, result: StepResult) -> None:
+    def _healthy(self, trainer, result: StepOutcome) -> None:
         if not result.overflow and self.health is not None:
             self.detector.add(self.health)
         if self.arrival is None:  # a rebuild replays counted steps: they count once
@@ -159,7 +179,7 @@ class Healer:
                 time.perf_counter() - started, nested_bytes(target.held.backend_state)
             )
 
-    def _anomalous(self, trainer, result: StepResult) -> None:
+    def _anomalous(self, trainer, result: StepOutcome) -> None:
         anomaly = result.anomaly
         self.consecutive += 1
         trainer.state.anomalies += 1
@@ -189,7 +209,7 @@ class Healer:
 
     # --- the rollback -------------------------------------------------------------------------
 
-    def _rollback(self, trainer, result: StepResult) -> None:
+    def _rollback(self, trainer, result: StepOutcome) -> None:
         state, stream = trainer.state, trainer.loader.stream
         anomaly_step, anomaly_cursor = state.step, stream.cursor
         committed = self.manager.finish_pending()  # an async checkpoint in flight commits first

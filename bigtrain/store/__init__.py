@@ -1,1 +1,2 @@
-"""What a run keeps on disk: the run directory and its lock, checkpoints and their manifests."""
+"""The run directory: its files (config, metrics, events, final.json) and its lock against a
+second live run (rundir.py, runlock.py). Checkpoints under it are bigtrain/checkpoint's."""

@@ -25,11 +25,11 @@ the loop calls bigtrain/resilience's Healer by name. Order of one run (loop.py):
 A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its state travels in the
 trainer state (checkpoints and rollback targets) under that key.
 
-Callbacks run in ascending `priority` (ties: registration order). A callback that writes what
-another reads has a lower priority: evaluation (10, `val_loss`), checkpointing (50), the straggler
-report (70, `step_time_by_rank`) and metrics logging (80, `record`) run before the console and
-metric sinks (90), the preemption handler (95) and the profiler (99, last: it
-ends the step's trace).
+Callbacks run in the order the run's assembly lists them, once, with the reason for each place
+(bigtrain/build.py `make_callbacks`): a callback that writes what another reads comes first
+(evaluation's `val_loss`, the straggler report's `step_time_by_rank`, the metrics logger's
+`record` before the console and the metric sinks); the preemption handler, the hang watchdog and
+the profiler come last.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 
 class Callback:
-    priority: int = 50
     state_key: str | None = None
     """Set by a callback whose state travels in checkpoints and snapshots (state_dict below)."""
 
@@ -81,8 +80,10 @@ def close_each(items: list) -> None:
 
 
 class Callbacks:
+    """The run's callbacks, called hook by hook in the order given (build.py says why)."""
+
     def __init__(self, callbacks: list[Callback]) -> None:
-        self.items = sorted(callbacks, key=lambda c: c.priority)
+        self.items = list(callbacks)
 
     def state_dict(self) -> dict[str, Any]:
         return {cb.state_key: cb.state_dict() for cb in self.items if cb.state_key is not None}

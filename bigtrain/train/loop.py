@@ -19,7 +19,7 @@ from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
 from bigtrain.telemetry.memory import memory_kind, peak_memory_bytes
-from bigtrain.telemetry.profile import NO_RANGES
+from bigtrain.telemetry.profile import NO_RANGES, NoRanges, PhaseRanges
 from bigtrain.train.hooks import Callbacks
 from bigtrain.train.setup import RunSetup
 from bigtrain.train.step import StepResult
@@ -95,17 +95,32 @@ class Trainer:
             p.adaptive_clip_window,
         )
         self.tokens_per_step = loader.global_batch_size * cfg.model.seq_len
-        self.stop_signal: str | None = None  # set by a preemption signal handler (preempt.py)
+        self.stop_signal: str | None = None  # request_stop: a preemption signal's name
         self.replaying = False  # True while a step's micro-batches run the second time
         self.step_in_progress: int | None = None  # the step train_step is running
         self.timer = StepTimer(device, cfg.monitor.timing_every)
-        self.ranges = NO_RANGES  # phases as profiler ranges while profiling (telemetry/profile.py)
-        # The evaluation before a fresh run's first step (EvalCallback), the curve's first point.
+        self.ranges: PhaseRanges | NoRanges = NO_RANGES  # use_ranges: while profiling
+        # The evaluation before a fresh run's first step (record_start), the curve's first point.
         self.start_record: dict[str, Any] | None = None
 
     @property
     def step(self) -> int:
         return self.state.step
+
+    # What callbacks ask of the trainer (they observe; the trainer owns its state).
+    def request_stop(self, reason: str) -> None:
+        """Checkpoint and stop at the next step boundary that every rank reaches together (a
+        preemption signal, callbacks/preempt.py): the request rides in the monitor's all-reduce."""
+        self.stop_signal = reason
+
+    def record_start(self, record: dict[str, Any]) -> None:
+        """The metrics of the state the run starts from (the evaluation before a fresh run's
+        first step), written as the curve's first point by the metrics logger and the sinks."""
+        self.start_record = record
+
+    def use_ranges(self, ranges: PhaseRanges | NoRanges) -> None:
+        """Mark the loop's phases as profiler ranges (PhaseRanges), or not (NO_RANGES)."""
+        self.ranges = ranges
 
     def event(self, kind: str, at_step: int | None = None, **details: Any) -> dict[str, Any]:
         """Write an event (rank 0) and let callbacks (console, wandb) hear of it. During a step,

@@ -15,11 +15,11 @@ from bigtrain.config.eval import EvalConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.data.tokens import train_bpe
 from bigtrain.errors import ConfigError
+from bigtrain.inference import load_checkpoint_model
 from bigtrain.model.generate import Sample, Sampling, cached_step, decode, encode_prompt
 from bigtrain.model.gpt import GPT
 from bigtrain.parallel.env import read_env
 from bigtrain.runner import run
-from bigtrain.store.generate_checkpoint import load_checkpoint_model
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.train.step import StepResult
 from tests.callbacks.test_wandb import wandb_logger

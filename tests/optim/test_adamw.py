@@ -253,7 +253,7 @@ def test_fused_low_precision_states_need_triton_on_cuda():
         policy = resolve_policy(cfg.precision, detect_hardware(cpu), 10**6)
         if expected is None:
             with pytest.raises(ConfigError, match=r"optim\.fused.*Triton kernel"):
-                make_adamw(params, cfg, policy, cpu)
+                make_adamw(params, cfg.optim, policy, cpu)
             continue
-        opt = make_adamw(params, cfg, policy, cpu)
+        opt = make_adamw(params, cfg.optim, policy, cpu)
         assert isinstance(opt, LowPrecisionAdamW) and opt.uses_kernel(cpu) is expected

@@ -163,7 +163,7 @@ def test_zero_refuses_a_schedule_and_fp32_modules(micro):
     ):
         cfg = micro("parallel.backend=zero", extra)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            check_zero_precision(cfg, resolve_policy(cfg.precision, cpu, 10**6))
+            check_zero_precision(resolve_policy(cfg.precision, cpu, 10**6))
 
 
 @pytest.mark.distributed

@@ -5,9 +5,9 @@ import pytest
 
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.checkpoint.manifest import CheckpointError, verify
+from bigtrain.checkpoint.state_io import StateIO
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
-from bigtrain.parallel.local import LocalBackend
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
@@ -52,15 +52,15 @@ def test_keep_prunes_old_checkpoints(micro):
 
 def test_interrupted_write_leaves_the_previous_checkpoint_loadable(micro, monkeypatch):
     cfg = micro("train.max_steps=20", "checkpoint.every=10")
-    original = LocalBackend.save
+    original = StateIO.save
 
-    def crash_on_second_save(self, directory, host_state=None):
-        files = original(self, directory, host_state)
+    def crash_on_second_save(self, holder, directory, host_state=None):
+        files = original(self, holder, directory, host_state)
         if directory.name.endswith("00000020"):
             raise KeyboardInterrupt("killed mid-write")  # files written, no manifest, no rename
         return files
 
-    monkeypatch.setattr(LocalBackend, "save", crash_on_second_save)
+    monkeypatch.setattr(StateIO, "save", crash_on_second_save)
     with pytest.raises(KeyboardInterrupt):
         run(cfg, ENV)
     root = Path(cfg.train.out_dir) / "checkpoints"
@@ -68,7 +68,7 @@ def test_interrupted_write_leaves_the_previous_checkpoint_loadable(micro, monkey
     found = CheckpointManager(root, keep=3).newest_valid()
     assert found is not None and found[0].name == "step_00000010"
 
-    monkeypatch.setattr(LocalBackend, "save", original)
+    monkeypatch.setattr(StateIO, "save", original)
     final = run(cfg, ENV)  # resumes from step 10, rewrites step 20, cleans the stale tmp dir
     assert final["step"] == 20
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]
@@ -203,22 +203,17 @@ def test_checkpoint_every_minus_one_writes_none(micro):
 
 
 class _Backend:
-    """What the manager asks of a backend, recorded: it writes no tensors."""
+    """What the manager asks of a backend, recorded; its tensors go through _IO, which writes
+    none."""
 
     def __init__(self, name: str, scale: float | None = None) -> None:
         self.name, self.scale, self.calls = name, scale, []
-
-    def save(self, directory: Path, host_state=None) -> list[str]:
-        return []
 
     def loss_scale(self) -> float | None:
         return self.scale
 
     def extra_state(self) -> dict:
         return {"engine": {"global_steps": 3}} if self.name == "zero" else {}
-
-    def load(self, directory: Path) -> None:
-        self.calls.append("load")
 
     def load_extra_state(self, saved: dict) -> None:
         self.calls.append(("load_extra_state", saved))
@@ -227,8 +222,18 @@ class _Backend:
         self.calls.append(("adopt_loss_scale", scale))
 
 
+class _IO:
+    """checkpoint/state_io.py's StateIO as the manager calls it: records the loads."""
+
+    def save(self, holder, directory: Path, host_state=None) -> dict:
+        return {}
+
+    def load(self, holder, directory: Path, optimizer: bool = True) -> None:
+        holder.calls.append("load")
+
+
 def test_backend_state_goes_back_to_its_backend_and_its_loss_scale_to_another(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2)
+    manager = CheckpointManager(tmp_path, keep=2, io=_IO())
     state = {"state": {"step": 3}, "data": {"cursor": 9}}
     path = manager.save(3, _Backend("zero", 512.0), state, {"k": 1}, "train: {}\n")
     same, other = _Backend("zero"), _Backend("local")
@@ -240,7 +245,7 @@ def test_backend_state_goes_back_to_its_backend_and_its_loss_scale_to_another(tm
 
 
 def test_a_checkpoint_of_an_earlier_format_is_refused_naming_convert(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2)
+    manager = CheckpointManager(tmp_path, keep=2, io=_IO())
     path = manager.save(3, _Backend("local"), {"data": {}}, {"k": 1}, "train: {}\n")
     manifest = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps(manifest | {"format_version": 1}))
@@ -264,9 +269,7 @@ def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
 
         def __init__(self) -> None:
             self.told: list[int] = []
-
-        def load(self, directory: Path) -> None:
-            pass
+            self.calls: list = []
 
         def load_extra_state(self, saved: dict) -> None:
             pass
@@ -275,8 +278,8 @@ def test_a_rank_resuming_without_rng_state_of_its_own_is_told_the_step(micro):
             self.told.append(step)
 
     own, borrowing = Recorder(), Recorder()
-    CheckpointManager(path.parent, 2, rank=0, world_size=2).load(path, own)
-    CheckpointManager(path.parent, 2, rank=1, world_size=2).load(path, borrowing)
+    CheckpointManager(path.parent, 2, rank=0, world_size=2, io=_IO()).load(path, own)
+    CheckpointManager(path.parent, 2, rank=1, world_size=2, io=_IO()).load(path, borrowing)
     assert own.told == [] and borrowing.told == [4]
 
 

@@ -105,7 +105,7 @@ def test_flat_figures_split_lists_by_rank():
 @pytest.mark.unit
 def test_wandb_disabled_keeps_wandb_out_and_a_missing_package_is_exit_2(tmp_path, monkeypatch):
     cfg = load_config([], ["wandb.mode=disabled", "log.sinks=[wandb,tensorboard]"])
-    assert configured_sinks(cfg) == ["tensorboard"]
+    assert configured_sinks(cfg.log, cfg.wandb) == ["tensorboard"]
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name)
@@ -114,7 +114,7 @@ def test_wandb_disabled_keeps_wandb_out_and_a_missing_package_is_exit_2(tmp_path
     with pytest.raises(
         ConfigError, match=r"'mlflow' is not installed: pip install 'bigtrain\[mlflow\]'"
     ):
-        make_sinks(cfg)
+        make_sinks(cfg.log, cfg.wandb, tmp_path)
     with pytest.raises(ConfigError, match="expected distinct names of"):
         load_config([], ["log.sinks=[wandb,neptune]"])
 

@@ -3,7 +3,9 @@ names that do not exist."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,8 +29,8 @@ HOOK_ARGS = {
 class Recorder(Callback):
     """Writes (its name, the hook, the arguments) to a shared log on every hook."""
 
-    def __init__(self, name: str, priority: int, log: list) -> None:
-        self.name, self.priority, self.log = name, priority, log
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
 
     def _record(self, hook: str, *args: Any) -> None:
         self.log.append((self.name, hook, args))
@@ -56,8 +58,8 @@ class Recorder(Callback):
 
 
 class Counter(Callback):
-    def __init__(self, key: str | None, priority: int = 50) -> None:
-        self.state_key, self.priority = key, priority
+    def __init__(self, key: str | None) -> None:
+        self.state_key = key
         self.count, self.loaded = 0, False
 
     def on_step_end(self, trainer, result: StepResult) -> None:
@@ -70,23 +72,33 @@ class Counter(Callback):
         self.count, self.loaded = state["count"], True
 
 
-def test_callbacks_run_in_ascending_priority_ties_in_registration_order():
+def test_callbacks_run_in_the_order_they_are_given():
     log: list = []
-    priorities = {"metrics": 80, "guard": 1, "eval": 10, "checkpoint": 50, "faults": 0}
-    priorities |= {"ckpt2": 50, "preempt": 95, "rollback": 2, "console": 90, "wandb": 90}
-    callbacks = Callbacks([Recorder(name, p, log) for name, p in priorities.items()])
-    order = ["faults", "guard", "rollback", "eval", "checkpoint", "ckpt2", "metrics"]
-    order += ["console", "wandb", "preempt"]
+    order = ["faults", "eval", "checkpoint", "metrics", "console", "wandb", "preempt"]
+    callbacks = Callbacks([Recorder(name, log) for name in order])
     assert [cb.name for cb in callbacks.items] == order
     trainer, result = object(), StepResult(4, 1e-3)
     callbacks.on_step_end(trainer, result)
     assert log == [(name, "on_step_end", (trainer, result)) for name in order]
 
 
+def test_no_callback_carries_an_order_number():
+    """The order is one list in the run's assembly (build.py make_callbacks), not numbers."""
+    import bigtrain.callbacks as package
+
+    names = [p.stem for p in Path(package.__file__).parent.glob("*.py") if p.stem != "__init__"]
+    for name in names:
+        module = importlib.import_module(f"bigtrain.callbacks.{name}")
+        for cls in vars(module).values():
+            if isinstance(cls, type) and issubclass(cls, Callback):
+                assert "priority" not in vars(cls), f"{name}.{cls.__name__}"
+    assert not hasattr(Callback, "priority")
+
+
 @pytest.mark.parametrize("hook", sorted(HOOK_ARGS))
 def test_every_hook_reaches_every_callback_with_its_arguments(hook):
     log: list = []
-    callbacks = Callbacks([Recorder("b", 5, log), Recorder("a", 1, log)])
+    callbacks = Callbacks([Recorder("a", log), Recorder("b", log)])
     args = HOOK_ARGS[hook](object(), StepResult(1, 1e-3))
     getattr(callbacks, hook)(*args)
     assert log == [("a", hook, args), ("b", hook, args)]
@@ -102,13 +114,13 @@ def test_a_callback_needs_to_define_only_the_hooks_it_uses():
 
 
 def test_callback_state_round_trips_under_its_key():
-    saved_run = [Counter("int8"), Counter(None), Counter("straggler", priority=70)]
+    saved_run = [Counter("int8"), Counter(None), Counter("straggler")]
     callbacks = Callbacks(saved_run)
     for _ in range(3):
         callbacks.on_step_end(object(), StepResult(1, 1e-3))
     state = callbacks.state_dict()
     assert state == {"int8": {"count": 3}, "straggler": {"count": 3}}  # no key: nothing saved
-    resumed = [Counter("straggler", priority=70), Counter("int8"), Counter(None)]
+    resumed = [Counter("straggler"), Counter("int8"), Counter(None)]
     Callbacks(resumed).load_state_dict(json.loads(json.dumps(state)))  # as trainer.json holds it
     assert [(c.state_key, c.count, c.loaded) for c in resumed] == [
         ("straggler", 3, True),

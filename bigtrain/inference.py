@@ -1,11 +1,10 @@
 """`bigtrain generate CKPT_OR_RUN_DIR`: text from a checkpoint of any backend and world size, in
 one process.
 
-A run directory means its newest committed checkpoint (checkpoint.checkpoint_path). The checkpoint
-is verified; its config.yaml says which model it holds, and its tokenizer/ encodes the prompts as
-training encoded text. The weights stream from the checkpoint's source one tensor at a time into
-the model built on the host in FP32 (export_checkpoint.model_from_source), which then moves to the
-device. bigtrain's GPT decodes with its KV cache, a model.kind=hf model with transformers'
+A run directory means its newest committed checkpoint. checkpoint/ opens it
+(checkpoint/export.py `open_saved_model`: verified, its own config.yaml says which model it holds,
+its tokenizer/ encodes the prompts as training encoded text, the weights stream into the model
+built on the host in FP32), which then moves to the device. bigtrain's GPT decodes with its KV cache, a model.kind=hf model with transformers'
 `generate` (model/generate.py). Prompts run one at a time, each with a generator of its own seeded
 with `seed`: a prompt's text does not depend on the prompts before it.
 """
@@ -21,9 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigtrain.checkpoint.export import model_from_source, vocab_size_of, with_saved_hf_config
-from bigtrain.checkpoint.manager import open_checkpoint
-from bigtrain.config import Config, load_saved_config
+from bigtrain.checkpoint.export import open_saved_model
+from bigtrain.config import Config, PrecisionConfig
 from bigtrain.data.tokens import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import num_params
@@ -108,39 +106,36 @@ def load_checkpoint_model(path: Path, device: str = "auto", dtype: str = "auto")
             "device 'cuda' asked for, but no CUDA device is visible (use auto or cpu)"
         )
     on = pick_device(device, DistEnv())
-    path, manifest, source = open_checkpoint(path)
-    cfg = with_saved_hf_config(load_saved_config(path / "config.yaml"), path)
-    tokenizer_dir = path / "tokenizer"
-    if not tokenizer_dir.is_dir():
+    saved = open_saved_model(path)
+    if saved.tokenizer_dir is None:
         raise ConfigError(
-            f"checkpoint '{path}' has no tokenizer/ directory (expected the one every run's "
+            f"checkpoint '{saved.path}' has no tokenizer/ directory (expected the one every run's "
             "checkpoints carry, to encode the prompts)"
         )
-    shapes = manifest.get("shapes") or source.shapes
-    model = model_from_source(cfg, vocab_size_of(cfg, shapes, tokenizer_dir), source)
-    compute_dtype, reason = _compute_dtype(cfg, model, on, dtype)
+    model, cfg = saved.model(), saved.cfg
+    compute_dtype, reason = _compute_dtype(cfg.precision, model, on, dtype)
     logger.info(
         "generate: %s (step %d, %.2fM parameters) on %s in %s: %s",
-        path,
-        manifest["step"],
+        saved.path,
+        saved.step,
         num_params(model) / 1e6,
         on,
         str(compute_dtype).removeprefix("torch."),
         reason,
     )
-    tokenizer = load_tokenizer(str(tokenizer_dir))
+    tokenizer = load_tokenizer(str(saved.tokenizer_dir))
     model = model.to(on).eval()
-    return CheckpointModel(path, manifest["step"], cfg, model, tokenizer, on, compute_dtype)
+    return CheckpointModel(saved.path, saved.step, cfg, model, tokenizer, on, compute_dtype)
 
 
 def _compute_dtype(
-    cfg: Config, model: nn.Module, device: torch.device, choice: str
+    precision: PrecisionConfig, model: nn.Module, device: torch.device, choice: str
 ) -> tuple[torch.dtype, str]:
     """The dtype generation computes in, and why."""
     if choice != "auto":
         return DTYPES[choice], "as asked"
     if device.type != "cuda":
         return torch.float32, "auto: FP32 on the CPU"
-    policy = resolve_policy(cfg.precision, detect_hardware(device), num_params(model))
+    policy = resolve_policy(precision, detect_hardware(device), num_params(model))
     apply_to_model(model, policy)  # FP32 softmax where training had it
     return policy.compute_dtype, f"auto: the checkpoint's policy ({policy.reasons['compute']})"

@@ -4,7 +4,7 @@ The loop fills what it measured, the healer (bigtrain/resilience) what it decide
 `rolled_back`, `checkpoint_now`) before any callback runs; callbacks read typed fields, and the few
 that add to the step write their own field (evaluation `val_loss`, the straggler report
 `step_time_by_rank` and `peak_memory_bytes_by_rank`, the metrics logger `record`, text samples
-`samples`). Who writes a field runs before who reads it (callback priorities, train/hooks.py).
+`samples`). Who writes a field runs before who reads it (the callbacks' one order, build.py make_callbacks).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """ZeRO fragments and FSDP2 shards as DCP chunks: the boxes of a flat range, and a save in one
-layout loaded in another by DCP's own resharding (one process; tests/store/test_universal.py
+layout loaded in another by DCP's own resharding (one process; tests/checkpoint/test_universal.py
 does it across backends and world sizes)."""
 
 from __future__ import annotations

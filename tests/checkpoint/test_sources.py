@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from bigtrain.checkpoint.legacy import LocalSource, legacy_source
 from bigtrain.checkpoint.sources import HFSource
 from bigtrain.errors import ConfigError
-from tests.store.test_export import CONFIGS, export_gpt
+from tests.checkpoint.test_export import CONFIGS, export_gpt
 
 pytestmark = pytest.mark.unit
 
@@ -128,7 +128,7 @@ def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group says so
 def test_a_fused_fsdp_checkpoint_reads_under_todays_names(tmp_path):
     """An `fsdp` (DCP) checkpoint of before the q/k/v split: the wrapper maps each read to the
-    fused tensor's rows, moments and step counts included (as for `local`, tests/store)."""
+    fused tensor's rows, moments and step counts included (as for `local`, tests/checkpoint/test_manager.py)."""
     import torch.distributed.checkpoint as dcp
 
     from bigtrain.checkpoint.legacy import UnfusedSource

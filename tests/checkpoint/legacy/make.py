@@ -1,7 +1,7 @@
 """Writes the format-1 checkpoints in this directory. Run from a checkout of a bigtrain version
 before the one DCP format (they were made at commit 988d144):
 
-    cd OLD_CHECKOUT && python /path/to/tests/checkpoint/legacy/make.py /path/to/tests/store/legacy
+    cd OLD_CHECKOUT && python /path/to/tests/checkpoint/legacy/make.py /path/to/tests/checkpoint/legacy
 
 For each backend (local; fsdp and zero-2 on 2 ranks) a micro GPT trains 6 steps on the test
 corpus with a checkpoint at step 3; `expected.json` keeps each run's fingerprint at step 6 and

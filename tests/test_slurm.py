@@ -84,6 +84,16 @@ def wait_for(env, job_id: str, restarts: int = 0, timeout: float = 300) -> dict[
     raise AssertionError(f"job {job_id} did not finish: {job(env, job_id)}")
 
 
+def wait_until(env, job_id: str, ready, timeout: float = 200) -> dict[str, str]:
+    """The job's fields once `ready(fields)` holds; an error with the last fields at the
+    deadline (a loaded machine is slow, not wrong)."""
+    deadline = time.time() + timeout
+    while not ready(info := job(env, job_id)):
+        assert time.time() < deadline, f"job {job_id} never reached the state: {info}"
+        time.sleep(0.5)
+    return info
+
+
 def wait_for_checkpoint(out: Path, step: int, timeout: float = 200) -> None:
     deadline = time.time() + timeout
     while not (out / "checkpoints" / f"step_{step:08d}").is_dir():
@@ -154,11 +164,13 @@ def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_p
     extra = "fault.transient_nan_step=[3] resilience.max_transient_per_rank=1"
     job_id = submit(slurm, out, cache_dir, extra)
     host = out / "suspect_hosts.txt"
-    deadline = time.time() + 200
-    while job(slurm, job_id).get("ExcNodeList", "(null)") == "(null)":
-        assert time.time() < deadline, job(slurm, job_id)
-        time.sleep(1)
-    info = job(slurm, job_id)
+    # The exclusion appears while the job still ends its first run (COMPLETING); wait for the
+    # state the requeue leads to, not for the first moment the exclusion shows.
+    info = wait_until(
+        slurm,
+        job_id,
+        lambda i: i.get("ExcNodeList", "(null)") != "(null)" and i.get("JobState") == "PENDING",
+    )
     subprocess.run(["scancel", job_id], env=slurm)  # the one node is excluded: it would wait
     assert info["ExcNodeList"] == host.read_text().split()[0], info
     assert info["JobState"] == "PENDING", info

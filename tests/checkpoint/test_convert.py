@@ -1,7 +1,15 @@
 """Checkpoints of an earlier bigtrain version (manifest format 1, each backend's own layout:
 tests/checkpoint/legacy/, written by make.py at commit 988d144) are refused by the load path
 with the command that converts them; converted once, each resumes on the backend and world size
-that wrote it to the fingerprint and losses of that version's own straight run."""
+that wrote it to the weights and losses of that version's own straight run.
+
+Those reference numbers were recorded on one machine (make.py); floating-point results differ
+between CPUs, so they are compared within a tolerance, measured (docs/development.md): the
+weights at step 6 of a step-3 checkpoint made on an AMD EPYC, resumed on an Intel Xeon, differ
+from the Intel straight run's by 4.5e-7 (relative L2 over every parameter; 2.6e-6 at most in one
+value), while the smallest conversion fault tried (second moments off by 1%) moves them by
+2.0e-4, a missed step count by 4.5e-3, zeroed first moments by 4.4e-2, a data cursor one
+micro-batch off by 2.5e-2. TOLERANCE sits between, a factor 20 from each side."""
 
 from __future__ import annotations
 
@@ -10,9 +18,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from bigtrain.checkpoint.convert import convert
 from bigtrain.checkpoint.manifest import CheckpointError, verify
+from bigtrain.checkpoint.state import CheckpointReader
 from bigtrain.config import load_config
 from bigtrain.parallel.env import read_env
 from bigtrain.runner import run
@@ -24,6 +35,7 @@ pytestmark = pytest.mark.distributed
 
 LEGACY = Path(__file__).parent / "legacy"
 EXPECTED = json.loads((LEGACY / "expected.json").read_text())
+TOLERANCE = 1e-5  # relative L2 of the weights (module docstring); losses likewise
 SMALL = ["model.n_layers=1", "model.d_model=32", "train.global_batch_size=16", "train.max_steps=6"]
 SMALL += ["checkpoint.every=3", "checkpoint.async_save=false", "train.log_every=1"]
 SMALL += ["train.eval_every=0", "precision.compute_dtype=fp32"]
@@ -42,6 +54,14 @@ def train(overrides: list[str]) -> dict:
         "fingerprint": final["fingerprint"],
         "losses": {m["step"]: m["loss"] for m in metrics if "loss" in m},
     }
+
+
+def relative_l2(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """||w - ref|| / ||ref|| over every parameter of `weights` (the reference may hold more:
+    an untied copy the old fsdp consolidation wrote)."""
+    num = sum((w.double() - reference[n].double()).square().sum() for n, w in weights.items())
+    den = sum(reference[n].double().square().sum() for n in weights)
+    return float((num / den) ** 0.5)
 
 
 def launch(name: str, args: list[str]):
@@ -71,9 +91,13 @@ def test_a_converted_checkpoint_resumes_the_old_versions_run(
     resume = [f"checkpoint.resume={tmp_path / 'converted'}", "checkpoint.allow_config_change=true"]
     resumed = launch(name, [*args, *resume])
     expected = EXPECTED[name]
-    assert resumed["fingerprint"] == expected["fingerprint"]
     for step in (4, 5, 6):  # weights, moments, step counts, RNG and data cursor: the same losses
-        assert resumed["losses"][step] == expected["losses"][str(step)], step
+        want = expected["losses"][str(step)]
+        assert resumed["losses"][step] == pytest.approx(want, rel=TOLERANCE), step
+    reader = CheckpointReader(tmp_path / "run" / "checkpoints" / "step_00000006")
+    weights = {n: reader.full(n) for n in reader.shapes}
+    reference = load_file(LEGACY / f"final_{name}.safetensors")
+    assert relative_l2(weights, reference) < TOLERANCE
 
 
 def test_convert_renames_an_int8_calibration_of_the_fused_layers(tmp_path):

@@ -5,13 +5,16 @@ before the one DCP format (they were made at commit 988d144):
 
 For each backend (local; fsdp and zero-2 on 2 ranks) a micro GPT trains 6 steps on the test
 corpus with a checkpoint at step 3; `expected.json` keeps each run's fingerprint at step 6 and
-its losses, which a converted step-3 checkpoint must reproduce when resumed (tests/checkpoint/test_convert.py).
+its losses, and `final_<backend>.safetensors` its FP32 weights at step 6 (that version's
+`ckpt convert --to local` of its step-6 checkpoint), which a converted step-3 checkpoint must
+reproduce when resumed, within the tolerance tests/checkpoint/test_convert.py justifies.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -58,7 +61,12 @@ def main(dest: Path) -> None:
         args = [*micro_overrides(tmp / name, files, tmp / "cache"), *SMALL, *extra]
         result = train(args) if name == "local" else run_distributed(train, 2, args)[0]
         expected[name] = result
-        shutil.copytree(tmp / name / "checkpoints" / "step_00000003", dest / name)
+        checkpoints = tmp / name / "checkpoints"
+        shutil.copytree(checkpoints / "step_00000003", dest / name)
+        whole = tmp / f"{name}-step6-local"
+        convert = ["ckpt", "convert", str(checkpoints / "step_00000006"), "--to", "local"]
+        subprocess.run([sys.executable, "-m", "bigtrain", *convert, str(whole)], check=True)
+        shutil.copy(whole / "model.safetensors", dest / f"final_{name}.safetensors")
     (dest / "expected.json").write_text(json.dumps(expected, indent=1))
 
 

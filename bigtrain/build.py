@@ -41,7 +41,7 @@ from bigtrain.data import (
     prepare_corpus,
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
-from bigtrain.errors import AbortRun, ConfigError
+from bigtrain.errors import AbortRun, ConfigError, SharedConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.parallel.backend import Backend
@@ -52,7 +52,13 @@ from bigtrain.parallel.parallelize import parallelize
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import dtype_name
 from bigtrain.resilience import Healer
-from bigtrain.resume import run_identity, start_state, start_weights
+from bigtrain.resume import (
+    find_resume,
+    keep_global_batch,
+    run_identity,
+    start_state,
+    start_weights,
+)
 from bigtrain.store.rundir import RunDir, check_out_dir
 from bigtrain.store.runlock import RunLock, lock_run_dir
 from bigtrain.telemetry.mfu import resolve_peak_flops
@@ -126,7 +132,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     # train.global_batch_size -> grad_accum_steps for the data-parallel ranks (tp shares a batch)
     cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
     if cfg.parallel.backend == "local" and env.world_size != 1:
-        raise ConfigError(
+        raise SharedConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
             "use parallel.backend=fsdp or zero"
         )
@@ -292,6 +298,16 @@ def _assemble(
         run_dir.checkpoints, cfg.checkpoint.keep, layout.rank, layout.world_size
     )
     _check_run_dir(cfg.checkpoint.resume, run_dir, manager)
+    corrupted = None
+    if cfg.fault.corrupt_checkpoint:  # the drill: before the newest checkpoint is verified
+        if env.is_main:
+            corrupted = corrupt_newest_checkpoint(run_dir.checkpoints, run_dir.path)
+        barrier()
+    # What it resumes, first: a checkpoint's global batch is kept at this world size.
+    target = find_resume(cfg.checkpoint.resume, manager)
+    clock.mark("checkpoint_load")  # its verification (the load itself comes last)
+    train, batch_note = keep_global_batch(cfg.train, layout, target, manager)
+    cfg = dataclasses.replace(cfg, train=train)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
@@ -329,7 +345,7 @@ def _assemble(
     sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
     parts = BuiltParts(val, facts.int8_layers, data.tokenizer_dir, sinks, ledger)
     callbacks = make_callbacks(cfg, env, run_dir, manager, parts)
-    start = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
+    initial = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
     healer = Healer(
         cfg.resilience,
         cfg.monitor,
@@ -337,18 +353,13 @@ def _assemble(
         cfg.train.max_steps,
         monitor.names,
         manager,
-        start,
+        initial,
     )
     trainer = Trainer(
         cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, setup, monitor, healer
     )
-    corrupted = None
-    if cfg.fault.corrupt_checkpoint:
-        if env.is_main:
-            corrupted = corrupt_newest_checkpoint(run_dir.checkpoints, run_dir.path)
-        barrier()
     clock.mark("setup_other")
-    start = start_state(cfg, trainer, manager, corrupted)
+    start = start_state(cfg, trainer, manager, target, corrupted, batch_note)
     clock.mark("checkpoint_load")  # or model.init_from's weights; with the data position
     return Run(trainer, start, lock, log_file, ledger)
 

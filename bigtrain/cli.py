@@ -22,6 +22,7 @@ from bigtrain.errors import (
     OutOfMemory,
     Preempted,
     ReplicaMismatch,
+    SharedConfigError,
     SuspectHost,
 )
 
@@ -209,8 +210,19 @@ def _generate_parser(sub) -> None:
     )
 
 
+def _launched_rank() -> int:
+    """This process's rank as the launcher set it (0 without one), read without torch."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def _train(items: list[str], local_rank: int | None) -> int:
-    cfg = _load(items)  # a bad config fails before torch is imported (seconds)
+    try:
+        cfg = _load(items)  # a bad config fails before torch is imported (seconds)
+    except ConfigError as e:  # every rank reads the same config: rank 0 says it
+        raise SharedConfigError(str(e)) from None
     from bigtrain.parallel.env import read_env
     from bigtrain.runner import run
     from bigtrain.utils.logs import setup_console
@@ -404,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         return _ckpt(args.ckpt_command, args.path, args)
     except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost, OutOfMemory) as e:
-        # One line, no traceback, the documented exit code.
+        # One line, no traceback, the documented exit code; an error every rank finds alike
+        # (SharedConfigError) once, from rank 0.
         prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")
-        print(f"bigtrain: {prefix}{e}", file=sys.stderr)
+        if not (isinstance(e, SharedConfigError) and _launched_rank() > 0):
+            print(f"bigtrain: {prefix}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("bigtrain: interrupted", file=sys.stderr)

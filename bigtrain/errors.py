@@ -8,6 +8,11 @@ class ConfigError(ValueError):
     exit_code = 2
 
 
+class SharedConfigError(ConfigError):
+    """A config error that every rank finds alike (the config's keys, the layout's sizes, a
+    resumed checkpoint's identity and batch): the CLI prints it once, on rank 0."""
+
+
 class AbortRun(RuntimeError):
     """The run gave up after anomalies; the last good checkpoint is intact. Exit 3."""
 

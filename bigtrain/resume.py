@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from bigtrain.checkpoint.manager import CheckpointManager, refuse_legacy
 from bigtrain.checkpoint.manifest import (
@@ -33,10 +35,11 @@ from bigtrain.checkpoint.manifest import (
     shape_changes,
 )
 from bigtrain.checkpoint.sources import HFSource, InitialValues
-from bigtrain.config import Config, ModelConfig, config_changes
-from bigtrain.errors import ConfigError
+from bigtrain.config import Config, ModelConfig, TrainConfig, config_changes
+from bigtrain.errors import ConfigError, SharedConfigError
 from bigtrain.model.hf_mapping import Part, check_hf_config, mapping_for
 from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.layout import Layout
 from bigtrain.train import Trainer
 from bigtrain.train.setup import StartPoint
 from bigtrain.utils.names import canonical_name
@@ -55,22 +58,74 @@ def run_identity(model_cfg: ModelConfig, corpus_key: str, global_batch_size: int
     }
 
 
-def start_state(
-    cfg: Config, trainer: Trainer, manager: CheckpointManager, fault_corrupted: str | None = None
-) -> StartPoint:
-    """Resume or initialise `trainer`: where the run starts."""
+@dataclass(frozen=True)
+class ResumeTarget:
+    """The checkpoint a run resumes (found before anything is built: its global batch decides
+    the batch split), and the committed ones passed over on the way."""
+
+    path: Path | None  # None: nothing to resume
+    manifest: dict[str, Any]
+    invalid: tuple[dict[str, str], ...] = ()
+
+    def global_batch(self) -> int | None:
+        return self.manifest.get("identity", {}).get("global_batch_size") if self.path else None
+
+
+def find_resume(choice: str, manager: CheckpointManager) -> ResumeTarget:
+    """What checkpoint.resume=`choice` resumes, verified (a collective: every rank calls it)."""
     invalid: list[dict[str, str]] = []
-    found = _resume_target(cfg.checkpoint.resume, manager, invalid)
+    found = _resume_target(choice, manager, invalid)
     if found is None:
+        return ResumeTarget(None, {}, tuple(invalid))
+    refuse_legacy(*found)
+    return ResumeTarget(*found, tuple(invalid))
+
+
+def keep_global_batch(
+    train: TrainConfig, layout: Layout, target: ResumeTarget, manager: CheckpointManager
+) -> tuple[TrainConfig, str | None]:
+    """`train` split to keep the resumed checkpoint's global batch at this layout (Layout
+    .keep_global_batch), and the line saying so; unchanged for a fresh run."""
+    saved = target.global_batch()
+    if target.path is None or saved is None:
+        return train, None
+    saved_train = (yaml.safe_load(manager.saved_config(target.path)) or {}).get("train", {})
+    try:
+        return layout.keep_global_batch(train, saved, saved_train.get("micro_batch_size"))
+    except ConfigError as e:
+        raise SharedConfigError(f"checkpoint '{target.path}': {e}") from None
+
+
+def start_state(
+    cfg: Config,
+    trainer: Trainer,
+    manager: CheckpointManager,
+    target: ResumeTarget,
+    fault_corrupted: str | None = None,
+    batch_note: str | None = None,
+) -> StartPoint:
+    """Resume `trainer` from `target`, or initialise it: where the run starts. `batch_note`:
+    how the batch was split anew to keep the checkpoint's global batch (keep_global_batch)."""
+    invalid = target.invalid
+    if target.path is None:
         details = init_from(cfg.model, trainer, manager) if cfg.model.init_from else None
-        return StartPoint(None, details, tuple(invalid), fault_corrupted)
-    path, manifest = found
-    refuse_legacy(path, manifest)
+        return StartPoint(None, details, invalid, fault_corrupted)
+    path, manifest = target.path, target.manifest
     _check_data_order(path, manifest, trainer)
     changes = identity_changes(manifest["identity"], trainer.setup.identity)
     if changes and not cfg.checkpoint.allow_config_change:
-        raise ConfigError(
-            f"checkpoint '{path}' was written with different {', '.join(changes)}; "
+        shown = ", ".join(
+            f"{k} ({manifest['identity'].get(k)!r} -> {trainer.setup.identity.get(k)!r})"
+            for k in changes
+        )
+        hint = ""
+        if "global_batch_size" in changes and cfg.train.global_batch_size is not None:
+            hint = (
+                f" (train.global_batch_size={cfg.train.global_batch_size} is set; leave it unset "
+                "and bigtrain keeps the checkpoint's global batch at any world size)"
+            )
+        raise SharedConfigError(
+            f"checkpoint '{path}' was written with different {shown}{hint}; "
             "set checkpoint.allow_config_change=true to resume anyway"
         )
     _check_shapes(path, manifest, trainer.setup.shapes)
@@ -90,7 +145,9 @@ def start_state(
         "identity_changed": changes,
         **restarts,
     }
-    return StartPoint(resume, None, tuple(invalid), fault_corrupted)
+    if batch_note is not None:
+        resume["batch"] = batch_note
+    return StartPoint(resume, None, invalid, fault_corrupted)
 
 
 def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:

@@ -110,14 +110,8 @@ def setup_events(built: Run, env: DistEnv) -> None:
         trainer.event("fault", type="corrupt_checkpoint", file=start.fault_corrupted)
     for bad in start.invalid_checkpoints:
         trainer.event("checkpoint_invalid", **bad)
-    if start.resume:
+    if start.resume:  # the console's line says what changed (telemetry/console.py)
         trainer.event("resume", **start.resume)
-        if start.resume["changes"]:
-            changed = start.resume["changes"].items()
-            logger.info(
-                "resume: config changed since the checkpoint: %s",
-                ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed),
-            )
 
 
 def _already_finished(built: Run, started: float) -> dict[str, Any]:

@@ -42,3 +42,13 @@ def test_tiny_config_trains_end_to_end(tmp_path, cache_dir):
     assert (
         "compute             bf16" in result.stdout or "compute             fp32" in result.stdout
     )
+    # A console for people: formatted lines, no Python reprs; stdout ends with final.json's line.
+    console = result.stdout.strip().splitlines()[:-1] + result.stderr.strip().splitlines()
+    reprs = [line for line in console if "{" in line or "}" in line or "': " in line]
+    assert reprs == [], reprs
+    assert f"checkpoint step 15 -> {out / 'checkpoints' / 'step_00000015'} (" in result.stderr
+    step_lines = [line for line in console if line.startswith("step ")]
+    assert (
+        step_lines[-1].startswith("step 30/30  loss ") and "elapsed  eta 0:00:00" in step_lines[-1]
+    )
+    assert not [line for line in console if ".tmp-" in line]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -133,4 +134,28 @@ def test_local_backend_refuses_several_processes(tmp_path, cache_dir):
         ]
     )
     assert result.returncode != 0
-    assert "parallel.backend=local runs one process, but the launcher started 2" in result.stderr
+    message = "parallel.backend=local runs one process, but the launcher started 2"
+    assert result.stderr.count(message) == 1  # every rank finds it: rank 0 says it
+
+
+@pytest.mark.distributed
+def test_a_one_process_run_moves_to_two_ranks_keeping_its_global_batch(tmp_path, cache_dir):
+    """The documented way to move a run: stopped on one process, the same command under torchrun
+    with parallel.backend=fsdp. Neither run sets train.global_batch_size; the checkpoint's batch
+    of 8 sequences is kept at 2 ranks (micro-batch 8 -> 4), said once, and the run ends."""
+    out = tmp_path / "moved"
+    first = [*tiny(out, cache_dir, "local"), "train.stop_at_step=3"]
+    result = launch([sys.executable, "-m", "bigtrain", "train", *first])
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = tiny(out, cache_dir, "fsdp")
+    result = launch([*TORCHRUN_2, str(free_port()), "-m", "bigtrain", "train", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    note = (
+        "global batch kept at 8 sequences on 2 data-parallel ranks: train.micro_batch_size "
+        "8 -> 4, train.grad_accum_steps 1 -> 1 (this config gives 16 here)"
+    )
+    assert (result.stdout + result.stderr).count(note) == 1
+    (resume,) = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "resume"]
+    assert resume["batch"] == note and resume["identity_changed"] == []
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 6 and final["tokens"] == 6 * 8 * 128

@@ -1,38 +1,20 @@
-"""Metrics at log steps: metrics.jsonl (rank 0) and a console progress bar with loss, tokens/s, ETA."""
+"""Metrics at log steps: metrics.jsonl (rank 0), and rank 0's console (telemetry/console.py)."""
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from bigtrain.data.mixture import MixtureStream
+from bigtrain.telemetry.console import event_line, step_line
 from bigtrain.telemetry.memory import peak_memory_bytes
 from bigtrain.telemetry.mfu import mfu
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
-
-CONSOLE_EVENTS = {
-    "resume",
-    "replay",
-    "straggler",
-    "hang",
-    "suspect_host",
-    "checkpoint",
-    "anomaly",
-    "abort",
-    "skip_data",
-    "rollback",
-    "lr_backoff",
-    "preempt",
-    "checkpoint_invalid",
-    "checkpoint_refused",
-    "lr_restore",
-    "source_exhausted",
-    "profile",
-}
 
 
 def _scalar(value: Any) -> Any:
@@ -92,14 +74,20 @@ class MetricsLogger(Callback):
 
 
 class ConsoleProgress(Callback):
-    """tqdm bar on rank 0 (stderr) when stderr is a terminal; otherwise (batch jobs, CI logs) one
-    line per logged step. Events are printed above the bar."""
+    """Rank 0's console (telemetry/console.py): a tqdm bar (stderr) with loss, tokens/s and MFU
+    when stderr is a terminal, else one line per logged step with elapsed time and ETA (batch
+    jobs, CI logs); events that matter as one formatted line each, above the bar."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.bar: tqdm | None = None
+        self.started = time.monotonic()
+        self.first_step = 0
+        self.held: list[str] | None = None  # events of a step, printed after its step line
 
     def on_start(self, trainer) -> None:
+        self.started, self.first_step = time.monotonic(), trainer.step
+        self.held = []
         if self.enabled:
             bar = tqdm(
                 total=trainer.cfg.train.max_steps,
@@ -116,28 +104,53 @@ class ConsoleProgress(Callback):
         record = result.record
         if self.bar is None:
             if self.enabled and record:
-                val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-                print(
-                    f"step {record['step']}/{trainer.cfg.train.max_steps} loss {record['loss']:.4f}{val} "
-                    f"lr {record['lr']:.2e} tok/s {record['tokens_per_s']:.0f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                elapsed = time.monotonic() - self.started
+                done = trainer.step - self.first_step
+                left = trainer.cfg.train.max_steps - trainer.step
+                eta = elapsed / done * left if done > 0 else None
+                line = step_line(record, trainer.cfg.train.max_steps, elapsed, eta)
+                print(line, file=sys.stderr, flush=True)
+            self._flush()
             return
         self.bar.update(1)
         if record:
             postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
             if "val_loss" in record:
                 postfix["val"] = f"{record['val_loss']:.4f}"
+            if "mfu" in record:
+                postfix["mfu"] = f"{record['mfu']:.1%}"
             self.bar.set_postfix(postfix, refresh=False)
+        self._flush()
 
     def on_event(self, trainer, record: dict[str, Any]) -> None:
-        if trainer.env.is_main and record["kind"] in CONSOLE_EVENTS:
-            details = {k: v for k, v in record.items() if k not in ("time", "kind", "step")}
-            line = f"[step {record['step']}] {record['kind']}: {details}"
-            (self.bar.write if self.bar else print)(line, file=sys.stderr)
+        line = event_line(record) if trainer.env.is_main else None
+        if line is None:
+            return
+        if self.held is not None:  # during the loop: after the step's own line
+            self.held.append(line)
+        else:
+            self._print(line)
+
+    def _print(self, line: str) -> None:
+        (self.bar.write if self.bar else print)(line, file=sys.stderr)
+
+    def _flush(self) -> None:
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        for line in held:
+            self._print(line)
+
+    def on_finish(self, trainer) -> None:
+        self._flush()
+        self.held = None  # events after the loop (final.json's) print at once
+
+    def on_stop(self, trainer, reason: str) -> None:
+        self.on_finish(trainer)
 
     def close(self) -> None:
+        self._flush()
+        self.held = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -23,6 +23,7 @@ from bigtrain.telemetry.profile import (
     make_profiler,
     profile_window,
     trace_path,
+    without_kineto_lines,
 )
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
@@ -52,13 +53,15 @@ class ProfilerCallback(Callback):
             return
         (trainer.run_dir.path / FOLDER).mkdir(parents=True, exist_ok=True)
         self.profiler = make_profiler(self.cfg, self.window, self._write)
-        self.profiler.start()
+        with without_kineto_lines():
+            self.profiler.start()
         trainer.use_ranges(PhaseRanges())
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         if self.profiler is None:
             return
-        self.profiler.step()  # after the window's last step: the trace is written (_write)
+        with without_kineto_lines():
+            self.profiler.step()  # after the window's last step: the trace is written (_write)
         next_step = trainer.step + 1
         if self.cfg.memory and not self.recording_memory and next_step == self.window.first_step:
             self.recording_memory = memory.start_history(trainer.device)
@@ -84,7 +87,8 @@ class ProfilerCallback(Callback):
     def _stop(self) -> None:
         """End profiling: a trace not yet written (the run ended inside the window) is now."""
         if self.profiler is not None:
-            self.profiler.stop()
+            with without_kineto_lines():
+                self.profiler.stop()
             self.profiler = None
             self.trainer.use_ranges(NO_RANGES)
 

@@ -65,9 +65,11 @@ def prepare(
     out_dir: str | Path,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: bool = True,
+    shown_as: Path | None = None,
 ) -> dict:
     """Tokenize the corpus of `data_cfg` into `out_dir` (new, empty, or a killed run's to resume);
-    returns the manifest. `progress`: a tqdm bar on a terminal."""
+    returns the manifest. `progress`: a tqdm bar on a terminal. `shown_as`: where the result
+    lands, for the log line (a temporary `out_dir` is renamed there)."""
     out = Path(out_dir)
     if shard_tokens < 1:
         raise ConfigError(f"prepare: shard_tokens got {shard_tokens}, expected a positive count")
@@ -87,7 +89,10 @@ def prepare(
         data_cfg.source, inputs, manifest["num_documents"], manifest["num_tokens"]
     )
     logger.info(
-        "prepare: read %s in %d shard(s) -> %s", summary.describe(), len(manifest["shards"]), out
+        "prepare: read %s in %d shard(s) -> %s",
+        summary.describe(),
+        len(manifest["shards"]),
+        shown_as or out,
     )
     return manifest
 

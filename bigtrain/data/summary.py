@@ -3,6 +3,7 @@ event, so that a run on other data than meant says so at its first line."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +33,23 @@ class CorpusSummary:
     training sources, their held-out tails included."""
 
     def describe(self) -> str:
-        """One line: `source=files, 2 files (a.txt, b.txt): 12 documents, 3456 tokens`."""
+        """One line: `source=files, 2 files under data/ (a.txt, b.txt): 12 documents, 3,456
+        tokens`; files are named from their common directory, the first few only."""
         one, many = _NOUNS.get(self.source, ("input", "inputs"))
-        shown = ", ".join(self.inputs[:_SHOWN])
-        if len(self.inputs) > _SHOWN:
-            shown += f", ... {len(self.inputs) - _SHOWN} more"
+        names, where = self.inputs, ""
+        if self.source in ("files", "shakespeare") and len(self.inputs) > 1:
+            common = os.path.commonpath(self.inputs)
+            if common not in ("", "/"):
+                names = [os.path.relpath(p, common) for p in self.inputs]
+                where = f" under {common}"
+        shown = ", ".join(names[:_SHOWN])
+        if len(names) > _SHOWN:
+            shown += f", ... {len(names) - _SHOWN} more"
         noun = one if len(self.inputs) == 1 else many
         documents = "document" if self.num_documents == 1 else "documents"
         return (
-            f"source={self.source}, {len(self.inputs)} {noun} ({shown}): "
-            f"{self.num_documents} {documents}, {self.num_tokens} tokens"
+            f"source={self.source}, {len(self.inputs)} {noun}{where} ({shown}): "
+            f"{self.num_documents:,} {documents}, {self.num_tokens:,} tokens"
         )
 
     def to_event(self) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def prepare_corpus(cfg: DataConfig) -> TokenCorpus:
             "data: %d rows without a string '%s' were skipped (data.skip_bad_rows): %s",
             sum(skipped.values()),
             cfg.text_key,
-            skipped,
+            ", ".join(f"{name} ({count})" for name, count in skipped.items()),
         )
     key = entry.name.removeprefix("corpus-")
     inputs = corpus_inputs(cfg, source_files(cfg))
@@ -104,7 +104,7 @@ def _build_entry(cfg: DataConfig, entry: Path) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
     try:
-        prepare(cfg, tmp)
+        prepare(cfg, tmp, shown_as=entry)
         usual_permissions(tmp)  # mkdtemp made it 0700: a cache others may share
         try:
             tmp.rename(entry)

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from bigtrain.config.schema import ParallelConfig, TrainConfig
-from bigtrain.errors import ConfigError
+from bigtrain.errors import SharedConfigError
 
 JOB_AXES = ("pp", "replicate", "shard", "tp")
 """The axes of one job's ranks, outermost first (row-major rank order)."""
@@ -75,7 +75,7 @@ class Layout:
         numbers when they do not divide."""
         model_copies = cfg.replicate * cfg.tensor_parallel
         if world_size % model_copies:
-            raise ConfigError(
+            raise SharedConfigError(
                 f"key 'parallel.replicate' ({cfg.replicate}) x parallel.tensor_parallel "
                 f"({cfg.tensor_parallel}) = {model_copies} must divide the world size "
                 f"({world_size}): the shard degree is world size / (replicate x "
@@ -161,18 +161,57 @@ class Layout:
         per_step = train.micro_batch_size * self.dp_size
         accum, rest = divmod(train.global_batch_size, per_step)
         if rest or accum == 0:
-            raise ConfigError(
+            raise SharedConfigError(
                 f"key 'train.global_batch_size' ({train.global_batch_size}) must be a positive "
                 f"multiple of train.micro_batch_size ({train.micro_batch_size}) x {label} "
                 f"({self.dp_size}) = {per_step}"
             )
         if train.grad_accum_steps not in (1, accum):
-            raise ConfigError(
+            raise SharedConfigError(
                 f"key 'train.grad_accum_steps' ({train.grad_accum_steps}) disagrees with "
                 f"train.global_batch_size ({train.global_batch_size}), which gives {accum} at "
                 f"{label} {self.dp_size}: set one of them"
             )
         return dataclasses.replace(train, grad_accum_steps=accum)
+
+    def keep_global_batch(
+        self, train: TrainConfig, saved: int, saved_micro: int | None
+    ) -> tuple[TrainConfig, str | None]:
+        """`train` split anew so that a resumed checkpoint's global batch (`saved` sequences)
+        stays at this layout's data-parallel size, and a line saying what changed (None when
+        nothing did). train.global_batch_size, when set, is the user's word (the resume's
+        identity check compares it). The micro-batch stays where it divides the per-rank batch
+        or was set for this run (`saved_micro`: the checkpoint's own); else it is lowered to the
+        largest that does (a memory knob never grows), and the accumulation makes up the rest.
+        ConfigError with the numbers and the keys when the batch cannot be kept."""
+        old_micro, old_accum = train.micro_batch_size, train.grad_accum_steps
+        current = self.global_batch(old_micro, old_accum)
+        if current == saved or train.global_batch_size is not None:
+            return train, None
+        per_rank, rest = divmod(saved, self.dp_size)
+        chosen = old_micro != saved_micro and saved_micro is not None  # set for this resume
+        if rest or (chosen and per_rank % old_micro):
+            why = (
+                f"{saved} is not a multiple of the {self.dp_size} data-parallel ranks"
+                if rest
+                else f"train.micro_batch_size={old_micro} does not divide the {per_rank} "
+                "sequences each rank takes"
+            )
+            raise SharedConfigError(
+                f"the checkpoint's global batch of {saved} sequences cannot be kept at "
+                f"{self.dp_size} data-parallel ranks ({why}); this run's config gives {current} "
+                f"(train.micro_batch_size {old_micro} x train.grad_accum_steps {old_accum} x "
+                f"{self.dp_size} ranks): launch a number of ranks that divides {saved}, or set "
+                "train.global_batch_size and checkpoint.allow_config_change=true to change it"
+            )
+        micro = max(m for m in range(1, old_micro + 1) if per_rank % m == 0)
+        accum = per_rank // micro
+        note = (
+            f"global batch kept at {saved} sequences on {self.dp_size} data-parallel ranks: "
+            f"train.micro_batch_size {old_micro} -> {micro}, train.grad_accum_steps "
+            f"{old_accum} -> {accum} (this config gives {current} here)"
+        )
+        return dataclasses.replace(train, micro_batch_size=micro, grad_accum_steps=accum), note
 
     # --- the DeviceMesh and process groups ---------------------------------------------------
 

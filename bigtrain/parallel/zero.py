@@ -21,6 +21,7 @@ from them: the weights are those of every other backend at any world size, not r
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -143,6 +144,7 @@ def build_partitioned(
 
     check_zero_precision(policy)
     check_accelerator_dtype(policy.compute_dtype)
+    quiet_deprecated_collectives()
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
     # zero.Init takes its dtype from the config (the compute dtype), as the engine expects the
     # partitions; the FP32 masters are made at initialize and then written exactly.
@@ -153,6 +155,17 @@ def build_partitioned(
     if init_buffers is not None:
         init_buffers()
     return model
+
+
+DEPRECATED_COLLECTIVES = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+)
+"""What torch says of the collectives DeepSpeed's ZeRO calls (8 FutureWarnings per rank and run,
+with source lines): DeepSpeed's to change, not the user's; silenced by message, for ZeRO runs."""
+
+
+def quiet_deprecated_collectives() -> None:
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)
 
 
 def is_partitioned(model: nn.Module) -> bool:
@@ -176,6 +189,7 @@ class ZeroBackend(Backend):
 
         check_zero_precision(policy)
         check_accelerator_dtype(policy.compute_dtype)
+        quiet_deprecated_collectives()
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         self.policy, self.device, self.stage = policy, device, cfg.parallel.zero_stage
         self.layout = layout

@@ -12,6 +12,11 @@ counted from the first step this process runs, so a resumed run profiles the sam
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,13 +105,45 @@ def trace_path(run_dir: Path, rank: int, window: Window, gzip: bool) -> Path:
 
 
 def make_profiler(cfg: ProfileConfig, window: Window, on_trace_ready) -> torch.profiler.profile:
+    """The profiler of `window`, counting bigtrain's own step numbers: the trace's
+    `ProfilerStep#N` is step N. (torch counts from 0 at start(); its schedule is given in
+    absolute steps, skipping those before the first this process runs.)"""
+    first = window.first_step - window.wait  # the first step this process runs
     schedule = torch.profiler.schedule(
-        wait=window.wait, warmup=window.warmup, active=window.active, repeat=1
+        skip_first=first, wait=window.wait, warmup=window.warmup, active=window.active, repeat=1
     )
-    return torch.profiler.profile(
+    profiler = torch.profiler.profile(
         activities=activities(),
         schedule=schedule,
         on_trace_ready=on_trace_ready,
         record_shapes=cfg.record_shapes,
         with_stack=cfg.with_stack,
     )
+    profiler.step_num = first
+    profiler.current_action = schedule(first)
+    return profiler
+
+
+KINETO_LINES = ("USDT:", "STAGE:")
+"""What the profiler's C++ side (Kineto) writes to the process's stderr at each transition."""
+
+
+@contextlib.contextmanager
+def without_kineto_lines() -> Iterator[None]:
+    """Around the profiler's start, step and stop: its native lines (KINETO_LINES) do not reach
+    the console; anything else written to stderr meanwhile is passed on after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(KINETO_LINES):
+                    sys.stderr.write(line)
+            sys.stderr.flush()

@@ -42,6 +42,9 @@ class WandbSink:
             config=run.config,
             id=run_id,
             resume="allow",
+            # No history and summary tables on the console at the end: the run's own lines and
+            # final.json say how it went (the tables stay in the wandb run).
+            settings=wandb.Settings(quiet=True),
         )
         id_file.write_text(run_id + "\n")
         self.run.summary["precision"] = run.policy

@@ -228,3 +228,44 @@ def test_the_tp2_preset_names_llamas_layers():
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
     }
+
+
+@pytest.mark.unit
+def test_a_resumed_global_batch_is_kept_at_another_world_size():
+    train = load_config([], ["train.micro_batch_size=16"]).train
+    two = Layout.of(parallel(), 2)
+    kept, note = two.keep_global_batch(train, saved=16, saved_micro=16)
+    assert (kept.micro_batch_size, kept.grad_accum_steps) == (8, 1)
+    assert two.global_batch(kept.micro_batch_size, kept.grad_accum_steps) == 16
+    assert note == (
+        "global batch kept at 16 sequences on 2 data-parallel ranks: train.micro_batch_size "
+        "16 -> 8, train.grad_accum_steps 1 -> 1 (this config gives 32 here)"
+    )
+    # fewer ranks: the micro-batch (a memory knob) stays, the accumulation grows
+    one = Layout.of(parallel(), 1)
+    kept, _ = one.keep_global_batch(load_config([], ["train.micro_batch_size=4"]).train, 16, 4)
+    assert (kept.micro_batch_size, kept.grad_accum_steps) == (4, 4)
+    # a micro-batch set for this resume is kept where it divides
+    kept, _ = two.keep_global_batch(load_config([], ["train.micro_batch_size=2"]).train, 16, 16)
+    assert (kept.micro_batch_size, kept.grad_accum_steps) == (2, 4)
+    # nothing to do: the same global batch, or the user's own train.global_batch_size
+    assert (
+        two.keep_global_batch(load_config([], ["train.micro_batch_size=8"]).train, 16, 8)[1] is None
+    )
+    explicit = load_config([], ["train.global_batch_size=64", "train.micro_batch_size=8"]).train
+    assert two.keep_global_batch(explicit, 16, 8) == (explicit, None)
+
+
+@pytest.mark.unit
+def test_a_global_batch_that_cannot_be_kept_names_the_numbers_and_the_keys():
+    train = load_config([], ["train.micro_batch_size=16"]).train
+    with pytest.raises(ConfigError) as e:
+        Layout.of(parallel(), 3).keep_global_batch(train, saved=16, saved_micro=16)
+    message = str(e.value)
+    assert "global batch of 16 sequences cannot be kept at 3 data-parallel ranks" in message
+    assert "16 is not a multiple of the 3 data-parallel ranks" in message
+    assert "this run's config gives 48" in message
+    assert "train.global_batch_size and checkpoint.allow_config_change=true" in message
+    chosen = load_config([], ["train.micro_batch_size=3"]).train
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size=3 does not divide the 8"):
+        Layout.of(parallel(), 2).keep_global_batch(chosen, saved=16, saved_micro=16)

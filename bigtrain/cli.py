@@ -27,6 +27,7 @@ from bigtrain.errors import (
 )
 
 PATH_HELP = "a checkpoint directory, or a run directory: its newest committed checkpoint"
+PREPARE_SHOWN = 5  # inputs named in the prepare summary (all are in its inputs list)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,23 +248,26 @@ def _memory_plan(cfg, env) -> dict:
 
 def _prepare(items: list[str], out: Path) -> int:
     cfg = _load(items)  # before the heavy imports, as in _train
-    from bigtrain.data.corpus import corpus_inputs, source_files
     from bigtrain.data.prepare import prepare
-    from bigtrain.data.summary import CorpusSummary
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
     started = time.perf_counter()
     manifest = prepare(cfg.data, out)
-    inputs = corpus_inputs(cfg.data, source_files(cfg.data))
-    read = CorpusSummary(cfg.data.source, inputs, manifest["num_documents"], manifest["num_tokens"])
+    inputs = (out / manifest["inputs"]).read_text().splitlines()
     summary = {
         "out": str(out),
-        **read.to_event(),
+        "source": cfg.data.source,
+        "num_inputs": manifest["num_inputs"],
+        "first_inputs": inputs[:PREPARE_SHOWN],
+        "inputs_list": str(out / manifest["inputs"]),  # every input, one per line
+        "skipped_files": {k: v["count"] for k, v in manifest["skipped_files"].items()},
+        "skipped_rows": sum(manifest["skipped_rows"].values()),
+        "num_documents": manifest["num_documents"],
+        "num_tokens": manifest["num_tokens"],
         "num_shards": len(manifest["shards"]),
         "dtype": manifest["dtype"],
         "vocab_size": manifest["vocab_size"],
-        "skipped_rows": sum(manifest["skipped_rows"].values()),
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))

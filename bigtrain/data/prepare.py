@@ -50,14 +50,17 @@ SOURCE_KEYS = (
     "split",
     "text_key",
     "skip_bad_rows",
+    "skip_empty_files",
     "tokenizer",
     "vocab_size",
 )
 """The `data.*` keys that define a prepared corpus (the manifest's `source`)."""
 _OWN = re.compile(
     r"shard_\d{5,}\.(bin|idx)|manifest\.json|progress\.json|tokenizer(\.tmp)?|\.verified\.json"
-    r"|\..+\.tmp-.+"
+    r"|inputs\.txt|\..+\.tmp-.+"
 )
+INPUTS = "inputs.txt"
+"""Every input the corpus was read from, one per line (the manifest counts them)."""
 
 
 def prepare(
@@ -129,6 +132,7 @@ def _prepare_into(
     shards = _write_shards(out, docs, encoder, state, finished, data_cfg.num_proc, progress)
     if not shards:
         raise ConfigError(f"data: the corpus of source={data_cfg.source} holds no documents")
+    inputs = corpus_inputs(data_cfg, docs.files)
     manifest = {
         "format": FORMAT,
         "bigtrain_version": BIGTRAIN_VERSION,
@@ -139,9 +143,13 @@ def _prepare_into(
         "vocab_size": vocab_size,
         "tokenizer": {"dir": TOKENIZER, "sha256": state["tokenizer_sha256"]},
         "source": expect["source"],
+        "num_inputs": len(inputs),
+        "inputs": INPUTS,
         "skipped_rows": docs.skipped_rows,
+        "skipped_files": docs.skipped_summary(),
         "shards": shards,
     }
+    (out / INPUTS).write_text("".join(f"{i}\n" for i in inputs))
     write_json_atomic(out / MANIFEST, manifest)  # last: the directory is complete
     record_verified(out, manifest)  # the writer hashed every file: the first open need not
     (out / PROGRESS).unlink()

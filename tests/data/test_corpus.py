@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from pathlib import Path
 
@@ -144,14 +145,25 @@ def test_skip_bad_rows_still_refuses_a_file_without_a_good_row(tmp_path):
 
 
 @pytest.mark.parametrize("name, content", [("a.jsonl", ""), ("a.jsonl", "\n\n"), ("a.txt", "")])
-def test_an_empty_file_holds_no_documents(tmp_path, name, content):
+def test_an_empty_file_is_skipped_and_counted_or_an_error_when_asked(tmp_path, name, content):
     full = write_rows(tmp_path / ("full" + Path(name).suffix), ['{"text": "x"}'])
     empty = tmp_path / name
     empty.write_text(content)
-    for paths in ([empty], [full, empty]):
-        with pytest.raises(ConfigError) as e:
-            Documents(files_cfg(*paths))
-        assert str(e.value) == f"data.paths: '{empty}' holds no documents"
+    docs = Documents(files_cfg(full, empty))
+    assert docs.files == [full] and docs.skipped_files["empty"] == [str(empty)]
+    assert docs.skipped_summary()["empty"] == {"count": 1, "first": [str(empty)]}
+    with pytest.raises(ConfigError) as e:
+        Documents(files_cfg(empty))
+    assert str(e.value) == (
+        f"data.paths: '{empty}' holds no documents, nor does any other file of data.paths "
+        "(1 empty, 0 binary)"
+    )
+    strict = dataclasses.replace(files_cfg(full, empty), skip_empty_files=False)
+    with pytest.raises(ConfigError) as e:
+        Documents(strict)
+    assert str(e.value) == (
+        f"data.paths: '{empty}' holds no documents (data.skip_empty_files=false)"
+    )
 
 
 def test_a_hub_dataset_is_streamed_and_its_rows_checked(monkeypatch):

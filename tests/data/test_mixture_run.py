@@ -119,7 +119,7 @@ def test_two_sources_share_one_tokenizer_saved_again(micro, paragraphs, tmp_path
     log = (Path(cfg.train.out_dir) / "logs" / "rank_0.log").read_text()
     assert (
         f"data: training on source=prepared, 2 prepared directories ({first}, {second}): "
-        f"{documents} documents, {tokens} tokens"
+        f"{documents:,} documents, {tokens:,} tokens"
     ) in log
 
 

@@ -55,7 +55,7 @@ def test_shards_hold_the_tokenizers_ids_with_eos_after_each_document(
         tokenizer_dir
     )
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", ".verified.json", "tokenizer"]
+        ["manifest.json", ".verified.json", "tokenizer", "inputs.txt"]
         + [s[k] for s in manifest["shards"] for k in ("file", "index")]
     )  # the progress file went once the manifest was written
     assert len(manifest["shards"]) >= 4
@@ -243,8 +243,10 @@ def test_cli_prepare_prints_a_summary_and_exits_2_on_bad_input(tmp_path, paragra
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_documents"] == 50 and summary["num_shards"] == 1
-    assert (summary["source"], summary["inputs"]) == ("files", [str(path)])
-    read = f"prepare: read source=files, 1 file ({path}): 50 documents, {summary['num_tokens']}"
+    assert (summary["source"], summary["first_inputs"]) == ("files", [str(path)])
+    assert summary["num_inputs"] == 1 and summary["skipped_files"] == {"empty": 0, "binary": 0}
+    assert Path(summary["inputs_list"]).read_text() == f"{path}\n"
+    read = f"prepare: read source=files, 1 file ({path}): 50 documents, {summary['num_tokens']:,}"
     assert read in done.stdout
     assert summary["num_tokens"] == len(PreparedData.open(tmp_path / "out"))
     path.write_text(path.read_text() + '{"text": 7}\n')
@@ -295,3 +297,101 @@ def test_cli_prepare_refuses_paths_without_source_files(tmp_path, paragraphs):
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "key 'data.paths' is set, but data.source is 'shakespeare'" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def code_tree(root: Path) -> dict[str, Path]:
+    """A small repository: Python sources, an extension-less licence, an empty __init__.py, a
+    binary file with a NUL byte and one that is not UTF-8."""
+    (root / "pkg").mkdir(parents=True)
+    files = {
+        "main": root / "pkg" / "main.py",
+        "util": root / "pkg" / "util.py",
+        "init": root / "pkg" / "__init__.py",
+        "licence": root / "LICENSE",
+        "blob": root / "pkg" / "data.bin",
+        "latin1": root / "pkg" / "old.py",
+    }
+    files["main"].write_text("def main():\n    return 42\n" * 30)
+    files["util"].write_text("import os\n\ndef here():\n    return os.getcwd()\n" * 20)
+    files["init"].write_text("")
+    files["licence"].write_text("Permission is hereby granted, free of charge.\n" * 10)
+    files["blob"].write_bytes(b"\x7fELF\x00\x01binary")
+    files["latin1"].write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    return files
+
+
+@pytest.mark.unit
+def test_a_code_corpus_reads_text_by_content_and_counts_what_it_skips(tmp_path, tokenizer_dir):
+    """Code and extension-less text files are documents; binary files (a NUL byte, or not
+    UTF-8) and empty files are skipped and counted in the manifest, not an error."""
+    files = code_tree(tmp_path / "repo")
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "repo" / "**" / "*")])
+    cfg = replace(cfg, tokenizer=str(tokenizer_dir))
+    manifest = prepare(cfg, tmp_path / "out", progress=False)
+    assert manifest["num_documents"] == 3 and manifest["num_inputs"] == 3
+    read = (tmp_path / "out" / manifest["inputs"]).read_text().splitlines()
+    assert sorted(read) == sorted(str(files[k]) for k in ("main", "util", "licence"))
+    skipped = manifest["skipped_files"]
+    assert skipped["empty"] == {"count": 1, "first": [str(files["init"])]}
+    assert skipped["binary"]["count"] == 2
+    assert sorted(skipped["binary"]["first"]) == sorted([str(files["blob"]), str(files["latin1"])])
+    with pytest.raises(ConfigError, match=r"__init__.py' holds no documents \(data.skip_empty"):
+        prepare(replace(cfg, skip_empty_files=False), tmp_path / "strict", progress=False)
+
+
+@pytest.mark.unit
+def test_text_and_row_files_are_not_mixed_and_a_txt_file_must_be_utf8(tmp_path, tokenizer_dir):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    rows = write_jsonl(tmp_path / "b.jsonl", ["one", "two"])
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "a.py"), str(rows)])
+    with pytest.raises(
+        ConfigError, match=r"mixes formats \['json', 'text'\] \(such as '.*b.jsonl'"
+    ):
+        prepare(replace(cfg, tokenizer=str(tokenizer_dir)), tmp_path / "out", progress=False)
+    bad = tmp_path / "notes.txt"  # named text: an encoding error is the user's to know
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    cfg = DataConfig(source="files", paths=[str(bad)], tokenizer=str(tokenizer_dir))
+    with pytest.raises(ConfigError, match="notes.txt' is not UTF-8 text"):
+        prepare(cfg, tmp_path / "out2", progress=False)
+
+
+@pytest.mark.e2e
+def test_a_python_corpus_prepares_and_trains(tmp_path, cache_dir):
+    """The issue's case: `data.paths=[.../*.py]` with an empty __init__.py prepares, and a run
+    trains on it."""
+    code_tree(tmp_path / "repo")
+    for i in range(40):  # enough tokens for a few steps of the micro model
+        (tmp_path / "repo" / "pkg" / f"mod{i}.py").write_text(
+            f"def f{i}(x):\n    return x * {i}\n" * 40
+        )
+    out = tmp_path / "prepared"
+    pattern = str(tmp_path / "repo" / "**" / "*.py")
+    done = run_cli(
+        "prepare",
+        "data.source=files",
+        f"data.paths=[{pattern}]",
+        "data.vocab_size=300",
+        "--out",
+        str(out),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["skipped_files"] == {"empty": 1, "binary": 1}  # __init__.py, old.py
+    assert summary["num_inputs"] == 42 and len(summary["first_inputs"]) == 5
+    trained = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        "data.source=prepared",
+        f"data.mixture=[{out}]",
+        f"train.out_dir={tmp_path / 'run'}",
+        "train.max_steps=3",
+        "train.micro_batch_size=2",
+        "model.seq_len=32",
+        "train.eval_every=0",
+        "checkpoint.every=-1",
+        "wandb.mode=disabled",
+        "data.val_fraction=0.1",
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "final.json").read_text())["step"] == 3

@@ -156,11 +156,11 @@ def _closest(key: str) -> str:
 def _read_yaml(path: str) -> DictConfig:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{path}' not found (expected a YAML file)")
+        raise ConfigError(_not_a_file(path))
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {e}".splitlines()[0]) from None
+        raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -168,6 +168,26 @@ def _read_yaml(path: str) -> DictConfig:
             f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}"
         )
     return OmegaConf.create(data)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """Where and what: `line 3, column 2: expected <block end>, but found ...`."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return problem
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context = getattr(e, "context", None)
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
+
+
+def _not_a_file(path: str) -> str:
+    """A config file argument that is not a file; a dotted key without `=` was meant as one."""
+    message = f"config file '{path}' not found (expected a YAML file)"
+    head = path.split(".")[0]
+    if "/" not in path and "." in path and head in {f.name for f in fields(Config)}:
+        message += f"; to set the key, write {path}=VALUE"
+    return message
 
 
 def _parse_override(item: str) -> DictConfig:

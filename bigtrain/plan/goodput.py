@@ -35,8 +35,10 @@ from bigtrain.plan.simulation import (
 )
 from bigtrain.precision.policy import Hardware
 from bigtrain.telemetry.run_costs import measured_costs
+from bigtrain.utils.sizes import count_text
 
 PEAK_FLOPS, MFU = 989e12, 0.40
+SMALL_STEP_S = 0.01  # a step shorter than this: a model far too small for the planned GPUs
 # Measured fixed costs: only from a run at least as large (a commit's barrier and gathers, a
 # restart, grow with the ranks)
 FIXED = ("restart_s", "write_fixed_s", "stall_fixed_s")
@@ -61,7 +63,7 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
     src.set(
         "ckpt_gb_per_gpu",
         n * saved / degree / 1e9,
-        f"plan: {n / 1e9:.2f}B params x {saved:g} B (master + optimizer states) / {degree:.4g}",
+        f"plan: {count_text(n)} params x {saved:g} B (master + optimizer states) / {degree:.4g}",
     )
     t = cfg.train
     tokens = t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len / run.layout.tp
@@ -72,6 +74,12 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
         step_s,
         f"config: {tokens:.0f} tokens/GPU x {flops / 1e9:.3g} GFLOP/token at 40% of 989 TFLOP/s",
     )
+    if step_s < SMALL_STEP_S:
+        src.notes.append(
+            f"the config's model ({count_text(n)} parameters) takes {step_s:.2g} s a step at "
+            f"{gpus} GPUs: the plan is of that model; for a recipe's, name its config (bigtrain "
+            "plan configs/llama-70b.yaml --goodput --gpus N --from RUN_DIR)"
+        )
     hang = cfg.resilience.hang_timeout_s
     hang_how = "resilience.hang_timeout_s" if hang else "max(300 s, 10 x step): the watchdog"
     src.set("hang_timeout_s", hang or max(300.0, 10 * step_s), f"config: {hang_how}")
@@ -88,14 +96,34 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
 
 
 def add_measured(src: Sourced, run_dir: Path) -> None:
+    """The run's measured costs that carry over to `src.gpus` GPUs; a note for each that does
+    not (a fixed cost of a smaller run, the step time of other hardware)."""
     measured = measured_costs(run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    world = max((e.get("world_size", 1) for e in events if e["kind"] == "start"), default=1)
+    starts = [e for e in events if e["kind"] == "start"]
+    world = max((e.get("world_size", 1) for e in starts), default=1)
+    used = []
     for key, (value, how) in measured.items():
         if key in FIXED and world < src.gpus:
             src.sources[key] += f" (measured {value:.3g} s at {world} ranks: not used)"
+            src.notes.append(
+                f"{key} measured {value:.3g} s at {world} ranks in {run_dir}: not used (a fixed "
+                f"cost grows with the ranks; only a run of {src.gpus} or more says it)"
+            )
             continue
         src.set(key, value, f"{how} in {run_dir}")
+        used.append(key)
+    costs = [e for e in events if e["kind"] == "costs" and e.get("median_step_s")]
+    if costs:
+        device = starts[-1].get("device", "?") if starts else "?"
+        src.notes.append(
+            f"step time measured {costs[-1]['median_step_s']:.3g} s on {world} rank(s) ({device}) "
+            f"in {run_dir}: not used (the plan's step time is the config's work at 40% of an "
+            "H100's 989 TFLOP/s)"
+        )
+    src.notes.append(
+        f"from {run_dir}: " + (", ".join(used) if used else "no measurement carries over")
+    )
 
 
 @dataclass
@@ -175,38 +203,47 @@ class GoodputPlan:
             "cut_first": self.cuts[0][0] if self.cuts and self.cuts[0][1] > 0 else None,
             "inputs": {k: self.src.values[k] for k in KEYS},
             "sources": {k: self.src.sources[k] for k in KEYS},
+            "notes": self.src.notes,
         }
 
     def text(self) -> str:
         src, h, p = self.src, self.healing, self.plain
         lines = [f"goodput plan at {src.gpus} GPUs; inputs (--set key=value to change):"]
+        width = max(len(doc(key)) for key in KEYS)
         for key in KEYS:
             value = src.values[key]
             shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-            lines.append(f"  {key:<21} {shown:>9}  {doc(key):<31} {src.sources[key]}")
+            lines.append(f"  {key:<21} {shown:>9}  {doc(key):<{width}} {src.sources[key]}")
+        lines += [f"  note: {note}" for note in src.notes]
         step = src.values["step_s"]
         lines += [
             "",
-            f"{'':<34} {'healing':>10} {'plain C/R':>10}",
-            f"{'goodput (checkpoint.every)':<34} {h.goodput:>10.2%} {p.goodput:>10.2%}",
-            f"{'  5-95% of simulated runs':<34} {_band(h):>10} {_band(p):>10}",
-            f"{'best checkpoint interval (s)':<34} {h.best_interval_s:>10.1f} "
-            f"{p.best_interval_s:>10.1f}",
-            f"{'  in steps':<34} {h.best_interval_s / step:>10.1f} {p.best_interval_s / step:>10.1f}",
-            f"{'goodput at the best interval':<34} {h.goodput_at_best:>10.2%} "
-            f"{p.goodput_at_best:>10.2%}",
-            f"{'Young sqrt(2 C M) (s)':<34} {young_interval(h.stall_s, h.mtbf_s):>10.1f} "
-            f"{young_interval(p.stall_s, p.mtbf_s):>10.1f}",
-            f"{'Daly (s)':<34} {daly_interval(h.stall_s, h.mtbf_s):>10.1f} "
-            f"{daly_interval(p.stall_s, p.mtbf_s):>10.1f}",
+            f"{'':<34} {'healing':>12} {'plain C/R':>12}",
+            f"{'goodput (checkpoint.every)':<34} {h.goodput:>12.2%} {p.goodput:>12.2%}",
+            f"{'  5-95% of simulated runs':<34} {_band(h):>12} {_band(p):>12}",
+            f"{'best checkpoint interval (s)':<34} {h.best_interval_s:>12.1f} "
+            f"{p.best_interval_s:>12.1f}",
+            f"{'  in steps':<34} {_steps(h.best_interval_s / step):>12} "
+            f"{_steps(p.best_interval_s / step):>12}",
+            f"{'goodput at the best interval':<34} {h.goodput_at_best:>12.2%} "
+            f"{p.goodput_at_best:>12.2%}",
+            f"{'Young sqrt(2 C M) (s)':<34} {young_interval(h.stall_s, h.mtbf_s):>12.1f} "
+            f"{young_interval(p.stall_s, p.mtbf_s):>12.1f}",
+            f"{'Daly (s)':<34} {daly_interval(h.stall_s, h.mtbf_s):>12.1f} "
+            f"{daly_interval(p.stall_s, p.mtbf_s):>12.1f}",
             "",
             "wall time lost by cause (fraction of wall time, at checkpoint.every):",
         ]
         for cause in CAUSES:
-            lines.append(f"  {cause:<32} {h.lost[cause]:>10.3%} {p.lost[cause]:>10.3%}")
+            lines.append(f"  {cause:<32} {h.lost[cause]:>12.3%} {p.lost[cause]:>12.3%}")
         lines += ["", "what to cut first (healing; goodput gained):"]
-        lines += [f"  {name:<32} {gain:>+10.3%}" for name, gain in self.cuts[:4]]
+        lines += [f"  {name:<32} {gain:>+12.3%}" for name, gain in self.cuts[:4]]
         return "\n".join(lines)
+
+
+def _steps(n: float) -> str:
+    """Steps: one decimal while they are few, whole (with separators) when many."""
+    return f"{n:.1f}" if n < 100 else f"{n:,.0f}"
 
 
 def _band(m: ModeResult) -> str:

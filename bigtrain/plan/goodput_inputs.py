@@ -200,6 +200,8 @@ class Sourced:
                 f"Llama 3: {LLAMA3_COUNTS[kind]} in 54 days on 16,384 GPUs"
             )
         self.gpus = gpus
+        self.notes: list[str] = []
+        """What the plan says beside its inputs: measurements not used, and why."""
 
     def set(self, key: str, value: object, source: str) -> None:
         assert key in self.values, key

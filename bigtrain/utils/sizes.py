@@ -37,3 +37,11 @@ def parse_size(value: str | int, key: str, unit_required: bool = False) -> int:
     if t.isdigit() and int(t) > 0:
         return int(t)
     raise ConfigError(f"{key} got '{value}', expected a size such as 5GB, 500MB or 1.5GiB")
+
+
+def count_text(n: float) -> str:
+    """A count for people: 950, 1.07M, 68.98B (three significant digits at least)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}" if n / scale < 100 else f"{n / scale:.0f}{suffix}"
+    return f"{n:.0f}"

@@ -234,3 +234,25 @@ def test_a_saved_config_of_the_old_spike_detection_still_loads(tmp_path):
     )
     cfg = load_saved_config(saved)
     assert cfg.monitor.every == 7 and cfg.monitor.rules == ["loss", "grad_norm"]
+
+
+@pytest.mark.unit
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layers: 2\n train:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([str(bad)])
+    assert str(e.value).startswith(f"config file '{bad}' is not valid YAML: line 3, column 2: ")
+
+
+@pytest.mark.unit
+def test_a_bare_key_argument_suggests_key_equals_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(["configs/tiny.yaml", "train.max_steps"])
+    assert str(e.value) == (
+        "config file 'train.max_steps' not found (expected a YAML file); to set the key, write "
+        "train.max_steps=VALUE"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(["configs/nothere.yaml"])
+    assert str(e.value) == "config file 'configs/nothere.yaml' not found (expected a YAML file)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,44 @@ def test_a_run_directory_without_cost_events_exits_2_naming_the_file(capsys, tmp
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "events.jsonl") in err and "'startup'" in err
+
+
+def micro_run_dir(path: Path) -> Path:
+    """The events a one-process micro run writes: its costs are those of 1 rank on a CPU."""
+    path.mkdir()
+    (path / "config.yaml").write_text(
+        "model:\n  n_layers: 2\n  d_model: 64\n  n_heads: 2\n  seq_len: 32\n"
+        "data:\n  vocab_size: 384\ncheckpoint:\n  every: 25\n"
+    )
+    events = [
+        {"time": 1, "step": 0, "kind": "start", "world_size": 1, "device": "cpu"},
+        {"time": 2, "step": 1, "kind": "startup", "total_s": 5.0, "checkpoint_load_s": 0.0},
+        {"time": 3, "step": 25, "kind": "checkpoint", "path": str(path / "step_00000025")}
+        | {"bytes_per_rank": [2_000_000], "write_s": 0.12, "stall_s": 0.005, "async": True},
+        {"time": 4, "step": 50, "kind": "costs", "median_step_s": 0.14, "rollbacks": []}
+        | {"snapshots": {"count": 0, "mean_s": 0.0}, "replays": {"count": 0, "mean_s": 0.0}},
+    ]
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_a_plan_from_a_micro_run_says_what_it_did_not_use(capsys, tmp_path):
+    """A 1-rank CPU run's fixed costs and step time say nothing of 512 GPUs: the plan names
+    each one it left out, counts the model's parameters as they are (no '0.00B'), and its table
+    columns line up."""
+    run_dir = micro_run_dir(tmp_path / "micro")
+    assert main(["plan", "--goodput", "--gpus", "512", "--from", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "0.00B" not in out and "127K params x 12 B" in out
+    notes = [line for line in out.splitlines() if line.startswith("  note: ")]
+    assert any(n.startswith("  note: write_fixed_s measured 0.12 s at 1 ranks") for n in notes)
+    assert any(n.startswith("  note: stall_fixed_s measured 0.005 s at 1 ranks") for n in notes)
+    assert any("step time measured 0.14 s on 1 rank(s) (cpu)" in n for n in notes)
+    assert any("the config's model (127K parameters) takes" in n for n in notes)
+    assert notes[-1] == f"  note: from {run_dir}: no measurement carries over"
+    rows = [line for line in out.splitlines()[1:] if line.startswith("  ") and "note:" not in line]
+    inputs = rows[: rows.index(next(r for r in rows if r.startswith("  write_fixed_s"))) + 1]
+    sources = {line.index(" default") for line in inputs if " default" in line}
+    assert len(sources) == 1, inputs  # the sources column starts at one offset
+    table = [line for line in out.splitlines() if "%" in line and not line.startswith("  note")]
+    assert len({len(line) for line in table if line.startswith(("goodput", "  5-95"))}) == 1

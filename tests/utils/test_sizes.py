@@ -37,3 +37,16 @@ def test_plan_keeps_its_option_name():
         with pytest.raises(ConfigError, match="without a unit: give one, e.g. 80GiB or 80GB"):
             parse_bytes(bare)
     assert parse_bytes("80GiB") == 80 * 2**30
+
+
+@pytest.mark.unit
+def test_counts_read_as_people_write_them():
+    from bigtrain.utils.sizes import count_text
+
+    assert [count_text(n) for n in (950, 127_000, 1_070_000, 68_976_648_192, 405e9)] == [
+        "950",
+        "127K",
+        "1.07M",
+        "69B",
+        "405B",
+    ]

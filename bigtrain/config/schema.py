@@ -181,7 +181,9 @@ class TrainConfig:
     device: str = "auto"
     """`auto` (cuda if available, else cpu), `cpu` or `cuda`."""
     progress: bool = True
-    """Show a console progress bar with loss, tokens/s and ETA (rank 0)."""
+    """Rank 0's progress: a bar with loss, tokens/s and MFU when stderr is a terminal, else one
+    line per logged step with elapsed time and ETA (docs/observability.md, The console). Events
+    are printed either way."""
     num_threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
     peak_flops: float | None = None

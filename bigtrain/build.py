@@ -19,7 +19,7 @@ from torch import nn
 from bigtrain.callbacks.checkpointing import CheckpointCallback
 from bigtrain.callbacks.costs import CostLedger
 from bigtrain.callbacks.evaluate import EvalCallback
-from bigtrain.callbacks.fault_injection import FaultInjector, corrupt_newest_checkpoint
+from bigtrain.callbacks.fault_injection import FaultInjector
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.mixture_events import SourceEvents
@@ -29,7 +29,7 @@ from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.callbacks.sink_logger import SinkLogger, make_sinks
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
-from bigtrain.checkpoint.manager import CheckpointManager
+from bigtrain.checkpoint.manager import CheckpointManager, corrupt_newest_checkpoint
 from bigtrain.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict, to_yaml
 from bigtrain.config.resilience import MonitorConfig
 from bigtrain.data import (

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -122,20 +121,3 @@ class FaultInjector(Callback):
             return False
         marker.write_text("")
         return True
-
-
-def corrupt_newest_checkpoint(root: Path, run_dir: Path) -> str | None:
-    """Flip bytes in the largest file of the newest committed checkpoint under `root`, once per
-    run directory (rank 0 only). Returns the file corrupted, or None."""
-    marker = run_dir / ".fault-corrupted-checkpoint"
-    dirs = sorted(p for p in root.glob("step_*") if p.name[5:].isdigit()) if root.is_dir() else []
-    if marker.exists() or not dirs:
-        return None
-    files = [p for p in dirs[-1].rglob("*") if p.is_file() and p.name != "manifest.json"]
-    target = max(files, key=lambda p: p.stat().st_size)
-    data = bytearray(target.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
-    target.write_bytes(bytes(data))
-    marker.write_text(str(target) + "\n")
-    return str(target)

@@ -28,6 +28,7 @@ import torch
 
 from bigtrain.checkpoint.manifest import (
     LEGACY_FORMAT_VERSION,
+    MANIFEST,
     PREFIX,
     CheckpointError,
     check_files,
@@ -285,3 +286,21 @@ def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], CheckpointReader]
     manifest = verify(path)
     refuse_legacy(path, manifest)
     return path, manifest, CheckpointReader(path)
+
+
+def corrupt_newest_checkpoint(root: Path, run_dir: Path) -> str | None:
+    """The fault.corrupt_checkpoint drill: flip bytes in the largest file of the newest committed
+    checkpoint under `root`, once per run directory (rank 0 only), so that verification finds it
+    and resume falls back. Returns the file corrupted, or None."""
+    marker = run_dir / ".fault-corrupted-checkpoint"
+    dirs = committed_dirs(root)
+    if marker.exists() or not dirs:
+        return None
+    files = [p for p in dirs[-1].rglob("*") if p.is_file() and p.name != MANIFEST]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    target.write_bytes(bytes(data))
+    marker.write_text(str(target) + "\n")
+    return str(target)

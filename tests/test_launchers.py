@@ -152,7 +152,7 @@ def test_a_one_process_run_moves_to_two_ranks_keeping_its_global_batch(tmp_path,
     assert result.returncode == 0, result.stderr[-3000:]
     note = (
         "global batch kept at 8 sequences on 2 data-parallel ranks: train.micro_batch_size "
-        "8 -> 4, train.grad_accum_steps 1 -> 1 (this config gives 16 here)"
+        "8 -> 4 (this config gives 16 here)"
     )
     assert (result.stdout + result.stderr).count(note) == 1
     (resume,) = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "resume"]

@@ -206,10 +206,17 @@ class Layout:
             )
         micro = max(m for m in range(1, old_micro + 1) if per_rank % m == 0)
         accum = per_rank // micro
+        changed = [
+            f"train.{key} {old} -> {new}"
+            for key, old, new in (
+                ("micro_batch_size", old_micro, micro),
+                ("grad_accum_steps", old_accum, accum),
+            )
+            if old != new
+        ]
         note = (
             f"global batch kept at {saved} sequences on {self.dp_size} data-parallel ranks: "
-            f"train.micro_batch_size {old_micro} -> {micro}, train.grad_accum_steps "
-            f"{old_accum} -> {accum} (this config gives {current} here)"
+            f"{', '.join(changed)} (this config gives {current} here)"
         )
         return dataclasses.replace(train, micro_batch_size=micro, grad_accum_steps=accum), note
 

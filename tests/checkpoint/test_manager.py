@@ -110,16 +110,31 @@ def test_changed_model_on_resume_is_refused_unless_allowed(micro):
     run(micro("train.max_steps=10"), ENV)
     with pytest.raises(ConfigError, match="different model.d_model"):
         run(micro("train.max_steps=20", "model.d_model=32"), ENV)
-    with pytest.raises(ConfigError, match="different global_batch_size"):
-        run(micro("train.max_steps=20", "train.micro_batch_size=4"), ENV)
+    with pytest.raises(ConfigError) as error:  # another global batch, asked for explicitly
+        run(micro("train.max_steps=20", "train.global_batch_size=16"), ENV)
+    assert "different global_batch_size (8 -> 16) (train.global_batch_size=16 is set" in str(
+        error.value
+    )
+    # A smaller micro-batch set for this resume keeps the global batch: accumulation makes up.
+    final = run(micro("train.max_steps=12", "train.micro_batch_size=4"), ENV)
+    assert final["step"] == 12
+    (resume,) = [
+        e for e in read_jsonl(Path(micro().train.out_dir) / "events.jsonl") if e["kind"] == "resume"
+    ][-1:]
+    assert resume["batch"] == (
+        "global batch kept at 8 sequences on 1 data-parallel ranks: train.grad_accum_steps 1 -> 2 "
+        "(this config gives 4 here)"
+    )
     # the run's length may change freely; other settings too with the explicit switch
     final = run(
         micro(
-            "train.max_steps=12", "train.micro_batch_size=4", "checkpoint.allow_config_change=true"
+            "train.max_steps=14",
+            "train.global_batch_size=16",
+            "checkpoint.allow_config_change=true",
         ),
         ENV,
     )
-    assert final["step"] == 12
+    assert final["step"] == 14
 
 
 def test_a_changed_shape_is_refused_even_with_allow_config_change(micro, micro_args):

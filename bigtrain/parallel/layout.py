@@ -40,7 +40,7 @@ from bigtrain.errors import SharedConfigError
 JOB_AXES = ("pp", "replicate", "shard", "tp")
 """The axes of one job's ranks, outermost first (row-major rank order)."""
 MESH_AXES = ("replicate", "shard", "tp")
-"""The axes the DeviceMesh of the fsdp backend holds (size-1 replicate and tp left out)."""
+"""The axes the DeviceMesh holds (size-1 replicate and tp left out)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Layout:
     ft_group: int = 0
     """This job's replica group."""
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
-    """The DeviceMesh over MESH_AXES once connected (the fsdp backend); None before, and for
-    backends that use the default group (local, zero)."""
+    """The DeviceMesh over MESH_AXES once connected (every backend with a process group; FSDP2
+    and tensor parallelism shard over it); None before, and in one process without a group."""
 
     def __post_init__(self) -> None:
         assert self.pp * self.replicate * self.shard * self.tp == self.world_size, (

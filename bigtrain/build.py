@@ -194,15 +194,14 @@ def make_data(
             f"key 'data.pin_memory' is true, but the device is {device}: pinned memory needs CUDA "
             "(leave it null: on for CUDA)"
         )
-    t = train
     dp_rank, dp_size = layout.dp_rank, layout.dp_size  # a tp group reads one slice
     if data_cfg.source == "prepared":
-        data = open_mixture(data_cfg, model.seq_len, t.seed, env.is_main)
-        needed = t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp_size
-        check_length(data.stream, needed, t.max_steps)
+        data = open_mixture(data_cfg, model.seq_len, train.seed, env.is_main)
+        needed = train.max_steps * train.micro_batch_size * train.grad_accum_steps * dp_size
+        check_length(data.stream, needed, train.max_steps)
     else:
         corpus = _token_corpus(data_cfg, env)
-        data = from_corpus(corpus, model.seq_len, data_cfg.val_fraction, t.seed)
+        data = from_corpus(corpus, model.seq_len, data_cfg.val_fraction, train.seed)
     if model.vocab_size is not None and model.vocab_size < data.vocab_size:
         raise ConfigError(
             f"key 'model.vocab_size' ({model.vocab_size}) is smaller than the tokenizer's "
@@ -212,15 +211,17 @@ def make_data(
     loader = BatchLoader(
         data.train,
         data.stream,
-        t.micro_batch_size,
-        t.grad_accum_steps,
+        train.micro_batch_size,
+        train.grad_accum_steps,
         dp_rank,
         dp_size,
         device,
         prefetch=data_cfg.prefetch,
         pin_memory=pin,
     )
-    val = eval_batches(data.val, t.micro_batch_size, t.eval_batches, dp_rank, dp_size, device)
+    val = eval_batches(
+        data.val, train.micro_batch_size, train.eval_batches, dp_rank, dp_size, device
+    )
     return data, loader, val
 
 

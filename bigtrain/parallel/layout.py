@@ -85,7 +85,7 @@ class Layout:
         return cls(world_size, rank, replicate=cfg.replicate, shard=shard, tp=cfg.tensor_parallel)
 
     def at_rank(self, rank: int) -> Layout:
-        """The same layout seen from another rank (tests, the planner's tables)."""
+        """The same layout seen from another rank (without the mesh, which is this rank's)."""
         return dataclasses.replace(self, rank=rank, mesh=None)
 
     # --- coordinates -------------------------------------------------------------------------

@@ -10,6 +10,10 @@ small checkpoint's write and stall) is taken only from a run at least as large a
 The step time is the config's work per GPU (micro_batch_size x grad_accum_steps sequences, split
 over tensor parallelism) at the model's FLOPs per token, on H100/H200 BF16 (989 TFLOP/s dense)
 at 40% MFU (Llama 3 405B ran at 38-43%): the per-GPU work is held as the GPUs grow.
+
+With fault-tolerant replica groups (`fault_tolerance.groups` or `--set replica_groups=N`, > 1) a
+third mode, `ft`, is simulated beside healing and plain checkpoint/restart: healing, and a
+hardware failure restarts only its group (simulation.py says what each failure costs then).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
 from bigtrain.model import model_flops_per_token
+from bigtrain.parallel.layout import Layout
 from bigtrain.plan.footprint import PlannedRun, planned
 from bigtrain.plan.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
 from bigtrain.plan.simulation import (
@@ -40,8 +45,8 @@ from bigtrain.utils.sizes import count_text
 PEAK_FLOPS, MFU = 989e12, 0.40
 SMALL_STEP_S = 0.01  # a step shorter than this: a model far too small for the planned GPUs
 # Measured fixed costs: only from a run at least as large (a commit's barrier and gathers, a
-# restart, grow with the ranks)
-FIXED = ("restart_s", "write_fixed_s", "stall_fixed_s")
+# restart, grow with the ranks); a group's restart from a run at least as large as one group
+FIXED = ("restart_s", "write_fixed_s", "stall_fixed_s", "ft_restart_s")
 # Each cost halved (a bandwidth doubled), to say which one to cut first.
 CUTS = {
     "restart_s": 0.5,
@@ -83,7 +88,10 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
     hang = cfg.resilience.hang_timeout_s
     hang_how = "resilience.hang_timeout_s" if hang else "max(300 s, 10 x step): the watchdog"
     src.set("hang_timeout_s", hang or max(300.0, 10 * step_s), f"config: {hang_how}")
+    ft = cfg.fault_tolerance
     for key, value, name in (
+        ("replica_groups", ft.groups, "fault_tolerance.groups"),
+        ("ft_stall_s", ft.heartbeat_timeout_s, "fault_tolerance.heartbeat_timeout_s"),
         ("ckpt_every_steps", cfg.checkpoint.every, "checkpoint.every"),
         ("snapshot_every", cfg.resilience.snapshot_every, "resilience.snapshot_every"),
         ("confirm_steps", cfg.resilience.confirm_steps, "resilience.confirm_steps"),
@@ -104,11 +112,13 @@ def add_measured(src: Sourced, run_dir: Path) -> None:
     world = max((e.get("world_size", 1) for e in starts), default=1)
     used = []
     for key, (value, how) in measured.items():
-        if key in FIXED and world < src.gpus:
+        # What restarts: the whole job, or one replica group
+        ranks = src.gpus // int(src.values["replica_groups"]) if key == "ft_restart_s" else src.gpus
+        if key in FIXED and world < ranks:
             src.sources[key] += f" (measured {value:.3g} s at {world} ranks: not used)"
             src.notes.append(
                 f"{key} measured {value:.3g} s at {world} ranks in {run_dir}: not used (a fixed "
-                f"cost grows with the ranks; only a run of {src.gpus} or more says it)"
+                f"cost grows with the ranks; only a run of {ranks} or more says it)"
             )
             continue
         src.set(key, value, f"{how} in {run_dir}")
@@ -136,11 +146,28 @@ class ModeResult:
     lost: dict[str, float]
     mtbf_s: float
     stall_s: float
+    ft: bool = False
+    """With the replica groups (healing too)."""
+
+    def to_json(self) -> dict:
+        return {
+            "goodput": round(self.goodput, 5),
+            "goodput_band": [round(x, 5) for x in self.band],
+            "best_interval_s": round(self.best_interval_s, 2),
+            "young_interval_s": round(young_interval(self.stall_s, self.mtbf_s), 2),
+            "daly_interval_s": round(daly_interval(self.stall_s, self.mtbf_s), 2),
+            "lost_by_cause": {k: round(v, 6) for k, v in self.lost.items()},
+            "goodput_at_best": round(self.goodput_at_best, 5),
+        }
 
 
-def run_mode(inputs: GoodputInputs, healing: bool, trials: int, seed: int) -> ModeResult:
-    p = inputs.sim_params()
-    mtbf = inputs.mtbf_s(healing)
+def run_mode(
+    inputs: GoodputInputs, healing: bool, trials: int, seed: int, ft: bool = False
+) -> ModeResult:
+    """One mode's goodput: healing or plain checkpoint/restart; `ft`: healing with the replica
+    groups."""
+    p = inputs.sim_params(ft)
+    mtbf = inputs.mtbf_s(healing, ft)
     cost = max(p.stall_s, 1e-3)  # sim_params: all of a synchronous save
     center = daly_interval(cost, mtbf) if np.isfinite(mtbf) else 3600.0
     lo = max(inputs.step_s, p.write_s if p.async_save else 0.0)
@@ -158,6 +185,7 @@ def run_mode(inputs: GoodputInputs, healing: bool, trials: int, seed: int) -> Mo
         out.lost_fractions(0),
         mtbf,
         p.stall_s,
+        ft,
     )
 
 
@@ -183,23 +211,20 @@ class GoodputPlan:
     healing: ModeResult
     plain: ModeResult
     cuts: list[tuple[str, float]]
+    ft: ModeResult | None = None
+    """With the replica groups; None without (replica_groups 1)."""
+
+    def modes(self) -> list[tuple[str, ModeResult]]:
+        """The table's columns: healing, plain checkpoint/restart, and the replica groups."""
+        named = [("healing", self.healing), ("plain C/R", self.plain)]
+        groups = self.src.values["replica_groups"]
+        return named + ([(f"FT groups={groups}", self.ft)] if self.ft else [])
 
     def to_json(self) -> dict:
-        h = self.healing
-        return {
-            "goodput": round(h.goodput, 5),
-            "goodput_band": [round(h.band[0], 5), round(h.band[1], 5)],
-            "best_interval_s": round(h.best_interval_s, 2),
-            "young_interval_s": round(young_interval(h.stall_s, h.mtbf_s), 2),
-            "daly_interval_s": round(daly_interval(h.stall_s, h.mtbf_s), 2),
-            "lost_by_cause": {k: round(v, 6) for k, v in h.lost.items()},
-            "goodput_at_best": round(h.goodput_at_best, 5),
-            "plain": {
-                "goodput": round(self.plain.goodput, 5),
-                "goodput_band": [round(x, 5) for x in self.plain.band],
-                "best_interval_s": round(self.plain.best_interval_s, 2),
-                "lost_by_cause": {k: round(v, 6) for k, v in self.plain.lost.items()},
-            },
+        out = self.healing.to_json() | {"plain": self.plain.to_json()}
+        if self.ft:
+            out["ft"] = self.ft.to_json()
+        return out | {
             "cut_first": self.cuts[0][0] if self.cuts and self.cuts[0][1] > 0 else None,
             "inputs": {k: self.src.values[k] for k in KEYS},
             "sources": {k: self.src.sources[k] for k in KEYS},
@@ -207,7 +232,7 @@ class GoodputPlan:
         }
 
     def text(self) -> str:
-        src, h, p = self.src, self.healing, self.plain
+        src = self.src
         lines = [f"goodput plan at {src.gpus} GPUs; inputs (--set key=value to change):"]
         width = max(len(doc(key)) for key in KEYS)
         for key in KEYS:
@@ -215,27 +240,26 @@ class GoodputPlan:
             shown = f"{value:.4g}" if isinstance(value, float) else str(value)
             lines.append(f"  {key:<21} {shown:>9}  {doc(key):<{width}} {src.sources[key]}")
         lines += [f"  note: {note}" for note in src.notes]
+        names, modes = zip(*self.modes(), strict=True)
         step = src.values["step_s"]
+
+        def row(label: str, cell) -> str:
+            return f"{label:<34}" + "".join(f" {cell(m):>12}" for m in modes)
+
         lines += [
             "",
-            f"{'':<34} {'healing':>12} {'plain C/R':>12}",
-            f"{'goodput (checkpoint.every)':<34} {h.goodput:>12.2%} {p.goodput:>12.2%}",
-            f"{'  5-95% of simulated runs':<34} {_band(h):>12} {_band(p):>12}",
-            f"{'best checkpoint interval (s)':<34} {h.best_interval_s:>12.1f} "
-            f"{p.best_interval_s:>12.1f}",
-            f"{'  in steps':<34} {_steps(h.best_interval_s / step):>12} "
-            f"{_steps(p.best_interval_s / step):>12}",
-            f"{'goodput at the best interval':<34} {h.goodput_at_best:>12.2%} "
-            f"{p.goodput_at_best:>12.2%}",
-            f"{'Young sqrt(2 C M) (s)':<34} {young_interval(h.stall_s, h.mtbf_s):>12.1f} "
-            f"{young_interval(p.stall_s, p.mtbf_s):>12.1f}",
-            f"{'Daly (s)':<34} {daly_interval(h.stall_s, h.mtbf_s):>12.1f} "
-            f"{daly_interval(p.stall_s, p.mtbf_s):>12.1f}",
+            f"{'':<34}" + "".join(f" {name:>12}" for name in names),
+            row("goodput (checkpoint.every)", lambda m: f"{m.goodput:.2%}"),
+            row("  5-95% of simulated runs", _band),
+            row("best checkpoint interval (s)", lambda m: f"{m.best_interval_s:.1f}"),
+            row("  in steps", lambda m: _steps(m.best_interval_s / step)),
+            row("goodput at the best interval", lambda m: f"{m.goodput_at_best:.2%}"),
+            row("Young sqrt(2 C M) (s)", lambda m: f"{young_interval(m.stall_s, m.mtbf_s):.1f}"),
+            row("Daly (s)", lambda m: f"{daly_interval(m.stall_s, m.mtbf_s):.1f}"),
             "",
             "wall time lost by cause (fraction of wall time, at checkpoint.every):",
         ]
-        for cause in CAUSES:
-            lines.append(f"  {cause:<32} {h.lost[cause]:>12.3%} {p.lost[cause]:>12.3%}")
+        lines += [row(f"  {cause}", lambda m, c=cause: f"{m.lost[c]:.3%}") for cause in CAUSES]
         lines += ["", "what to cut first (healing; goodput gained):"]
         lines += [f"  {name:<32} {gain:>+12.3%}" for name, gain in self.cuts[:4]]
         return "\n".join(lines)
@@ -272,4 +296,24 @@ def plan_goodput(
     inputs = src.inputs()
     healing = run_mode(inputs, True, trials, seed)
     plain = run_mode(inputs, False, trials, seed)
-    return GoodputPlan(src, healing, plain, cut_first(src, healing, trials, seed))
+    ft = None
+    if inputs.replica_groups > 1:
+        check_groups(run, gpus, inputs.replica_groups)
+        ft = run_mode(inputs, True, trials, seed, ft=True)
+    return GoodputPlan(src, healing, plain, cut_first(src, healing, trials, seed), ft)
+
+
+def check_groups(run: PlannedRun, gpus: int, groups: int) -> None:
+    """ConfigError naming replica_groups unless `gpus` split into `groups` jobs that each hold a
+    model copy under the config's mesh."""
+    if gpus % groups:
+        raise ConfigError(
+            f"replica_groups ({groups}) must divide --gpus ({gpus}): each group holds a whole "
+            "model copy over gpus / replica_groups GPUs"
+        )
+    try:
+        Layout.of(run.cfg.parallel, gpus // groups)
+    except ConfigError as e:
+        raise ConfigError(
+            f"replica_groups ({groups}): a group of {gpus // groups} GPUs: {e}"
+        ) from None

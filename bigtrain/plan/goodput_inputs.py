@@ -12,6 +12,11 @@ unexpected. Of the unexpected ones, 7 were NCCL watchdog timeouts (hangs) and 6 
 corruption (numeric: what a NaN/spike rollback catches); the other 406 (faulty GPUs 148, HBM3 72,
 software bugs 54, network 35, host maintenance 32, SRAM 19, GPU system processor 17, NICs 7, ...)
 killed the job. The report lists no fault that a replay would absorb: transient defaults to 0.
+
+With fault-tolerant replica groups (`replica_groups` > 1) the hardware failures restart only their
+group (simulation.py); each group holds the whole state over 1/replica_groups of the GPUs, so its
+bytes per GPU (its checkpoint's, a restart's load, a snapshot's, a peer's transfer) are
+replica_groups times the whole job's sharded ones.
 """
 
 from __future__ import annotations
@@ -72,12 +77,27 @@ class GoodputInputs:
     snapshot_every: int = 25
     confirm_steps: int = 10
     async_save: bool = True
+    replica_groups: int = 1
+    """Fault-tolerant replica groups (fault_tolerance.groups); 1: none."""
+    ft_restart_s: float = 180.0
+    """A replica group's restart up to its quorum request (process start, bigtrain's start-up).
+    Default: Meta's about 3 minutes per failure with fault-tolerant HSDP (as restart_s)."""
+    ft_transfer_gbps: float = 1.8
+    """Per GPU (GB/s): a rejoining group's state from a live peer. Default: torchft's HTTP
+    transport fetched 12 GB in 6.6 s with its default of no parallel chunks (torchft PR #106;
+    3.0 s with 10 chunks): Python's serialization, not the network, is the bound."""
+    ft_stall_s: float = 2.0
+    """What a group's failure stalls the others, the failed step aside: the lighthouse's
+    heartbeat timeout (fault_tolerance.heartbeat_timeout_s)."""
     rates: dict[str, float] = field(default_factory=lambda: dict(LLAMA3_RATES))
     """Failures per GPU-hour by kind (KINDS)."""
 
-    def sim_params(self) -> SimParams:
-        """The simulation's seconds: checkpoint bytes over the bandwidths, rates for the job."""
-        per_gpu = self.ckpt_gb_per_gpu * GB
+    def sim_params(self, ft: bool = False) -> SimParams:
+        """The simulation's seconds: checkpoint bytes over the bandwidths, rates for the job;
+        `ft`: with the replica groups (each holds the whole state: `replica_groups` times the
+        bytes per GPU)."""
+        groups = self.replica_groups if ft else 1
+        per_gpu = self.ckpt_gb_per_gpu * GB * groups
         per_node = per_gpu * self.gpus_per_node
         write_s = self.write_fixed_s + per_node / (self.save_gbps_per_node * GB)
         load_s = per_node / (self.load_gbps_per_node * GB)
@@ -102,11 +122,17 @@ class GoodputInputs:
             restore_s=per_gpu / (self.restore_gbps * GB) if self.snapshot_every else load_s,
             replay_s=self.replay_steps * self.step_s,
             save_s=write_s,
+            groups=groups,
+            group_restart_s=self.ft_restart_s + per_gpu / (self.ft_transfer_gbps * GB),
+            survivor_stall_s=self.ft_stall_s + self.step_s,
         )
 
-    def mtbf_s(self, healing: bool) -> float:
-        """Mean time between the failures that restart the job (inf: none)."""
-        kinds = [k for k in KINDS if not (healing and k in ("numeric", "transient"))]
+    def mtbf_s(self, healing: bool, ft: bool = False) -> float:
+        """Mean time between the failures that restart the job (inf: none); with replica groups
+        a hardware failure restarts only its group."""
+        alone = ("numeric", "transient") if healing else ()
+        alone += ("hardware",) if ft and self.replica_groups > 1 else ()
+        kinds = [k for k in KINDS if k not in alone]
         rate = sum(self.rates.get(k, 0.0) for k in kinds) * self.gpus / 3600
         return 1 / rate if rate > 0 else math.inf
 
@@ -117,6 +143,7 @@ POSITIVE = {
     "gpus_per_node",
     "step_s",
     "ckpt_every_steps",
+    "replica_groups",
     *(k for k in SCALARS if k.endswith("gbps")),
 }
 KEYS = sorted([*SCALARS, *(f"rate.{k}" for k in KINDS)])
@@ -129,10 +156,14 @@ SHORT = {
     "confirm_steps": "resilience.confirm_steps",
     "days": "wall days per simulated run",
     "gpus_per_node": "GPUs per node",
+    "ft_restart_s": "a replica group's restart (s)",
+    "ft_stall_s": "survivors' stall, step aside (s)",
+    "ft_transfer_gbps": "peer state transfer GB/s per GPU",
     "hang_timeout_s": "hang detection, healing (s)",
     "load_gbps_per_node": "checkpoint read GB/s per node",
     "plain_hang_timeout_s": "hang detection, plain (s)",
     "replay_steps": "steps one replay costs",
+    "replica_groups": "fault_tolerance.groups",
     "restart_s": "restart to first step (s)",
     "restore_gbps": "snapshot restore GB/s per GPU",
     "save_gbps_per_node": "checkpoint write GB/s per node",

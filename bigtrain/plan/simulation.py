@@ -16,11 +16,25 @@ failure costs depends on its kind and on whether bigtrain heals in place:
 | hang | the watchdog's timeout, then restart | the collective timeout, then restart |
 | preemption | a synchronous save, then restart: nothing lost | the same |
 
-A failure while the job restarts starts the restart again (Daly's model); numeric and transient
-faults need a training job and are ignored then. Every trial of every candidate interval sees the
-same failure stream (common random numbers), so goodput differences between intervals carry
-little noise. The whole state is numpy arrays of shape (intervals, trials): one Python iteration
-per failure, each vectorised over both.
+With fault-tolerant replica groups (`groups` > 1, torchft; healing on) a hardware failure kills
+only its group, one of `groups` drawn at random: the group is away `group_restart_s` (its restart
+and the state fetched from a live peer) while the others train at (groups - 1) / groups of the
+job's throughput, after a stall of `survivor_stall_s` (the heartbeat timeout and the failed,
+uncommitted step). Nothing since the last checkpoint is lost: the peers hold it. Both costs are
+paused work charged at the failure (the capacity lost while the group is away is its time over
+`groups`), as a replay's step is. A failure of a group already away starts its restart again; one
+that leaves no group alive restarts the whole job. The other kinds keep their whole-job costs: a
+NaN or a corruption reaches every group through the averaged gradient (no clean peer), a hang
+cannot be told from a slow collective before the watchdog, and a planned interruption is of the
+whole job. A whole-job restart brings every group back at once (the time away already charged
+beyond it stays charged: conservative, and rare).
+
+A failure while the job restarts starts the restart again (Daly's model; with replica groups too,
+conservatively: a group could be left to rejoin later); numeric and transient faults need a
+training job and are ignored then. Every trial of every candidate interval sees the same failure
+stream (common random numbers), so goodput differences between intervals carry little noise. The
+whole state is numpy arrays of shape (intervals, trials): one Python iteration per failure, each
+vectorised over both.
 
 Closed forms (Young 1974; Daly 2006, FGCS 22:303) for exponential failures with mean M, a blocking
 checkpoint cost C and restart R: Young's interval sqrt(2 C M); Daly's sqrt(2 C M) [1 + 1/3
@@ -45,6 +59,8 @@ CAUSES = (
     "rollback",
     "replay",
     "preemption_save",
+    "group_restart",
+    "survivor_stall",
 )
 _CAUSE = {name: i for i, name in enumerate(CAUSES)}
 
@@ -77,6 +93,12 @@ class SimParams:
     """One replayed step."""
     save_s: float
     """A preemption's synchronous save."""
+    groups: int = 1
+    """Fault-tolerant replica groups (torchft); 1: a hardware failure restarts the whole job."""
+    group_restart_s: float = 0.0
+    """A group's absence after its hardware failure: its restart and the state from a peer."""
+    survivor_stall_s: float = 0.0
+    """What a group's failure stops the other groups for: the heartbeat timeout and the step."""
 
 
 @dataclass
@@ -153,17 +175,22 @@ def simulate(p: SimParams, intervals: np.ndarray, healing: bool, trials: int, se
     shape = (len(intervals), trials)
     s = {k: np.zeros(shape) for k in ("t0", "dead", "p0", "before", "lead", "dstart", "d1")}
     s["c1"] = np.zeros(shape, dtype=int)
+    s["back"] = np.zeros((*shape, p.groups))  # wall time each replica group is back
+    groups = group_stream(p.groups, times.shape, seed)
     lost = np.zeros((len(CAUSES), *shape))
     for k in range(times.shape[1]):
         te = np.broadcast_to(times[None, :, k], shape)
         if not np.isfinite(te).any():
             break
-        _event(p, sched, healing, s, lost, te, np.broadcast_to(kinds[None, :, k], shape))
+        kind, group = (np.broadcast_to(a[None, :, k], shape) for a in (kinds, groups))
+        _event(p, sched, healing, s, lost, te, kind, group)
     end = np.full(shape, p.horizon_s)
     _close_dead(s, lost, end)
     x = end - s["t0"] - s["dead"]
     work = sched.progress(x, s["lead"])
-    running = x > 0
+    # Training (x < 0 only where a pause charged at a failure runs past the horizon: the stall
+    # term gives its overhang back, as at a restart).
+    running = s["t0"] <= end
     lost[_CAUSE["checkpoint_stall"]] += np.where(running, x - work * (1 + sched.o), 0.0)
     lost[_CAUSE["snapshots"]] += work * sched.o
     useful = s["p0"] + work
@@ -180,8 +207,14 @@ def _close_dead(s: dict, lost: np.ndarray, at: np.ndarray) -> None:
     lost[_CAUSE["restart"]] += elapsed - first
 
 
-def _event(p, sched, healing, s, lost, te, kind) -> None:
-    """One failure per (interval, trial), at wall time `te` (inf: none)."""
+def group_stream(groups: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Which replica group each failure hits, uniformly: (trials, K), the same for every interval
+    (common random numbers), from a stream apart from the failures' own."""
+    return np.random.default_rng([seed, 1]).integers(groups, size=shape)
+
+
+def _event(p, sched, healing, s, lost, te, kind, group) -> None:
+    """One failure per (interval, trial), at wall time `te` (inf: none), on replica `group`."""
     live = np.isfinite(te)
     te = np.where(live, te, s["t0"])  # no failure: nothing below changes (every update is masked)
     dead = te < s["t0"]
@@ -193,7 +226,8 @@ def _event(p, sched, healing, s, lost, te, kind) -> None:
     inplace, transient = healing & numeric, healing & flaky
     # Numeric and transient faults need a training job, in either mode: nothing happens while it
     # restarts (plain checkpoint/restart crashes on them only while it trains).
-    restart = live & ~(inplace | transient) & ~((numeric | flaky) & dead)
+    alone = _group_failure(p, s, lost, te, live & ~dead & (kind == KINDS.index("hardware")), group)
+    restart = live & ~(inplace | transient | alone) & ~((numeric | flaky) & dead)
     rollback = live & inplace & ~dead
     replay = live & transient & ~dead
     s["dead"] += np.where(replay, p.replay_s, 0.0)
@@ -228,6 +262,30 @@ def _event(p, sched, healing, s, lost, te, kind) -> None:
         ("dead", 0.0),
     ):
         s[key] = np.where(closing, value, s[key])
+    s["back"] = np.where(closing[..., None], 0.0, s["back"])  # the groups restart with the job
+
+
+def _group_failure(p, s, lost, te, hardware, group) -> np.ndarray:
+    """Where a hardware failure of a training job costs only its replica group (p.groups > 1):
+    the group is away `group_restart_s` from `te` (from `te` again if it was away); the others
+    stall unless it was away already. The last live group's failure restarts the whole job."""
+    if p.groups == 1:
+        return np.zeros_like(hardware)
+    back = s["back"]
+    old = np.take_along_axis(back, group[..., None], axis=-1)[..., 0]
+    was_up = old <= te
+    alone = hardware & ~(was_up & ((back <= te[..., None]).sum(axis=-1) == 1))
+    until = te + p.group_restart_s
+    # Paused work charged now (as a replay's), never past the horizon: the group's time away over
+    # `groups` (the others train at (groups - 1) / groups meanwhile), and the survivors' stall.
+    away = np.clip(np.minimum(until, p.horizon_s) - np.maximum(old, te), 0.0, None) / p.groups
+    stall = np.where(was_up, np.minimum(p.survivor_stall_s, p.horizon_s - te), 0.0)
+    lost[_CAUSE["group_restart"]] += np.where(alone, away, 0.0)
+    lost[_CAUSE["survivor_stall"]] += np.where(alone, stall, 0.0)
+    s["dead"] += np.where(alone, away + stall, 0.0)
+    hit = alone[..., None] & (np.arange(p.groups) == group[..., None])
+    s["back"] = np.where(hit, until[..., None], back)
+    return alone
 
 
 def _close_dead_where(s: dict, lost: np.ndarray, te: np.ndarray, mask: np.ndarray) -> None:

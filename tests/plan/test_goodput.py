@@ -1,5 +1,6 @@
 """The goodput simulation against Young's and Daly's closed forms, the Llama 3 report, itself (seeds,
-accounting), and `plan --goodput`'s bad input."""
+accounting), fault-tolerant replica groups against plain restarts, and `plan --goodput`'s bad
+input."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from bigtrain.cli import main
-from bigtrain.plan.goodput import run_mode
+from bigtrain.config import load_config
+from bigtrain.plan.goodput import plan_goodput, run_mode
 from bigtrain.plan.goodput_inputs import LLAMA3_COUNTS, GoodputInputs
 from bigtrain.plan.simulation import (
     CAUSES,
@@ -137,6 +139,8 @@ def test_healing_beats_plain_restarts_when_numeric_faults_are_common():
         (["--set", "restart_s"], "expected key=value"),
         (["parallel.tensor_parallel=8", "--gpus", "100"], "--gpus 100 is not a multiple"),
         (["--gpus", "0"], "--gpus got 0"),
+        (["--set", "replica_groups=0"], "'replica_groups' got 0"),
+        (["--set", "replica_groups=3"], "replica_groups (3) must divide --gpus (64)"),
     ],
 )
 def test_bad_input_exits_2_naming_the_key(capsys, args, named):
@@ -198,3 +202,83 @@ def test_a_plan_from_a_micro_run_says_what_it_did_not_use(capsys, tmp_path):
     assert len(sources) == 1, inputs  # the sources column starts at one offset
     table = [line for line in out.splitlines() if "%" in line and not line.startswith("  note")]
     assert len({len(line) for line in table if line.startswith(("goodput", "  5-95"))}) == 1
+
+
+def test_a_group_failure_costs_its_restart_over_the_groups_and_the_survivors_stall():
+    """Hardware failures only, each killing one of 8 groups: a failure costs the survivors' stall
+    plus the group's time away over 8, nothing is lost and the job never restarts."""
+    p = dataclasses.replace(
+        plain(3600, 1e-3, 600), groups=8, group_restart_s=600, survivor_stall_s=10
+    )
+    out = simulate(p, [3600.0], True, 100, seed=3)
+    # A failure of a group already away (1 - e^(-600/(8 x 3600)) = 2% of them) extends its
+    # absence and stalls nobody: a little less than (10 + 600 / 8) s per hour.
+    assert out.mean()[0] == pytest.approx(1 - (10 + 600 / 8) / 3600, abs=1e-3)
+    lost = out.lost_fractions(0)
+    assert lost["lost_work"] == lost["restart"] == 0
+    assert lost["group_restart"] == pytest.approx(600 / 8 / 3600, rel=0.05)
+    assert lost["survivor_stall"] == pytest.approx(10 / 3600, rel=0.05)
+    total = out.goodput * p.horizon_s + out.lost.sum(axis=0)
+    assert np.allclose(total, p.horizon_s, rtol=1e-9) and (out.lost >= -1e-6).all()
+
+
+def test_losing_the_last_live_group_restarts_the_whole_job():
+    # Two groups away for a day each: most failures find the other one away.
+    p = dataclasses.replace(plain(3600, 1.0, 600), groups=2, group_restart_s=86400)
+    lost = simulate(p, [600.0], True, 20, seed=0).lost_fractions(0)
+    assert lost["restart"] > 0.01 and lost["lost_work"] > 0 and lost["group_restart"] > 0.1
+
+
+@pytest.fixture(scope="module")
+def llama70b_at_16k():
+    """The 70B recipe at 16,384 GPUs with 8 replica groups (the config's own section)."""
+    cfg = load_config(["configs/llama-70b.yaml"], ["fault_tolerance.groups=8"])
+    return plan_goodput(cfg, 16_384, trials=20)
+
+
+def test_replica_groups_beat_plain_restarts_for_the_70b_at_16k(llama70b_at_16k):
+    plan = llama70b_at_16k
+    ft, plain_cr = plan.ft, plan.plain
+    assert plan.src.sources["replica_groups"] == "config: fault_tolerance.groups"
+    assert ft.goodput > plain_cr.goodput + 0.05 and ft.goodput > plan.healing.goodput
+    # The peers hold the work since the last checkpoint: only whole-job restarts lose any.
+    assert ft.lost["lost_work"] < plain_cr.lost["lost_work"] / 10
+    assert ft.lost["restart"] < plain_cr.lost["restart"] / 5
+    assert ft.lost["group_restart"] > 0 and ft.lost["survivor_stall"] > 0
+    assert plain_cr.lost["group_restart"] == plain_cr.lost["survivor_stall"] == 0
+
+
+def test_a_slower_group_restart_costs_goodput(llama70b_at_16k):
+    inputs = llama70b_at_16k.src.inputs()
+    slower = dataclasses.replace(inputs, ft_restart_s=2 * inputs.ft_restart_s)
+    base = run_mode(inputs, True, 20, 0, ft=True)
+    slow = run_mode(slower, True, 20, 0, ft=True)
+    assert slow.goodput < base.goodput
+    assert slow.lost["group_restart"] > 1.5 * base.lost["group_restart"]
+
+
+def plan_out(capsys, *args: str) -> str:
+    argv = ["plan", "configs/llama-70b.yaml", "--goodput", "--gpus", "16384", "--trials", "4"]
+    assert main([*argv, *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_ft_column_and_json_key_appear_only_with_replica_groups(capsys):
+    def header(out: str) -> list[str]:
+        return next(line.split() for line in out.splitlines() if "plain C/R" in line)
+
+    assert header(plan_out(capsys)) == ["healing", "plain", "C/R"]  # no FT column
+    with_ft = plan_out(capsys, "--set", "replica_groups=16")
+    assert header(with_ft) == ["healing", "plain", "C/R", "FT", "groups=16"]
+    rows = [r for r in with_ft.splitlines() if r.startswith(("goodput ", "  5-95")) and "%" in r]
+    assert {len(row) for row in rows} == {34 + 3 * 13}  # three aligned columns
+    assert "  group_restart " in with_ft and "  survivor_stall " in with_ft
+    one = json.loads(
+        plan_out(capsys, "fault_tolerance.groups=4", "--set", "replica_groups=1", "--json")
+    )
+    assert "ft" not in one and one["inputs"]["replica_groups"] == 1
+    assert one["sources"]["replica_groups"] == "user (--set)"
+    four = json.loads(plan_out(capsys, "--set", "replica_groups=4", "--json"))
+    assert set(four["ft"]) == set(four["plain"])  # the keys of every mode
+    assert set(four["ft"]) <= set(four) and "goodput_at_best" in four["ft"]
+    assert four["ft"]["lost_by_cause"]["lost_work"] < four["plain"]["lost_by_cause"]["lost_work"]

@@ -46,8 +46,9 @@ from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
+from bigtrain.parallel.ft import NoReplicaGroups, ReplicaGroups, group_index, make_replica_groups
 from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.model_setup import make_model
+from bigtrain.parallel.model_setup import ModelFacts, make_model
 from bigtrain.parallel.parallelize import parallelize
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.precision import dtype_name
@@ -107,12 +108,16 @@ class Run:
     lock: RunLock | None  # None on ranks other than 0
     log_file: logging.Handler
     costs: CostLedger  # what failures and their insurance cost (callbacks/costs.py)
+    replicas: ReplicaGroups | NoReplicaGroups  # torchft's manager, with replica groups
 
     def release(self) -> None:
-        """The run directory's lock and this rank's log file."""
-        if self.lock is not None:
-            self.lock.release()
-        remove_handler(self.log_file)
+        """The replica group's manager, the run directory's lock and this rank's log file."""
+        try:
+            self.replicas.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            remove_handler(self.log_file)
 
 
 def build_trainer(cfg: Config, env: DistEnv) -> Trainer:
@@ -128,7 +133,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
     # The one layout of this process; sizes that do not divide: exit 2 before any work.
-    layout = Layout.of(cfg.parallel, env.world_size, env.rank)
+    groups = cfg.fault_tolerance.groups  # replica groups: each process is in one (parallel/ft.py)
+    layout = Layout.of(cfg.parallel, env.world_size, env.rank, groups, group_index(groups))
     # train.global_batch_size -> grad_accum_steps for the data-parallel ranks (tp shares a batch)
     cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
     if cfg.parallel.backend == "local" and env.world_size != 1:
@@ -147,7 +153,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     layout = layout.connect(device.type)  # the DeviceMesh: every rank, once
     clock.mark("process_group")
     created = not out.exists()
-    run_dir = RunDir(out, env.is_main)
+    run_dir = RunDir(out, env.is_main, layout.ft_group if layout.ft > 1 else None)
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
     clock.previous_end = last_event_time(out / "events.jsonl")  # a restart's gap starts there
     log_file = add_rank_file(out, env.rank)
@@ -241,7 +247,7 @@ def make_callbacks(
     """Every callback of a run, in the order they run (train/hooks.py), each with why it is there."""
     order: list[Callback | None] = [
         # Before anything reads the gradients or the loss: a drill's fault is in the step.
-        FaultInjector(cfg.fault, env.rank),
+        FaultInjector(cfg.fault, env.rank, built.group),
         # The step's activations folded in before checkpoints and the healer's snapshot hold it.
         Int8Calibration(built.int8_layers, cfg.precision.int8) if built.int8_layers else None,
         # Writes result.val_loss, which the metrics record and the sinks read.
@@ -260,7 +266,10 @@ def make_callbacks(
         # After the checkpoint and the metrics; before preemption ends the run.
         built.costs,
         ConsoleProgress(cfg.train.progress and env.is_main),
-        SinkLogger(built.sinks, cfg.log.hold_steps, to_dict(cfg)) if built.sinks else None,
+        # With replica groups, group 0's rank 0 feeds the sinks (one wandb run per job).
+        SinkLogger(built.sinks, cfg.log.hold_steps, to_dict(cfg))
+        if built.sinks and built.group == 0
+        else None,
         # Ends the run (exit 4) once this step's checkpoint and metrics are written.
         PreemptionHandler(),
         # The beat marks the step's end: after the step's checkpoint and evaluation.
@@ -282,6 +291,7 @@ class BuiltParts:
     tokenizer_dir: str
     sinks: list  # the metric sinks, not yet started (every rank checks the packages)
     costs: CostLedger
+    group: int  # this process's replica group (0 without fault tolerance)
 
 
 def _assemble(
@@ -315,19 +325,74 @@ def _assemble(
     data, loader, val = make_data(cfg.data, cfg.train, cfg.model, env, layout, device)
     clock.mark("data")
     model, facts = make_model(cfg, layout, data.vocab_size, device, data.eos_id)
-    manager.carry = save_run_files(run_dir.path, data.tokenizer_dir, model, env.is_main)
+    manager.carry = save_run_files(
+        run_dir.path, data.tokenizer_dir, model, writes_run_files(run_dir)
+    )
     backend = parallelize(model, cfg, layout, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
     if layout.tp > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
+    monitor = make_monitor(cfg.monitor, backend, layout, device)
+    clock.mark("model")
+    setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
+    ledger = CostLedger(clock)
+    sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
+    parts = BuiltParts(val, facts.int8_layers, data.tokenizer_dir, sinks, ledger, layout.ft_group)
+    callbacks = make_callbacks(cfg, env, run_dir, manager, parts)
+    initial = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
+    healer = Healer(
+        cfg.resilience,
+        cfg.monitor,
+        cfg.checkpoint.every,
+        cfg.train.max_steps,
+        monitor.names,
+        manager,
+        initial,
+    )
+    # Last: torchft's manager starts threads and servers, which close() must stop on an error.
+    replicas = make_replica_groups(cfg.fault_tolerance, layout, device)
+    try:
+        monitor.across_groups = replicas.across_groups
+        trainer = Trainer(
+            cfg,
+            env,
+            backend,
+            loader,
+            run_dir,
+            Callbacks(callbacks),
+            device,
+            setup,
+            monitor,
+            healer,
+            replicas,
+        )
+        replicas.attach(trainer)
+        clock.mark("setup_other")
+        start = start_state(cfg, trainer, manager, target, corrupted, batch_note)
+    except BaseException:
+        replicas.close()
+        raise
+    clock.mark("checkpoint_load")  # or model.init_from's weights; with the data position
+    return Run(trainer, start, lock, log_file, ledger, replicas)
+
+
+def _run_setup(
+    cfg: Config,
+    layout: Layout,
+    device: torch.device,
+    facts: ModelFacts,
+    data: TrainingData,
+    loader: BatchLoader,
+    monitor: GradMonitor,
+    config_yaml: str,
+) -> RunSetup:
+    """What was built, as the trainer and the callbacks read it."""
     peak_flops, peak_source = resolve_peak_flops(
         device,
         dtype_name(facts.policy.compute_dtype),
         facts.policy.allow_tf32,
         cfg.train.peak_flops,
     )
-    monitor = make_monitor(cfg.monitor, backend, layout, device)
-    clock.mark("model")
-    setup = RunSetup(
+    return RunSetup(
         layout=layout,
         policy=facts.policy,
         num_params=facts.num_params,
@@ -342,27 +407,15 @@ def _assemble(
         build_site=facts.build_site,
         skipped_rows=data.skipped_rows,
     )
-    ledger = CostLedger(clock)
-    sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
-    parts = BuiltParts(val, facts.int8_layers, data.tokenizer_dir, sinks, ledger)
-    callbacks = make_callbacks(cfg, env, run_dir, manager, parts)
-    initial = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
-    healer = Healer(
-        cfg.resilience,
-        cfg.monitor,
-        cfg.checkpoint.every,
-        cfg.train.max_steps,
-        monitor.names,
-        manager,
-        initial,
-    )
-    trainer = Trainer(
-        cfg, env, backend, loader, run_dir, Callbacks(callbacks), device, setup, monitor, healer
-    )
-    clock.mark("setup_other")
-    start = start_state(cfg, trainer, manager, target, corrupted, batch_note)
-    clock.mark("checkpoint_load")  # or model.init_from's weights; with the data position
-    return Run(trainer, start, lock, log_file, ledger)
+
+
+def writes_run_files(run_dir: RunDir) -> bool:
+    """Rank 0 writes the tokenizer and model config; with replica groups, group 0's rank 0 and
+    only while they are missing (a restarted group never rewrites what a checkpoint being
+    written by another group copies)."""
+    if run_dir.group is None:
+        return run_dir.is_main
+    return run_dir.is_main and run_dir.group == 0 and not (run_dir.path / "tokenizer").exists()
 
 
 def save_run_files(out: Path, tokenizer_dir: str, model: nn.Module, is_main: bool) -> list[Path]:

@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     _add_goodput_options(plan)
+    light = sub.add_parser("lighthouse", help="the lighthouse of fault_tolerance's replica groups")
+    light.add_argument("items", nargs="+", metavar="CONFIG|key=value")
+    light.add_argument("--port", type=int, default=29510, help="port to listen on (0: any)")
     report = sub.add_parser("report", help="PNG plots and an HTML page from a run directory")
     report.add_argument("run_dir", type=Path)
 
@@ -407,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.items:
                 parser.error("plan needs a CONFIG")
             return _plan(args.items, args.world_size, args.gpu_memory)
+        if args.command == "lighthouse":
+            from bigtrain.parallel.ft import serve_lighthouse
+
+            return serve_lighthouse(_load(args.items).fault_tolerance, args.port)
         if args.command == "report":
             from bigtrain.telemetry.report import build_report
 

@@ -36,7 +36,8 @@ class CheckpointCallback(Callback):
             self._committed(trainer, committed)
         step, every = trainer.step, self.cfg.every
         due = (trainer.is_last_step() and every >= 0) or (every > 0 and step % every == 0)
-        if due or result.checkpoint_now or result.preempt:
+        # With replica groups, the group leading the quorum writes (they hold the same state).
+        if (due or result.checkpoint_now or result.preempt) and trainer.replicas.leads:
             self.save(trainer, wait=trainer.is_last_step() or result.preempt)
 
     def save(self, trainer, wait: bool) -> None:

@@ -21,4 +21,5 @@ class EvalCallback(Callback):
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         if self.due(trainer):
-            result.val_loss = trainer.backend.eval_loss(self.batches)
+            # each replica group evaluates its slice; their mean is the whole validation set's
+            result.val_loss = trainer.replicas.average(trainer.backend.eval_loss(self.batches))

@@ -16,8 +16,12 @@ from bigtrain.train.step import StepResult
 
 
 class FaultInjector(Callback):
-    def __init__(self, cfg: FaultConfig, rank: int) -> None:
-        self.cfg, self.rank, self.active = cfg, rank, rank == cfg.rank
+    def __init__(self, cfg: FaultConfig, rank: int, group: int = 0) -> None:
+        """`group`: this process's replica group (0 without fault tolerance)."""
+        self.cfg, self.rank = cfg, rank
+        self.active = rank == cfg.rank and group == cfg.group
+        self.kills_group = group == cfg.kill_group
+        self.group_armed: set[int] = set()  # kill_group's steps not done in this run directory
         self.fired: set[tuple[str, int]] = set()  # a rollback repeats step numbers: fire once
         self.this_step: list[str] = []  # what fired in this step's first run (for its replay)
 
@@ -46,10 +50,33 @@ class FaultInjector(Callback):
             f"such as {names[0]!r}"
         )
 
+    def on_start(self, trainer) -> None:
+        if self.kills_group:  # decided once by every rank of the group: all die, or none
+            self.group_armed = {
+                s for s in self.cfg.kill_step if not self._group_marker(trainer, s).exists()
+            }
+
+    @staticmethod
+    def _group_marker(trainer, step: int):
+        return (
+            trainer.run_dir.path / f".fault-killed-group{trainer.setup.layout.ft_group}-step-{step}"
+        )
+
+    def _kill_group(self, trainer, step: int) -> None:
+        """Every process of the group dies at once, inside the step (a lost node)."""
+        if step not in self.group_armed:
+            return
+        if trainer.env.is_main:
+            self._group_marker(trainer, step).write_text("")
+            trainer.event("fault", type="kill_group", group=trainer.setup.layout.ft_group)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     @torch.no_grad()
     def on_after_backward(self, trainer, result: StepResult) -> None:
         if self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
             time.sleep(self.cfg.slow_s)  # a straggler: this rank's forward+backward is slower
+        if self.kills_group:
+            self._kill_group(trainer, result.step)
         if not self.active:
             return
         step, cfg = result.step, self.cfg
@@ -109,7 +136,9 @@ class FaultInjector(Callback):
         if self._due("sigterm", self.cfg.sigterm_step, step):
             trainer.event("fault", type="sigterm")
             os.kill(os.getpid(), signal.SIGTERM)
-        if self._once_per_run_dir(trainer, "killed", self.cfg.kill_step, step):
+        if self.cfg.kill_group < 0 and self._once_per_run_dir(
+            trainer, "killed", self.cfg.kill_step, step
+        ):
             trainer.event("fault", type="kill")
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 class FaultConfig:
     rank: int = 0
     """Rank the faults are injected on."""
+    group: int = 0
+    """With replica groups (fault_tolerance.groups > 1): the group whose `rank` the drills
+    target."""
+    kill_group: int = -1
+    """A replica group every process of which SIGKILLs itself at the steps of `kill_step`,
+    inside the step (after backward, before the reduction across groups), once per run
+    directory: a drill for fault-tolerant replica groups. -1: `kill_step` kills `rank` after
+    the step instead."""
     nan_loss_step: list[int] = field(default_factory=list)
     """Steps at which the loss and every gradient of `rank` become NaN, after backward (as a NaN
     loss would leave them; a drill for the monitor)."""
@@ -27,7 +35,8 @@ class FaultConfig:
     """Steps at which the loss and the gradients of `rank` are multiplied by `spike_factor`."""
     kill_step: list[int] = field(default_factory=list)
     """Steps at which `rank` SIGKILLs itself after the step (once per run directory, so that the
-    restarted run does not repeat it): a drill for torchrun/SLURM restarts."""
+    restarted run does not repeat it): a drill for torchrun/SLURM restarts; with `kill_group`,
+    every process of that group, inside the step."""
     sigterm_step: list[int] = field(default_factory=list)
     """Steps at which `rank` sends itself SIGTERM (a preemption drill)."""
     corrupt_checkpoint: bool = False

@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
+from bigtrain.config.fault_tolerance import check_fault_tolerance
 from bigtrain.config.model import check_model
 from bigtrain.config.parallel import check_parallel
 from bigtrain.config.resilience import check_rules
@@ -317,6 +318,12 @@ def validate(config: Config) -> None:
     check_telemetry(config.profile, config.log)
     _check_monitor_and_int8(config.monitor, config.precision.int8, config.resilience)
     check_parallel(config.parallel, config.model)
+    check_fault_tolerance(
+        config.fault_tolerance,
+        config.parallel.backend,
+        config.parallel.timeout_s,
+        config.resilience.hang_timeout_s,
+    )
     _check_train(config.train, config.model)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.config.data import DataConfig
 from bigtrain.config.eval import EvalConfig
+from bigtrain.config.fault_tolerance import FaultToleranceConfig
 from bigtrain.config.faults import FaultConfig
 from bigtrain.config.model import ModelConfig, default_d_ff
 from bigtrain.config.parallel import ParallelConfig
@@ -261,6 +262,8 @@ class Config:
     """The wandb sink's settings (log.sinks names the sinks)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """Profiler traces of chosen steps and CUDA memory snapshots; off by default."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Replica groups that fail and rejoin alone (torchft); off by default."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults for drills and tests; off by default."""
 
@@ -271,6 +274,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "FaultConfig",
+    "FaultToleranceConfig",
     "LogConfig",
     "ModelConfig",
     "MonitorConfig",

@@ -9,6 +9,7 @@ the summed squares: no second pass over the gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +72,16 @@ class GradMonitor:
         use_kernel: bool,
         replication: list[int] | None = None,
         layout: Layout | None = None,
+        across_groups: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
         replicas hold equal shards): its local statistics are weighted 1/replication before the
         SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
-        its HSDP replicas are compared on full steps (one more small collective)."""
+        its HSDP replicas are compared on full steps (one more small collective).
+        `across_groups`: the loss averaged and the flags summed over fault-tolerant replica
+        groups (parallel/ft.py), whose gradients were averaged before the monitor reads them."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group
@@ -86,6 +91,7 @@ class GradMonitor:
             self.weights = 1.0 / torch.tensor(replication, dtype=torch.float32, device=device)
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
+        self.across_groups = across_groups
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
@@ -108,6 +114,8 @@ class GradMonitor:
         flags = self._flags(stats, full, stop_requested)
         stats = weighted_stats(stats, self.weights)
         stats, loss, flags = reduce_grad_stats(stats, local_loss, flags, self.layout.loss_ranks)
+        if self.across_groups is not None:
+            loss, flags = self.across_groups(loss, flags)
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])

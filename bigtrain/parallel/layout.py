@@ -70,9 +70,12 @@ class Layout:
         assert 0 <= self.rank < self.world_size and 0 <= self.ft_group < self.ft
 
     @classmethod
-    def of(cls, cfg: ParallelConfig, world_size: int, rank: int = 0) -> Layout:
-        """The layout of `world_size` ranks under parallel.*; ConfigError with the keys and the
-        numbers when they do not divide."""
+    def of(
+        cls, cfg: ParallelConfig, world_size: int, rank: int = 0, ft: int = 1, ft_group: int = 0
+    ) -> Layout:
+        """The layout of `world_size` ranks (one job) under parallel.*, in replica group
+        `ft_group` of `ft` (fault_tolerance.groups); ConfigError with the keys and the numbers
+        when they do not divide."""
         model_copies = cfg.replicate * cfg.tensor_parallel
         if world_size % model_copies:
             raise SharedConfigError(
@@ -82,7 +85,15 @@ class Layout:
                 f"tensor_parallel) = {world_size} / {model_copies}, not an integer"
             )
         shard = world_size // model_copies
-        return cls(world_size, rank, replicate=cfg.replicate, shard=shard, tp=cfg.tensor_parallel)
+        return cls(
+            world_size,
+            rank,
+            replicate=cfg.replicate,
+            shard=shard,
+            tp=cfg.tensor_parallel,
+            ft=ft,
+            ft_group=ft_group,
+        )
 
     def at_rank(self, rank: int) -> Layout:
         """The same layout seen from another rank (without the mesh, which is this rank's)."""
@@ -237,7 +248,8 @@ class Layout:
         mesh over the whole world is the default group: no new group is made."""
         if not dist.is_initialized():
             return self
-        assert self.pp == 1 and self.ft == 1, "pipeline stages and replica groups: not yet"
+        assert self.pp == 1, "pipeline stages: not yet"
+        # The mesh is this job's: replica groups meet only through torchft (parallel/ft.py).
         mesh = init_device_mesh(device_type, self.mesh_sizes, mesh_dim_names=self.mesh_axes)
         return dataclasses.replace(self, mesh=mesh)
 

@@ -252,7 +252,7 @@ class Healer:
             self.arrival = {"step": target.step, "from_step": restored, **backoff}
         # Checkpoints of the abandoned steps would replay the bad data after a restart: retire
         # them, and checkpoint the restored state with its new skip window right away.
-        retired = self.manager.retire_after(restored)
+        retired = self.manager.retire_after(restored) if trainer.replicas.leads else []
         result.rolled_back = result.checkpoint_now = True
         # The three events belong to the anomaly's step (the state now reads the restored one).
         trainer.event(

@@ -30,9 +30,15 @@ def _clean(value: Any) -> Any:
 
 
 class RunDir:
-    def __init__(self, path: Path, is_main: bool) -> None:
+    def __init__(self, path: Path, is_main: bool, group: int | None = None) -> None:
+        """`group`: this process's fault-tolerant replica group (parallel/ft.py), which every
+        event line carries; each group's rank 0 writes its events, and only the group that
+        leads the current quorum (`leader`, set each step) writes metrics, samples and
+        final.json. None: a run without replica groups (rank 0 writes everything)."""
         self.path = path
         self.is_main = is_main
+        self.group = group
+        self.leader = group is None
         if is_main:
             path.mkdir(parents=True, exist_ok=True)
 
@@ -52,11 +58,13 @@ class RunDir:
             f.flush()
 
     def metrics(self, record: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", record)
+        if self.leader:
+            self._append("metrics.jsonl", record)
 
     def sample(self, record: dict[str, Any]) -> None:
         """A line of samples.jsonl: text generated during training (callbacks/samples.py)."""
-        self._append("samples.jsonl", record)
+        if self.leader:
+            self._append("samples.jsonl", record)
 
     def event(
         self, step: int, kind: str, /, any_rank: bool = False, **details: Any
@@ -67,6 +75,8 @@ class RunDir:
             f"reserved event keys in {sorted(details)}"
         )
         record = {"time": time.time(), "step": step, "kind": kind, **details}
+        if self.group is not None:
+            record.setdefault("group", self.group)
         self._append("events.jsonl", record, any_rank)
         return record
 
@@ -77,7 +87,8 @@ class RunDir:
             os.replace(tmp, self.path / name)
 
     def write_json(self, name: str, data: dict[str, Any]) -> None:
-        self.write_text(name, json.dumps(_clean(data), indent=1) + "\n")
+        if self.leader:
+            self.write_text(name, json.dumps(_clean(data), indent=1) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -73,8 +73,8 @@ class Stale:
 
 
 class RunLock:
-    def __init__(self, run_dir: Path, timeout_s: float) -> None:
-        self.path = run_dir / LOCK_NAME
+    def __init__(self, run_dir: Path, timeout_s: float, name: str = LOCK_NAME) -> None:
+        self.path = run_dir / name
         self.timeout_s = timeout_s
         self.owner = owner_record()
         self.taken_over: Stale | None = None
@@ -204,11 +204,13 @@ class RunLock:
 
 def lock_run_dir(run_dir: RunDir, timeout_s: float, is_main: bool) -> RunLock | None:
     """Rank 0 locks the run directory; every rank learns whether it could, and all exit 2
-    together when another live run holds it."""
+    together when another live run holds it. Replica groups share the directory: each locks
+    its own part (`.lock.group<g>`), so two processes of one group never run together."""
     lock, error = None, None
+    name = LOCK_NAME if run_dir.group is None else f"{LOCK_NAME}.group{run_dir.group}"
     if is_main:
         try:
-            lock = RunLock(run_dir.path, timeout_s).acquire()
+            lock = RunLock(run_dir.path, timeout_s, name).acquire()
         except ConfigError as e:
             error = str(e)
     error = all_gather_objects(error)[0]

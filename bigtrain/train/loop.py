@@ -15,6 +15,7 @@ from bigtrain.errors import ReplicaMismatch
 from bigtrain.monitor.monitor import GradMonitor, Health
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv
+from bigtrain.parallel.ft import NoReplicaGroups, ReplicaGroups
 from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
@@ -42,6 +43,8 @@ class TrainState:
     clip_scale: float = 1.0  # the clipping threshold's factor, likewise
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
     transients: dict[str, int] = field(default_factory=dict)  # transient faults by host (replay)
+    # replica groups (parallel/ft.py): tokens of the steps a group missed, by group
+    tokens_skipped_by_group: dict[str, int] = field(default_factory=dict)
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
@@ -73,6 +76,7 @@ class Trainer:
         setup: RunSetup,
         monitor: GradMonitor,
         healer: Healer,
+        replicas: ReplicaGroups | NoReplicaGroups | None = None,
     ) -> None:
         self.cfg, self.env, self.backend, self.loader, self.run_dir = (
             cfg,
@@ -83,6 +87,8 @@ class Trainer:
         )
         self.callbacks, self.device, self.monitor = callbacks, device, monitor
         self.healer = healer  # detect, replay, decide, roll back: called by name (resilience/)
+        # fault-tolerant replica groups (parallel/ft.py): the quorum, cross-group means, commit
+        self.replicas = replicas if replicas is not None else NoReplicaGroups()
         self.setup = setup  # what was built: policy, shapes, FLOPs per token, identity, corpus
         self.state = TrainState()
         self.policy = setup.policy
@@ -149,6 +155,8 @@ class Trainer:
         self.healer.start(self, resumed)
         while self.state.step < self.end_step:
             result = self.train_step()
+            if result is None:  # not committed: a replica group failed inside it; run it again
+                continue
             self.healer.after_step(self, result)  # events, the action, a rollback
             self.callbacks.on_step_end(self, result)
             self.ranges.begin("checkpoint_copy")
@@ -175,21 +183,30 @@ class Trainer:
             "anomalies": state.anomalies,
             "rollbacks": state.rollbacks,
             "skipped_steps": state.skipped_steps,
+            **(
+                {"tokens_skipped_by_group": state.tokens_skipped_by_group}
+                if state.tokens_skipped_by_group
+                else {}
+            ),
             "fingerprint": fingerprint,
             "wall_s": round(time.time() - started, 2),
             "peak_memory_bytes_by_rank": all_gather_objects(peak_memory_bytes(self.device)),
             "peak_memory_kind": memory_kind(self.device),
         }
 
-    def train_step(self) -> StepResult:
+    def train_step(self) -> StepResult | None:
+        """One optimizer step; None when the replica groups did not commit it (nothing of it
+        was applied: it runs again)."""
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
+        self.replicas.start_step(self)  # the quorum: a rejoining group takes a peer's state here
         self._enter_phase()
         self.healer.before_step(self)
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
         step = self.step_in_progress = self.state.step + 1
         self.timer.start(step)
         self.ranges.begin("data")
+        undo = self.replicas.undo_point(self)
         micro_batches = self.loader.next_step()
         self.timer.mark("data")
         rng = self.healer.replay.before_step()  # the step's RNG state, kept for a replay
@@ -197,9 +214,14 @@ class Trainer:
         def forward_backward() -> tuple[StepResult, Health]:
             return self._forward_backward_check(micro_batches, step, lr)
 
-        result, health, verdict = self.healer.judge(
-            self, *forward_backward(), rng, forward_backward
-        )
+        result, health = forward_backward()
+        verdict = None  # a reduction across replica groups failed: nothing to judge or apply
+        if self.replicas.intact():
+            result, health, verdict = self.healer.judge(self, result, health, rng, forward_backward)
+        if not self.replicas.commit(self) or verdict is None:
+            self.replicas.abandon(self, undo, step)
+            self.step_in_progress = None
+            return None
         if verdict.skip:
             backend.skip_step()
             self.state.skipped_steps += 1
@@ -243,6 +265,7 @@ class Trainer:
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
         result = StepResult(step, lr, local_loss=torch.stack(losses).mean())
         self.callbacks.on_after_backward(self, result)
+        self.replicas.average_grads(backend)  # over the live replica groups (parallel/ft.py)
         self.timer.mark("forward_backward")
         self.ranges.begin("monitor")
         grad_factor = backend.unscale_grads()
@@ -286,6 +309,7 @@ class Trainer:
             "monitor": self.healer.detector.state_dict(),
             "loss_scaler": scaler.state_dict() if scaler else None,
             "callbacks": self.callbacks.state_dict(),
+            "replicas": self.replicas.state_dict(),
         }
         if resilience:
             out["resilience"] = self.healer.state_dict()
@@ -297,6 +321,8 @@ class Trainer:
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.healer.detector.load_state_dict(saved.get("monitor", {}))
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
+        if resilience:  # torchft's step only grows: a rollback does not take it back
+            self.replicas.load_state_dict(saved.get("replicas", {}))
         scaler = self.backend.scaler
         if scaler is not None and saved.get("loss_scaler"):
             scaler.load_state_dict(saved["loss_scaler"])

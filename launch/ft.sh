@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Fault-tolerant replica groups on one node: a torchft lighthouse and G groups, each its own
+# torchrun with restarts, so that one group's failure restarts that group alone while the others
+# keep training (docs/fault-tolerance.md).
+#
+#   bash launch/ft.sh --groups 3 --nproc-per-group 1 configs/tiny.yaml parallel.backend=fsdp
+#
+# Options: --groups G (replica groups, >= 2), --nproc-per-group R (ranks per group: FSDP2/HSDP/tp
+# inside), --max-restarts N (per group; 3), --port P (the lighthouse's; 0: any free one).
+# Exits 0 when every group finished; otherwise 1 and the groups that failed. Logs of the
+# lighthouse and of each group go to FT_LOG_DIR (default: a new directory under /tmp).
+set -uo pipefail
+groups="" nproc=1 restarts=3 port=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --groups) groups="$2"; shift 2 ;;
+    --nproc-per-group) nproc="$2"; shift 2 ;;
+    --max-restarts) restarts="$2"; shift 2 ;;
+    --port) port="$2"; shift 2 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) break ;;
+  esac
+done
+if [[ -z "$groups" || $# -eq 0 ]]; then
+  echo "usage: bash launch/ft.sh --groups G [--nproc-per-group R] CONFIG [KEY=VALUE ...]" >&2
+  exit 2
+fi
+python=${PYTHON:-python}
+logs=${FT_LOG_DIR:-$(mktemp -d /tmp/bigtrain-ft.XXXXXX)}
+mkdir -p "$logs"
+args=("$@" "fault_tolerance.groups=$groups")
+
+# The lighthouse reads its settings (min_groups, heartbeat and join timeouts) from the config.
+"$python" -m bigtrain lighthouse "${args[@]}" --port "$port" >"$logs/lighthouse.log" 2>&1 &
+lighthouse=$!
+trap 'kill "$lighthouse" 2>/dev/null' EXIT
+for _ in $(seq 300); do
+  address=$(grep -o '^lighthouse http[^ ]*' "$logs/lighthouse.log" | head -1 | cut -d' ' -f2)
+  [[ -n "$address" ]] && break
+  if ! kill -0 "$lighthouse" 2>/dev/null; then
+    echo "launch/ft.sh: the lighthouse did not start:" >&2
+    cat "$logs/lighthouse.log" >&2
+    exit 2
+  fi
+  sleep 0.1
+done
+if [[ -z "$address" ]]; then
+  echo "launch/ft.sh: the lighthouse printed no address in 30 s ($logs/lighthouse.log)" >&2
+  exit 2
+fi
+echo "launch/ft.sh: lighthouse $address, $groups groups x $nproc ranks, logs in $logs" >&2
+
+pids=()
+for ((g = 0; g < groups; g++)); do
+  BIGTRAIN_FT_GROUP=$g TORCHFT_LIGHTHOUSE=$address \
+    torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" \
+    -m bigtrain train "${args[@]}" >"$logs/group$g.log" 2>&1 &
+  pids+=($!)
+done
+failed=()
+for ((g = 0; g < groups; g++)); do
+  if ! wait "${pids[$g]}"; then
+    failed+=("$g")
+  fi
+done
+if [[ ${#failed[@]} -gt 0 ]]; then
+  for g in "${failed[@]}"; do
+    echo "launch/ft.sh: group $g failed; the end of $logs/group$g.log:" >&2
+    tail -n 20 "$logs/group$g.log" >&2
+  done
+  exit 1
+fi
+echo "launch/ft.sh: all $groups groups finished" >&2

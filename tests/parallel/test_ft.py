@@ -1,0 +1,209 @@
+"""Fault-tolerant replica groups (parallel/ft.py) through launch/ft.sh: separate jobs on gloo that
+average their gradients over torchft's managed group, survive a killed group, and heal together.
+
+Every run is FP32 so that the FT run and the plain fsdp run with the same data-parallel size can
+be held to 1e-5: the two sum the same gradients in a different order (a mean within the group,
+then over the groups, against one mean over all ranks), which FP32 rounds alike to ~1e-7."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from bigtrain.parallel.env import free_port
+from bigtrain.store.rundir import read_jsonl
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.distributed
+
+FP32 = ("precision.compute_dtype=fp32", "train.log_every=1", "checkpoint.every=5")
+
+
+def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def ft(groups: int, nproc: int, args: list[str], log_dir, *extra: str) -> None:
+    """A run of `groups` replica groups of `nproc` ranks through launch/ft.sh."""
+    env_log = f"FT_LOG_DIR={log_dir}"
+    launch(
+        [
+            "env",
+            env_log,
+            "bash",
+            "launch/ft.sh",
+            "--groups",
+            str(groups),
+            "--nproc-per-group",
+            str(nproc),
+            "--max-restarts",
+            "1",
+            *args,
+            "parallel.backend=fsdp",
+            "fault_tolerance.heartbeat_timeout_s=1",
+            *extra,
+        ]
+    )
+
+
+def plain(world: int, args: list[str]) -> None:
+    launch(
+        [
+            "torchrun",
+            "--nproc-per-node",
+            str(world),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "bigtrain",
+            "train",
+            *args,
+            "parallel.backend=fsdp",
+        ]
+    )
+
+
+def losses(out) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+
+
+def events(out, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == kind]
+
+
+def finishes(out, groups: int) -> dict[int, dict]:
+    done = {e["group"]: e for e in events(out, "finish")}
+    assert sorted(done) == list(range(groups)), f"finish events of groups {sorted(done)}"
+    return done
+
+
+def assert_close(a: dict[int, float], b: dict[int, float], tol: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b)
+    worst = max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+    assert worst <= tol, f"largest relative loss difference {worst:.2e} > {tol}"
+
+
+@pytest.mark.parametrize("groups,nproc", [(3, 1), (2, 2)])
+def test_fault_free_groups_train_as_the_plain_run_of_the_same_data_parallel_size(
+    micro_args, tmp_path, groups, nproc
+):
+    """G groups of R ranks, all taking part from the first step (min_groups=G), give the plain
+    fsdp run of G x R ranks' per-step losses; every group ends with the same weights."""
+    steps = ("train.max_steps=8",)
+    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
+    ft(
+        groups,
+        nproc,
+        micro_args(*FP32, *steps, out="ft"),
+        tmp_path / "logs",
+        f"fault_tolerance.min_groups={groups}",
+    )
+    plain(groups * nproc, micro_args(*FP32, *steps, out="plain"))
+    assert_close(losses(ft_out), losses(plain_out))
+    assert len(losses(ft_out)) == 8
+    prints = {e["fingerprint"] for e in finishes(ft_out, groups).values()}
+    assert len(prints) == 1
+    assert not events(ft_out, "commit_failed") and not events(ft_out, "group_joined")
+    quorum = events(ft_out, "quorum")
+    assert {tuple(e["participants"]) for e in quorum} == {tuple(range(groups))}
+    assert sorted(p.name for p in (ft_out / "checkpoints").iterdir()) == [
+        "step_00000005",
+        "step_00000008",
+    ]
+
+
+def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, tmp_path):
+    """Group 1 dies by SIGKILL inside step 4: the step is not committed anywhere, the two
+    survivors commit every later step without it, group 1 restarts under torchrun, takes the
+    whole state from a peer and finishes with the same weights; no token is trained twice and
+    its missed slices are counted."""
+    out = tmp_path / "run"
+    args = micro_args(
+        *FP32,
+        "train.max_steps=40",
+        "fault.kill_group=1",
+        "fault.kill_step=4",
+        # slow steps, so that the killed group's restart (a new interpreter, ~5-10 s here)
+        # comes back before the survivors finish
+        "fault.slow_rank=0",
+        "fault.slow_s=0.4",
+    )
+    ft(3, 1, args, tmp_path / "logs")
+    done = finishes(out, 3)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    (kill,) = events(out, "fault")
+    assert kill["type"] == "kill_group" and kill["group"] == 1 and kill["step"] == 4
+    failed = events(out, "commit_failed")
+    assert failed and {e["step"] for e in failed} == {4}
+    assert {e["group"] for e in failed} <= {0, 2}
+    # (a group that starts late joins at its first step too: only the join after the kill)
+    joined = [e for e in events(out, "group_joined") if e["group"] == 1 and e["step"] > 4]
+    assert len(joined) == 1 and joined[0]["bytes"] > 0
+    # the survivors committed every step: each step has one metrics line (the leader's)
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, 41))
+    for step in range(5, 41):  # continuous: no step jumps as a restart from scratch would
+        assert curve[step] < curve[step - 1] * 1.25, (step, curve)
+    skipped = done[0]["tokens_skipped_by_group"]
+    missed = joined[0]["step"] - 4  # steps 4 .. joined-1 ran without group 1 (and maybe more)
+    per_group = 8 * 32  # micro batch x seq_len
+    assert skipped["1"] >= missed * per_group and skipped["1"] % per_group == 0
+    assert done[0]["tokens"] + sum(skipped.values()) == 40 * 3 * per_group
+
+
+def test_a_nan_in_one_group_rolls_every_group_back_to_the_same_target(micro_args, tmp_path):
+    """A NaN gradient in group 1 only: the reduced numbers are NaN in every group, so all three
+    replay (reproduced: a data fault), roll back to the same target and keep the trajectory of
+    the plain fsdp run of 3 ranks with the same NaN on its rank 1."""
+    steps = ("train.max_steps=12", "fault.nan_grad_step=[7]")
+    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
+    ft(
+        3,
+        1,
+        micro_args(*FP32, *steps, "fault.group=1", out="ft"),
+        tmp_path / "logs",
+        "fault_tolerance.min_groups=3",
+    )
+    plain(3, micro_args(*FP32, *steps, "fault.rank=1", out="plain"))
+    rollbacks = events(ft_out, "rollback")
+    assert sorted(e["group"] for e in rollbacks) == [0, 1, 2]
+    assert {(e["from_step"], e["to_step"]) for e in rollbacks} == {
+        (r["from_step"], r["to_step"]) for r in events(plain_out, "rollback")
+    }
+    assert_close(losses(ft_out), losses(plain_out))
+    assert len({e["fingerprint"] for e in finishes(ft_out, 3).values()}) == 1
+
+
+def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
+    micro_args, tmp_path
+):
+    """Group 2 dies right after a rollback (NaN in group 0 at step 6) and rejoins while the LR
+    is still backed off: it receives the lowered LR scale and the healer's windows with the
+    weights, and every group ends equal."""
+    out = tmp_path / "run"
+    args = micro_args(
+        *FP32,
+        "train.max_steps=36",
+        "fault.nan_grad_step=[6]",
+        "fault.kill_group=2",
+        "fault.kill_step=8",
+        "resilience.lr_cooldown_steps=200",
+        "fault.slow_rank=0",
+        "fault.slow_s=0.4",
+    )
+    ft(3, 1, args, tmp_path / "logs")
+    done = finishes(out, 3)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    rollbacks = events(out, "rollback")
+    assert {e["group"] for e in rollbacks} == {0, 1, 2}
+    (joined,) = [e for e in events(out, "group_joined") if e["group"] == 2 and e["step"] > 8]
+    # the joined group's own view: the back-off came with the state (no lr_restore anywhere)
+    assert not events(out, "lr_restore")
+    assert all(e["rollbacks"] == 1 for e in done.values())

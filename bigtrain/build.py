@@ -291,7 +291,7 @@ class BuiltParts:
     tokenizer_dir: str
     sinks: list  # the metric sinks, not yet started (every rank checks the packages)
     costs: CostLedger
-    group: int  # this process's replica group (0 without fault tolerance)
+    group: int = 0  # this process's replica group (0 without fault tolerance)
 
 
 def _assemble(

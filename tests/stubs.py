@@ -22,6 +22,7 @@ from bigtrain.checkpoint.manifest import PREFIX, CheckpointError
 from bigtrain.config.schema import Config
 from bigtrain.data.stream import SampleStream
 from bigtrain.parallel.env import DistEnv
+from bigtrain.parallel.ft import NoReplicaGroups
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience import Anomaly, Healer
 from bigtrain.store.rundir import RunDir
@@ -149,6 +150,7 @@ class StubTrainer:
         self.backend = StubBackend()
         self.loader = StubLoader(SampleStream(num_samples, seed=0), GLOBAL_BATCH)
         self.healer = healer
+        self.replicas = NoReplicaGroups()
         self.replaying = False
         self.stop_signal: str | None = None
         self.step_in_progress: int | None = None

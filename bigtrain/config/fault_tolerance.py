@@ -82,9 +82,9 @@ def check_fault_tolerance(
         )
     floor = hang_floor(parallel_timeout_s, hang_timeout_s)
     source = (
-        f"resilience.hang_timeout_s ({hang_timeout_s})"
+        "resilience.hang_timeout_s"
         if hang_timeout_s is not None
-        else f"the hang watchdog's automatic floor, min(parallel.timeout_s, 300) = {floor:g}"
+        else "the hang watchdog's automatic floor, min(parallel.timeout_s, 300),"
     )
     nested = [
         ("heartbeat_timeout_s", ft.heartbeat_timeout_s, "fault_tolerance.timeout_s", ft.timeout_s),

@@ -172,14 +172,21 @@ class _TimedTransport:
 
 def _quiet_torchft() -> None:
     """torchft's Rust side logs every quorum and commit at INFO on stderr: warnings only, unless
-    the user set RUST_LOG (before torchft is imported: its logger reads it once)."""
+    the user set RUST_LOG (before torchft is imported: its logger reads it once). ConfigError
+    when torchft is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "key 'fault_tolerance.groups' is above 1, which needs torchft: "
+            "pip install 'bigtrain[ft]' (torchft==0.2.0)"
+        )
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _process_group(timeout: timedelta, device: torch.device) -> Any:
-    _quiet_torchft()
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     return ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
@@ -232,6 +239,7 @@ class ReplicaGroups:
     """This group's torchft Manager and what the loop asks of it (module docstring)."""
 
     def __init__(self, cfg: FaultToleranceConfig, layout: Layout, device: torch.device) -> None:
+        _quiet_torchft()
         from torchft.manager import Manager
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft

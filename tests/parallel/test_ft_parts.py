@@ -1,0 +1,118 @@
+"""The parts of parallel/ft.py that need no lighthouse: group indices, gradient buckets, the
+group-aware run directory and lock, and the kill drill's once-per-run-directory marker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bigtrain.build import BuiltParts, make_callbacks, writes_run_files
+from bigtrain.callbacks.costs import CostLedger
+from bigtrain.checkpoint.manager import CheckpointManager
+from bigtrain.config import load_config
+from bigtrain.errors import ConfigError
+from bigtrain.parallel import ft
+from bigtrain.parallel.env import DistEnv
+from bigtrain.parallel.layout import Layout
+from bigtrain.store.rundir import RunDir, read_jsonl
+from bigtrain.store.runlock import lock_run_dir
+from bigtrain.utils.clock import StartupClock
+
+pytestmark = pytest.mark.unit
+
+
+def test_group_index_comes_from_the_environment(monkeypatch):
+    assert ft.group_index(1) == 0
+    monkeypatch.setenv(ft.GROUP_ENV, "2")
+    assert ft.group_index(3) == 2
+    monkeypatch.setenv(ft.GROUP_ENV, "3")
+    with pytest.raises(ConfigError, match="BIGTRAIN_FT_GROUP set to its replica group"):
+        ft.group_index(3)
+    monkeypatch.delenv(ft.GROUP_ENV)
+    with pytest.raises(ConfigError, match="got None"):
+        ft.group_index(2)
+
+
+def test_lighthouse_address_from_the_key_or_the_environment(monkeypatch):
+    cfg = load_config([], [])
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match="fault_tolerance.lighthouse"):
+        ft.lighthouse_address(cfg.fault_tolerance)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://h:1")
+    assert ft.lighthouse_address(cfg.fault_tolerance) == "http://h:1"
+
+
+def test_group_ids_read_torchfts_replica_ids():
+    assert ft.group_ids(["group2:abc", "group0:def", "group10:x"]) == [0, 2, 10]
+
+
+def test_buckets_keep_one_dtype_and_a_bounded_size(monkeypatch):
+    monkeypatch.setattr(ft, "BUCKET_ELEMENTS", 10)
+    grads = [
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.zeros(2, dtype=torch.bfloat16),
+        torch.zeros(30),
+    ]
+    sizes = [[g.numel() for g in b] for b in ft._buckets(grads)]
+    assert sizes == [[4, 4], [4], [2], [30]]
+    assert all(len({g.dtype for g in b}) == 1 for b in ft._buckets(grads))
+
+
+def test_the_layout_counts_replica_groups_in_the_data_parallel_ranks():
+    cfg = load_config([], ["parallel.backend=fsdp"])
+    layout = Layout.of(cfg.parallel, 2, rank=1, ft=3, ft_group=2)
+    assert (layout.dp_size, layout.dp_rank, layout.world_size) == (6, 5, 2)
+    assert layout.describe().startswith("ft 3")
+
+
+def test_events_carry_the_group_and_only_the_leader_writes_metrics(tmp_path):
+    run_dir = RunDir(tmp_path, True, group=2)
+    run_dir.event(1, "quorum", participants=[0, 2])
+    run_dir.metrics({"step": 1})  # not the leader yet: nothing
+    run_dir.leader = True
+    run_dir.metrics({"step": 2})
+    assert read_jsonl(tmp_path / "events.jsonl")[0]["group"] == 2
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 2}]
+    plain = RunDir(tmp_path / "plain", True)
+    assert plain.leader and "group" not in plain.event(1, "start")
+
+
+def test_each_group_locks_its_own_part_of_the_run_directory(tmp_path):
+    locks = [lock_run_dir(RunDir(tmp_path, True, group=g), 30, True) for g in (0, 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock.group0", ".lock.group1"]
+    owner = json.loads((tmp_path / ".lock.group1").read_text())
+    assert owner["pid"] > 0
+    for lock in locks:
+        lock.release()
+
+
+def test_run_files_are_written_by_group_0_while_they_are_missing(tmp_path):
+    assert writes_run_files(RunDir(tmp_path, True))
+    assert writes_run_files(RunDir(tmp_path, True, group=0))
+    assert not writes_run_files(RunDir(tmp_path, True, group=1))
+    (tmp_path / "tokenizer").mkdir()
+    assert not writes_run_files(RunDir(tmp_path, True, group=0))
+    assert writes_run_files(RunDir(tmp_path, True))  # a plain run rewrites them
+
+
+def test_only_group_0_feeds_the_metric_sinks(tmp_path):
+    cfg = load_config([], [])
+    manager = CheckpointManager(tmp_path / "checkpoints", keep=1)
+
+    def names(group: int) -> list[str]:
+        parts = BuiltParts([], {}, str(tmp_path), ["sink"], CostLedger(StartupClock()), group)
+        made = make_callbacks(cfg, DistEnv(), RunDir(tmp_path, True), manager, parts)
+        return [type(c).__name__ for c in made]
+
+    assert "SinkLogger" in names(0) and "SinkLogger" not in names(1)
+
+
+def test_no_replica_groups_leave_every_step_as_it_is():
+    none = ft.NoReplicaGroups()
+    value = torch.tensor(2.0)
+    assert none.average(value) is value and none.intact() and none.commit(None)
+    assert none.across_groups is None and none.state_dict() == {} and none.leads

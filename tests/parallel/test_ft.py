@@ -207,3 +207,34 @@ def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
     # the joined group's own view: the back-off came with the state (no lr_restore anywhere)
     assert not events(out, "lr_restore")
     assert all(e["rollbacks"] == 1 for e in done.values())
+
+
+def test_the_whole_job_restarts_from_its_checkpoint_with_another_number_of_groups(
+    micro_args, tmp_path
+):
+    """Three groups stop at step 6 (the leading group writes the checkpoint); the job comes
+    back as two groups, resumes from it with the same global batch (24 sequences: micro-batch
+    6 x 2 steps of accumulation on each of the two groups) and finishes with equal weights."""
+    out = tmp_path / "run"
+    ft(
+        3,
+        1,
+        micro_args(*FP32, "train.max_steps=10", "train.stop_at_step=6"),
+        tmp_path / "logs3",
+        "fault_tolerance.min_groups=3",
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000006"
+    ft(
+        2,
+        1,
+        micro_args(*FP32, "train.max_steps=10"),
+        tmp_path / "logs2",
+        "fault_tolerance.min_groups=2",
+    )
+    resumed = events(out, "resume")
+    assert sorted(e["group"] for e in resumed) == [0, 1]
+    assert all(e["step"] == 6 for e in resumed)
+    done = finishes(out, 2)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    assert done[0]["tokens"] == 10 * 24 * 32 and "tokens_skipped_by_group" not in done[0]
+    assert not events(out, "group_joined")

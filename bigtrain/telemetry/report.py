@@ -46,6 +46,7 @@ from matplotlib.ticker import PercentFormatter
 
 from bigtrain.errors import ConfigError
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.telemetry.ft_report import failures, failures_html, quorum_series
 from bigtrain.telemetry.run_costs import time_lost, time_lost_table
 from bigtrain.telemetry.trajectory import split_trajectory
 
@@ -94,12 +95,15 @@ def build_report(run_dir: Path) -> Path:
         fig.savefig(out / f"{name}.png", dpi=100)
         plotted[name] = {**_plotted(fig), **extra}
     (out / "plotted.json").write_text(json.dumps(plotted))
-    lost = time_lost(logs.events)  # None for a run of an older bigtrain
+    # With replica groups each group logs its own start and steps: the table is group 0's.
+    own = [e for e in logs.events if e.get("group", 0) == 0]
+    lost = time_lost(own)  # None for a run of an older bigtrain
     if lost is not None:
         (out / "time_lost.json").write_text(json.dumps(lost))
     page = out / "index.html"
     text = _html(run_dir, logs.events, list(plotted))
-    page.write_text(text.replace("</body>", _time_lost_html(lost) + "</body>"))
+    extra = _time_lost_html(lost) + failures_html(failures(logs.events))
+    page.write_text(text.replace("</body>", extra + "</body>"))
     return page
 
 
@@ -131,6 +135,20 @@ def _figures(logs: RunLogs) -> Iterator[tuple[str, Figure, dict[str, Any]]]:
     if layers:
         extra = {"layers": layers, "steps": steps}
         yield "layer_grad_norm", _layer_figure(layers, steps, grid), extra
+    steps, sizes = quorum_series(logs.events)
+    if steps:  # replica groups (parallel/ft.py)
+        yield "quorum", _quorum_figure(steps, sizes), {"failures": failures(logs.events)}
+
+
+def _quorum_figure(steps: list[int], sizes: list[int]) -> Figure:
+    """The replica groups taking part, from each membership change on."""
+    fig = Figure(figsize=(8, 2.5))
+    ax = fig.subplots()
+    ax.step(steps, sizes, where="post", label="groups in the quorum")
+    ax.set_xlabel("step")
+    ax.set_ylabel("groups")
+    ax.set_ylim(0, max(sizes) + 0.5)
+    return _finish(fig, "replica groups taking part")
 
 
 def _num(value: Any) -> float | None:

@@ -7,6 +7,7 @@ then over the groups, against one mean over all ranks), which FP32 rounds alike 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -14,6 +15,7 @@ import pytest
 
 from bigtrain.parallel.env import free_port
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.telemetry.report import build_report
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.distributed
@@ -156,6 +158,13 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     per_group = 8 * 32  # micro batch x seq_len
     assert skipped["1"] >= missed * per_group and skipped["1"] % per_group == 0
     assert done[0]["tokens"] + sum(skipped.values()) == 40 * 3 * per_group
+    # the report: the quorum's size over time and the failure's costs
+    build_report(out)
+    plotted = json.loads((out / "report" / "plotted.json").read_text())["quorum"]
+    after_kill = [r for r in plotted["failures"] if r["step"] == 4]
+    assert [r["group"] for r in after_kill] == [1]
+    assert after_kill[0]["away_s"] > after_kill[0]["survivors_stall_s"] > 0
+    assert 2.0 in plotted["groups in the quorum"]["y"]
 
 
 def test_a_nan_in_one_group_rolls_every_group_back_to_the_same_target(micro_args, tmp_path):

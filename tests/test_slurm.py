@@ -177,3 +177,33 @@ def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_p
     # excluded at its first requeue (the requeue once ended the script before the exclusion,
     # and the job looped on the host until an exclusion happened to get through)
     assert info["Restarts"] == "1", info
+
+
+def test_ft_sbatch_relaunches_only_the_failed_groups_step(slurm, tmp_path, cache_dir):
+    """slurm/ft.sbatch: the lighthouse in the batch shell, one job step per replica group; group
+    1's step dies by SIGKILL at step 5, the script launches it again, it rejoins from group 0,
+    and both end with the same weights."""
+    out = tmp_path / "ft"
+    overrides = (
+        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=40 model.n_layers=2 "
+        "model.d_model=64 train.micro_batch_size=8 train.eval_every=0 checkpoint.every=10 "
+        "wandb.mode=disabled train.log_every=1 fault.kill_group=1 fault.kill_step=5 "
+        "fault.slow_rank=0 fault.slow_s=0.4 fault_tolerance.heartbeat_timeout_s=1"
+    )
+    result = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks=2", f"--output={out}.log", "slurm/ft.sbatch"],
+        cwd=ROOT,
+        env={**slurm, "OUT_DIR": str(out), "OVERRIDES": overrides, "FT_GROUPS": "2"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    info = wait_for(slurm, result.stdout.strip().split(";")[0])
+    log = Path(f"{out}.log").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "bigtrain-ft: group 1 failed" in log and "group 0 failed" not in log
+    assert "bigtrain-ft: all 2 groups finished" in log
+    events = read_jsonl(out / "events.jsonl")
+    finish = {e["group"]: e["fingerprint"] for e in events if e["kind"] == "finish"}
+    assert sorted(finish) == [0, 1] and len(set(finish.values())) == 1
+    assert any(e["kind"] == "group_joined" and e["group"] == 1 and e["step"] > 5 for e in events)

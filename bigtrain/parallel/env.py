@@ -78,9 +78,11 @@ def read_env(local_rank_arg: int | None = None) -> DistEnv:
         )
         if env.world_size > 1:
             if "MASTER_ADDR" not in os.environ:
-                os.environ["MASTER_ADDR"] = slurm_master_addr(
-                    os.environ.get("SLURM_JOB_NODELIST", "localhost")
+                # the job step's first node (a replica group's step may run on any of the job's)
+                nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get(
+                    "SLURM_JOB_NODELIST", "localhost"
                 )
+                os.environ["MASTER_ADDR"] = slurm_master_addr(nodes)
             # A port per job, so that two jobs sharing a node do not collide.
             os.environ.setdefault(
                 "MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)

@@ -247,8 +247,12 @@ def kills(work: Path, name: str, count: int, heartbeat: float, transport: str) -
             )
             print(f"kill {i + 1}/{count} ({transport}): {records[-1]}", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.terminate()  # launch/ft.sh stops its torchruns, which stop their workers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return records
 
 
@@ -267,7 +271,7 @@ def summary(records: list[dict], heartbeat: float) -> dict:
         "survivors_next_commit_p95_s": quantile(stall, 0.95),
         "heartbeat_timeout_s": heartbeat,
         **{
-            f"{k.removesuffix('_s')}_median_s": statistics.median(r[k] for r in records)
+            f"{k.removesuffix('_s')}_median_s": round(statistics.median(r[k] for r in records), 3)
             for k in keys
         },
         "transfer_mb_per_s": round(statistics.median(mb_s), 1) if mb_s else None,
@@ -284,10 +288,13 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bigtrain-bench-ft-") as tmp:
         work = Path(tmp)
-        result = {"throughput": throughput(work, args.steps)}
-        print(f"throughput: {result['throughput']}", flush=True)
-        http = kills(work, "http", args.kills, args.heartbeat, "http")
-        result["http"] = summary(http, args.heartbeat)
+        result: dict = {}
+        if args.steps:
+            result["throughput"] = throughput(work, args.steps)
+            print(f"throughput: {result['throughput']}", flush=True)
+        if args.kills:
+            http = kills(work, "http", args.kills, args.heartbeat, "http")
+            result["http"] = summary(http, args.heartbeat)
         if args.pg_kills:
             pg = kills(work, "pg", args.pg_kills, args.heartbeat, "pg")
             result["pg"] = summary(pg, args.heartbeat)

@@ -51,6 +51,13 @@ fi
 echo "launch/ft.sh: lighthouse $address, $groups groups x $nproc ranks, logs in $logs" >&2
 
 pids=()
+# Stopped (Ctrl-C, SIGTERM, a scheduler): each torchrun stops its workers, then the lighthouse.
+stop() {
+  kill -TERM "${pids[@]}" 2>/dev/null
+  wait "${pids[@]}" 2>/dev/null
+  exit 143
+}
+trap stop INT TERM
 for ((g = 0; g < groups; g++)); do
   BIGTRAIN_FT_GROUP=$g TORCHFT_LIGHTHOUSE=$address \
     torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" \

@@ -36,6 +36,22 @@ numbers, so every rank takes the same transitions in the same step, with no extr
               end --> HEALTHY (an `lr_restore` event)
     ABORTED   the ABORTED marker and exit 3; checkpoints stay as they were.
 
+With fault-tolerant replica groups (parallel/ft.py) the same machine runs in every group, in step:
+the monitor's numbers are the whole job's (gradients averaged over the live groups before it
+reads them, the loss averaged across groups), so every group takes every transition above in the
+same step. Two more things can happen to a step:
+
+    UNCOMMITTED  a reduction across groups failed (a group died inside the step) or torchft's
+                 vote was no: nothing of the step is applied in any group (gradients dropped,
+                 data cursor and RNG put back; a `commit_failed` event), and it runs again with
+                 the next quorum, in the state it started from
+    JOINED       a group behind the others (restarted, or it did not commit) takes a live peer's
+                 whole state at the step's quorum: weights, optimizer, counters, the healer's
+                 targets and windows, the back-off of a COOLDOWN, loss scale, RNG, data cursor;
+                 it continues in the state the peer is in
+A rollback is a committed step whose outcome is RESTORED: torchft's step count never goes back,
+so a group joining afterwards receives the restored state.
+
 An FP16 overflow under dynamic loss scaling is not an anomaly (the step is skipped, the scale
 backs off); an overflow at the minimum scale is. Callbacks only observe what this decided
 (StepResult.action, rolled_back, checkpoint_now and the events).

@@ -159,3 +159,16 @@ def test_a_one_process_run_moves_to_two_ranks_keeping_its_global_batch(tmp_path,
     assert resume["batch"] == note and resume["identity_changed"] == []
     final = json.loads((out / "final.json").read_text())
     assert final["step"] == 6 and final["tokens"] == 6 * 8 * 128
+
+
+@pytest.mark.e2e
+def test_ft_launcher_has_help_and_refuses_a_missing_group_count():
+    shown = subprocess.run(
+        ["bash", "launch/ft.sh", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert shown.returncode == 0 and "--nproc-per-group" in shown.stdout
+    assert "set -uo" not in shown.stdout
+    bare = subprocess.run(
+        ["bash", "launch/ft.sh", "configs/tiny.yaml"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bare.returncode == 2 and "usage: bash launch/ft.sh --groups G" in bare.stderr

@@ -116,3 +116,36 @@ def test_no_replica_groups_leave_every_step_as_it_is():
     value = torch.tensor(2.0)
     assert none.average(value) is value and none.intact() and none.commit(None)
     assert none.across_groups is None and none.state_dict() == {} and none.leads
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_a_peers_state_makes_the_next_step_the_peers_own(micro, states):
+    """What a rejoining group receives (peer_state) puts a fresh trainer where the peer is: the
+    same counters, data cursor, healer state and RNG, and the next step gives the peer's loss and
+    weights bit for bit (BF16 optimizer states included)."""
+    from dataclasses import asdict
+
+    from bigtrain.build import build_trainer
+    from bigtrain.parallel.env import DistEnv
+
+    common = (
+        "train.max_steps=12",
+        "train.eval_every=0",
+        f"precision.optimizer_state_dtype={states}",
+    )
+    peer = build_trainer(micro(*common, "train.stop_at_step=5", out="peer"), DistEnv())
+    peer.fit()
+    state = ft.peer_state(peer)
+    fresh = build_trainer(micro(*common, out="joined"), DistEnv())
+    assert fresh.state.step == 0
+    ft.load_peer_state(fresh, state)
+    assert asdict(fresh.state) == asdict(peer.state) and fresh.state.step == 5
+    assert fresh.loader.stream.state_dict() == peer.loader.stream.state_dict()
+    assert fresh.healer.state_dict() == peer.healer.state_dict()
+    assert fresh.healer.detector.state_dict() == peer.healer.detector.state_dict()
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+    ours, theirs = fresh.train_step(), peer.train_step()
+    assert ours.loss.item() == theirs.loss.item()
+    assert fresh.backend.fingerprint() == peer.backend.fingerprint()
+    for trainer in (peer, fresh):
+        trainer.callbacks.close()

@@ -197,7 +197,9 @@ def shrunk_quorum(out: Path, group: int, t: float) -> dict:
     )
 
 
-def kills(work: Path, name: str, count: int, heartbeat: float, transport: str) -> list[dict]:
+def kills(
+    work: Path, name: str, count: int, heartbeat: float, transport: str, join: float
+) -> list[dict]:
     """`count` kills of group 1 or 2 in a long FT run; one record per kill."""
     out = work / name
     proc = subprocess.Popen(
@@ -261,7 +263,7 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summary(records: list[dict], heartbeat: float) -> dict:
+def summary(records: list[dict], heartbeat: float, join: float) -> dict:
     stall = [r["survivors_next_commit_s"] for r in records]
     mb_s = [r["bytes"] / 1e6 / r["transfer_s"] for r in records if r["transfer_s"] > 0]
     keys = ("rejoin_first_commit_s", "restart_s", "startup_s", "transfer_s", "first_step_s")
@@ -270,6 +272,7 @@ def summary(records: list[dict], heartbeat: float) -> dict:
         "survivors_next_commit_p50_s": quantile(stall, 0.5),
         "survivors_next_commit_p95_s": quantile(stall, 0.95),
         "heartbeat_timeout_s": heartbeat,
+        "join_timeout_s": join,
         **{
             f"{k.removesuffix('_s')}_median_s": round(statistics.median(r[k] for r in records), 3)
             for k in keys
@@ -285,6 +288,7 @@ def main() -> None:
     p.add_argument("--pg-kills", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--join", type=float, default=1.0, help="the lighthouse's join timeout (s)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bigtrain-bench-ft-") as tmp:
         work = Path(tmp)
@@ -293,11 +297,11 @@ def main() -> None:
             result["throughput"] = throughput(work, args.steps)
             print(f"throughput: {result['throughput']}", flush=True)
         if args.kills:
-            http = kills(work, "http", args.kills, args.heartbeat, "http")
-            result["http"] = summary(http, args.heartbeat)
+            http = kills(work, "http", args.kills, args.heartbeat, "http", args.join)
+            result["http"] = summary(http, args.heartbeat, args.join)
         if args.pg_kills:
-            pg = kills(work, "pg", args.pg_kills, args.heartbeat, "pg")
-            result["pg"] = summary(pg, args.heartbeat)
+            pg = kills(work, "pg", args.pg_kills, args.heartbeat, "pg", args.join)
+            result["pg"] = summary(pg, args.heartbeat, args.join)
     print(json.dumps(result))
 
 

@@ -185,7 +185,7 @@ def test_ft_sbatch_relaunches_only_the_failed_groups_step(slurm, tmp_path, cache
     and both end with the same weights."""
     out = tmp_path / "ft"
     overrides = (
-        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=40 model.n_layers=2 "
+        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=50 model.n_layers=2 "
         "model.d_model=64 train.micro_batch_size=8 train.eval_every=0 checkpoint.every=10 "
         "wandb.mode=disabled train.log_every=1 fault.kill_group=1 fault.kill_step=5 "
         "fault.slow_rank=0 fault.slow_s=0.4 fault_tolerance.heartbeat_timeout_s=1"

@@ -268,6 +268,7 @@ class ReplicaGroups:
         self.client = _Recorded(self.manager._client)
         self.manager._client = self.client  # type: ignore[assignment]
         self.participants: list[int] = []
+        self.quorum_id: int | None = None
         self.leads = False  # until the first quorum says who leads
 
     def attach(self, trainer) -> None:
@@ -282,7 +283,8 @@ class ReplicaGroups:
         quorum = self.client.last
         participants = group_ids(quorum.replica_ids)
         self.leads = trainer.run_dir.leader = self.manager.participating_rank() == 0
-        if participants != self.participants:
+        if quorum.quorum_id != self.quorum_id:  # a membership change (a group replaced too)
+            self.quorum_id = quorum.quorum_id
             trainer.event(
                 "quorum",
                 at_step=trainer.state.step + 1,

@@ -129,7 +129,7 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     out = tmp_path / "run"
     args = micro_args(
         *FP32,
-        "train.max_steps=40",
+        "train.max_steps=50",
         "fault.kill_group=1",
         "fault.kill_step=4",
         # slow steps, so that the killed group's restart (a new interpreter, ~5-10 s here)
@@ -150,14 +150,14 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     assert len(joined) == 1 and joined[0]["bytes"] > 0
     # the survivors committed every step: each step has one metrics line (the leader's)
     curve = losses(out)
-    assert sorted(curve) == list(range(1, 41))
-    for step in range(5, 41):  # continuous: no step jumps as a restart from scratch would
+    assert sorted(curve) == list(range(1, 51))
+    for step in range(5, 51):  # continuous: no step jumps as a restart from scratch would
         assert curve[step] < curve[step - 1] * 1.25, (step, curve)
     skipped = done[0]["tokens_skipped_by_group"]
     missed = joined[0]["step"] - 4  # steps 4 .. joined-1 ran without group 1 (and maybe more)
     per_group = 8 * 32  # micro batch x seq_len
     assert skipped["1"] >= missed * per_group and skipped["1"] % per_group == 0
-    assert done[0]["tokens"] + sum(skipped.values()) == 40 * 3 * per_group
+    assert done[0]["tokens"] + sum(skipped.values()) == 50 * 3 * per_group
     # the report: the quorum's size over time and the failure's costs
     build_report(out)
     plotted = json.loads((out / "report" / "plotted.json").read_text())["quorum"]
@@ -199,7 +199,7 @@ def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
     out = tmp_path / "run"
     args = micro_args(
         *FP32,
-        "train.max_steps=36",
+        "train.max_steps=50",
         "fault.nan_grad_step=[6]",
         "fault.kill_group=2",
         "fault.kill_step=8",

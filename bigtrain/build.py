@@ -156,7 +156,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     run_dir = RunDir(out, env.is_main, layout.ft_group if layout.ft > 1 else None)
     lock = lock_run_dir(run_dir, cfg.train.lock_timeout_s, env.is_main)
     clock.previous_end = last_event_time(out / "events.jsonl")  # a restart's gap starts there
-    log_file = add_rank_file(out, env.rank)
+    log_file = add_rank_file(run_dir.per_group("logs"), env.rank)
     try:
         return _assemble(cfg, env, layout, run_dir, device, lock, log_file, config_yaml, clock)
     except BaseException:
@@ -273,7 +273,7 @@ def make_callbacks(
         # Ends the run (exit 4) once this step's checkpoint and metrics are written.
         PreemptionHandler(),
         # The beat marks the step's end: after the step's checkpoint and evaluation.
-        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.path / "hang"),
+        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.per_group("hang")),
         # Last: the step's other callbacks are inside the step's trace.
         ProfilerCallback(cfg.profile, env.rank)
         if (cfg.profile.steps or cfg.profile.memory) and env.rank in cfg.profile.ranks

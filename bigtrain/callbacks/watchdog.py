@@ -137,9 +137,9 @@ class HangWatchdog(Callback):
             self._backstop_file.close()
             self._backstop_file = None
             backstop = self.hang_dir / f"rank_{self.rank}.backstop.txt"
-            if backstop.is_file() and backstop.stat().st_size == 0:  # no hang: leave no trace
-                backstop.unlink()
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # no hang: leave no trace
+                if backstop.stat().st_size == 0:
+                    backstop.unlink()
                     self.hang_dir.rmdir()  # only if empty
 
 

@@ -13,8 +13,8 @@ groups, does nothing):
                  all-reduce per bucket over torchft's reconfigurable process group: rank r of
                  every group holds the same shards). The monitor then reads gradients that are
                  the same in every group, so the norm, the non-finite counts and the per-tensor
-                 maxima need no second reduction; `combine` averages the loss (and ORs the
-                 flags) over the groups, so every group reaches the same verdict in the same step.
+                 maxima need no second reduction; `across_groups` averages the loss over the
+                 groups, so every group reaches the same verdict in the same step.
     intact / commit  a reduction that failed (a group died inside the step) or a vote against
                  committing (torchft's should_commit) leaves the step unapplied in every group:
                  its gradients are dropped, the data cursor and RNG go back, and the step runs
@@ -35,7 +35,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
@@ -323,11 +322,13 @@ class ReplicaGroups:
     def across_groups(
         self, loss: torch.Tensor, flags: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss averaged and the flags summed over the live groups (the monitor's numbers
-        that differ between groups; the gradients were averaged before it read them)."""
-        packed = torch.cat([loss.float().reshape(1), flags.float().reshape(-1)])
-        self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
-        return packed[0] / max(self.manager.num_participants(), 1), packed[1:]
+        """The loss averaged over the live groups (the monitor's one number that differs between
+        groups: the gradients were averaged before it read them). The flags stay the group's: a
+        preemption signal stops its own group only, which leaves like a failed one and rejoins
+        when relaunched; the HSDP probe compares replicas inside the group."""
+        loss = loss.float().reshape(1).clone()
+        self.manager.allreduce(loss).wait()  # AVG over the participants
+        return loss[0], flags
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""

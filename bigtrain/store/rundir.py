@@ -46,6 +46,11 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    def per_group(self, name: str) -> Path:
+        """RUN_DIR/<name> for files each rank writes under its rank's name (logs, hang stacks):
+        with replica groups RUN_DIR/<name>/group<g>, since every group has a rank 0."""
+        return self.path / name if self.group is None else self.path / name / f"group{self.group}"
+
     @property
     def aborted_marker(self) -> Path:
         return self.path / ABORTED

@@ -34,10 +34,11 @@ def setup_console(rank: int, stream: TextIO | None = None) -> None:
     logger.addHandler(handler)
 
 
-def add_rank_file(run_dir: Path, rank: int) -> logging.Handler:
-    """Every record of this rank from now on to RUN_DIR/logs/rank_<rank>.log."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log")
+def add_rank_file(logs: Path, rank: int) -> logging.Handler:
+    """Every record of this rank from now on to LOGS/rank_<rank>.log (LOGS: RUN_DIR/logs, with
+    replica groups RUN_DIR/logs/group<g>)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / f"rank_{rank}.log")
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
     )

@@ -146,7 +146,9 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     assert failed and {e["step"] for e in failed} == {4}
     assert {e["group"] for e in failed} <= {0, 2}
     # (a group that starts late joins at its first step too: only the join after the kill)
-    joined = [e for e in events(out, "group_joined") if e["group"] == 1 and e["step"] > 4]
+    joined = [
+        e for e in events(out, "group_joined") if e["group"] == 1 and e["time"] > kill["time"]
+    ]
     assert len(joined) == 1 and joined[0]["bytes"] > 0
     # the survivors committed every step: each step has one metrics line (the leader's)
     curve = losses(out)
@@ -162,8 +164,8 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     build_report(out)
     plotted = json.loads((out / "report" / "plotted.json").read_text())["quorum"]
     after_kill = [r for r in plotted["failures"] if r["step"] == 4]
-    assert [r["group"] for r in after_kill] == [1]
-    assert after_kill[0]["away_s"] > after_kill[0]["survivors_stall_s"] > 0
+    (lost,) = [r for r in after_kill if r["group"] == 1]
+    assert lost["away_s"] > lost["survivors_stall_s"] > 0
     assert 2.0 in plotted["groups in the quorum"]["y"]
 
 
@@ -212,7 +214,11 @@ def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
     assert len({e["fingerprint"] for e in done.values()}) == 1
     rollbacks = events(out, "rollback")
     assert {e["group"] for e in rollbacks} == {0, 1, 2}
-    (joined,) = [e for e in events(out, "group_joined") if e["group"] == 2 and e["step"] > 8]
+    (kill,) = [e for e in events(out, "fault") if e["type"] == "kill_group"]
+    (joined,) = [
+        e for e in events(out, "group_joined") if e["group"] == 2 and e["time"] > kill["time"]
+    ]
+    assert joined["step"] >= 8
     # the joined group's own view: the back-off came with the state (no lr_restore anywhere)
     assert not events(out, "lr_restore")
     assert all(e["rollbacks"] == 1 for e in done.values())
@@ -247,3 +253,26 @@ def test_the_whole_job_restarts_from_its_checkpoint_with_another_number_of_group
     assert len({e["fingerprint"] for e in done.values()}) == 1
     assert done[0]["tokens"] == 10 * 24 * 32 and "tokens_skipped_by_group" not in done[0]
     assert not events(out, "group_joined")
+
+
+def test_a_preempted_group_leaves_alone_and_rejoins(micro_args, tmp_path):
+    """SIGTERM to group 2 at step 5: it stops (exit 4) without stopping the others, torchrun
+    starts it again and it rejoins; the others never stop, and all end equal."""
+    out = tmp_path / "run"
+    args = micro_args(
+        *FP32,
+        "train.max_steps=50",
+        "fault.group=2",
+        "fault.sigterm_step=5",
+        "fault.slow_rank=0",
+        "fault.slow_s=0.4",
+    )
+    ft(3, 1, args, tmp_path / "logs")
+    done = finishes(out, 3)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    stops = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] in ("preempt", "stop")]
+    assert {e["group"] for e in stops} == {2}, stops
+    (signal_at,) = [e for e in events(out, "fault") if e["type"] == "sigterm"]
+    assert any(
+        e["group"] == 2 and e["time"] > signal_at["time"] for e in events(out, "group_joined")
+    )

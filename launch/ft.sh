@@ -7,6 +7,7 @@
 #
 # Options: --groups G (replica groups, >= 2), --nproc-per-group R (ranks per group: FSDP2/HSDP/tp
 # inside), --max-restarts N (per group; 3), --port P (the lighthouse's; 0: any free one).
+# The run directory is train.out_dir when given on this command line, else runs/ft-<config>.
 # Exits 0 when every group finished; otherwise 1 and the groups that failed. Logs of the
 # lighthouse and of each group go to FT_LOG_DIR (default: a new directory under /tmp).
 set -uo pipefail
@@ -17,7 +18,7 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-group) nproc="$2"; shift 2 ;;
     --max-restarts) restarts="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -29,6 +30,13 @@ python=${PYTHON:-python}
 logs=${FT_LOG_DIR:-$(mktemp -d /tmp/bigtrain-ft.XXXXXX)}
 mkdir -p "$logs"
 args=("$@" "fault_tolerance.groups=$groups")
+# An FT job's directory holds every group's logs and events: unless train.out_dir is given here,
+# it is runs/ft-<config>, apart from the plain runs of the same config (a plain run's checkpoint
+# would otherwise be resumed, with another global batch).
+if ! printf '%s\n' "$@" | grep -q '^train\.out_dir='; then
+  config=$(basename "$1")
+  args=("$1" "train.out_dir=runs/ft-${config%.*}" "${@:2}" "fault_tolerance.groups=$groups")
+fi
 
 # The lighthouse reads its settings (min_groups, heartbeat and join timeouts) from the config.
 "$python" -m bigtrain lighthouse "${args[@]}" --port "$port" >"$logs/lighthouse.log" 2>&1 &
@@ -48,7 +56,9 @@ if [[ -z "$address" ]]; then
   echo "launch/ft.sh: the lighthouse printed no address in 30 s ($logs/lighthouse.log)" >&2
   exit 2
 fi
-echo "launch/ft.sh: lighthouse $address, $groups groups x $nproc ranks, logs in $logs" >&2
+out=$(printf '%s\n' "${args[@]}" | grep '^train\.out_dir=' | tail -n 1 | cut -d= -f2-)
+echo "launch/ft.sh: lighthouse $address, $groups groups x $nproc ranks, run directory $out," \
+  "launcher logs in $logs" >&2
 
 pids=()
 # Stopped (Ctrl-C, SIGTERM, a scheduler): each torchrun stops its workers, then the lighthouse.

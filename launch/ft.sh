@@ -7,7 +7,8 @@
 #
 # Options: --groups G (replica groups, >= 2), --nproc-per-group R (ranks per group: FSDP2/HSDP/tp
 # inside), --max-restarts N (per group; 3), --port P (the lighthouse's; 0: any free one).
-# The run directory is train.out_dir when given on this command line, else runs/ft-<config>.
+# The run directory is train.out_dir when given on this command line, else runs/ft-<config>
+# (a train.out_dir in the YAML is not used: an FT job's directory is kept apart).
 # Exits 0 when every group finished; otherwise 1 and the groups that failed. Logs of the
 # lighthouse and of each group go to FT_LOG_DIR (default: a new directory under /tmp).
 set -uo pipefail
@@ -18,7 +19,7 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-group) nproc="$2"; shift 2 ;;
     --max-restarts) restarts="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -33,9 +34,11 @@ args=("$@" "fault_tolerance.groups=$groups")
 # An FT job's directory holds every group's logs and events: unless train.out_dir is given here,
 # it is runs/ft-<config>, apart from the plain runs of the same config (a plain run's checkpoint
 # would otherwise be resumed, with another global batch).
-if ! printf '%s\n' "$@" | grep -q '^train\.out_dir='; then
+given=$(printf '%s\n' "$@" | grep -c '^train\.out_dir=')
+if [[ "$given" -eq 0 ]]; then
   config=$(basename "$1")
-  args=("$1" "train.out_dir=runs/ft-${config%.*}" "${@:2}" "fault_tolerance.groups=$groups")
+  [[ "$config" == *.yaml || "$config" == *.yml ]] && name=${config%.*} || name=run
+  args=("$@" "train.out_dir=runs/ft-$name" "fault_tolerance.groups=$groups")
 fi
 
 # The lighthouse reads its settings (min_groups, heartbeat and join timeouts) from the config.
@@ -63,11 +66,14 @@ echo "launch/ft.sh: lighthouse $address, $groups groups x $nproc ranks, run dire
 pids=()
 # Stopped (Ctrl-C, SIGTERM, a scheduler): each torchrun stops its workers, then the lighthouse.
 stop() {
-  kill -TERM "${pids[@]}" 2>/dev/null
-  wait "${pids[@]}" 2>/dev/null
-  exit 143
+  if [[ ${#pids[@]} -gt 0 ]]; then
+    kill -TERM "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}" 2>/dev/null
+  fi
+  exit "$1"
 }
-trap stop INT TERM
+trap 'stop 130' INT
+trap 'stop 143' TERM
 for ((g = 0; g < groups; g++)); do
   BIGTRAIN_FT_GROUP=$g TORCHFT_LIGHTHOUSE=$address \
     torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" \

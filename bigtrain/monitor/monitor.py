@@ -80,8 +80,9 @@ class GradMonitor:
         SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
         its HSDP replicas are compared on full steps (one more small collective).
-        `across_groups`: the loss averaged and the flags summed over fault-tolerant replica
-        groups (parallel/ft.py), whose gradients were averaged before the monitor reads them."""
+        `across_groups`: the loss averaged and the HSDP probe's flags summed over fault-tolerant
+        replica groups (parallel/ft.py), whose gradients were averaged before the monitor reads
+        them; the preemption flag stays the group's."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group

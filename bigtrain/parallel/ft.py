@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
@@ -117,15 +118,28 @@ class NoReplicaGroups:
 
 
 def peer_state(trainer) -> dict[str, Any]:
-    """What a rejoining group takes from a live one: everything a checkpoint holds, as host
-    copies made now (the loop is waiting for the quorum: nothing moves meanwhile)."""
-    backend = trainer.backend
-    return {
+    """What a rejoining group takes from a live one: everything a checkpoint holds, and the
+    rollback targets' snapshots this group holds in memory (a later rollback must restore the
+    same state in every group, from the same source), as host copies made now. torchft calls
+    this on its quorum thread while the loop waits for the quorum; on CUDA the device is
+    synchronized before (the last step's kernels) and after (the copies) so that no half-copied
+    tensor is sent."""
+    backend, targets = trainer.backend, trainer.healer.targets
+    synchronize(trainer.device)
+    state = {
         "backend": backend.local_state(),
         "backend_extra": backend.extra_state(),
         "trainer": copy.deepcopy(trainer.trainer_state(resilience=True)),
         "rng": rng_state(),
+        "held": {t.step: t.held for t in (targets.start, *targets.ring) if t.held is not None},
     }
+    synchronize(trainer.device)
+    return state
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def load_peer_state(trainer, state: dict[str, Any]) -> None:
@@ -134,6 +148,9 @@ def load_peer_state(trainer, state: dict[str, Any]) -> None:
     trainer.backend.load_local_state(state["backend"])
     trainer.backend.load_extra_state(state["backend_extra"])
     trainer.load_trainer_state(state["trainer"], resilience=True)
+    targets = trainer.healer.targets
+    for target in (targets.start, *targets.ring):
+        target.held = state["held"].get(target.step)
     set_rng_state(state["rng"])
 
 
@@ -303,9 +320,11 @@ class ReplicaGroups:
                 source=quorum.recover_src_replica_rank,
             )
 
-    def undo_point(self, trainer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The data cursor and RNG before the step: an uncommitted step puts them back."""
-        return copy.deepcopy(trainer.loader.stream.state_dict()), rng_state()
+    def undo_point(self, trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+        """The data cursor, RNG and transient-fault counts before the step: an uncommitted step
+        puts them back (its replay, if it had one, runs again with it)."""
+        stream = copy.deepcopy(trainer.loader.stream.state_dict())
+        return stream, rng_state(), dict(trainer.state.transients)
 
     def average_grads(self, backend) -> None:
         """Mean of this rank's gradient shards over the live groups (rank r of each holds the
@@ -323,12 +342,15 @@ class ReplicaGroups:
         self, loss: torch.Tensor, flags: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss averaged over the live groups (the monitor's one number that differs between
-        groups: the gradients were averaged before it read them). The flags stay the group's: a
-        preemption signal stops its own group only, which leaves like a failed one and rejoins
-        when relaunched; the HSDP probe compares replicas inside the group."""
-        loss = loss.float().reshape(1).clone()
-        self.manager.allreduce(loss).wait()  # AVG over the participants
-        return loss[0], flags
+        groups: the gradients were averaged before it read them) and the HSDP probe's flags
+        summed (replicas that differ in one group make every group act). The first flag, a
+        preemption signal, stays the group's: it stops its own group only, which leaves like a
+        failed one and rejoins when relaunched."""
+        flags = flags.float().reshape(-1)
+        packed = torch.cat([loss.float().reshape(1), flags[1:]])
+        self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
+        loss = packed[0] / max(self.manager.num_participants(), 1)
+        return loss, torch.cat([flags[:1], packed[1:]])
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""
@@ -356,7 +378,7 @@ class ReplicaGroups:
         state.samples_seen -= trainer.loader.global_batch_size // self.groups * len(missing)
         return True
 
-    def abandon(self, trainer, undo: tuple[dict[str, Any], dict[str, Any]], step: int) -> None:
+    def abandon(self, trainer, undo: tuple[dict, dict, dict[str, int]], step: int) -> None:
         """An uncommitted step: nothing of it stays (gradients, data cursor, RNG); it runs again
         with the next quorum."""
         error = self.manager.errored()
@@ -369,6 +391,7 @@ class ReplicaGroups:
         trainer.backend.skip_step()
         trainer.loader.stream.load_state_dict(undo[0])
         set_rng_state(undo[1])
+        trainer.state.transients = undo[2]
         trainer.event("commit_failed", at_step=step, reason=reason[:300])
         logger.warning("bigtrain: step %d not committed (%s): it runs again", step, reason)
 

@@ -149,3 +149,45 @@ def test_a_peers_state_makes_the_next_step_the_peers_own(micro, states):
     assert fresh.backend.fingerprint() == peer.backend.fingerprint()
     for trainer in (peer, fresh):
         trainer.callbacks.close()
+
+
+def test_a_rollback_after_a_join_restores_the_same_target_from_the_same_source(micro):
+    """The peer's snapshots of its rollback targets come with its state: a NaN after the join
+    rolls the joined trainer back exactly as the peer (from memory, to the same step), not to
+    an older state it would have to train forward from."""
+    from bigtrain.build import build_trainer
+    from bigtrain.parallel.env import DistEnv
+
+    common = (
+        "train.max_steps=12",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "resilience.snapshot_every=2",
+        "resilience.confirm_steps=1",
+        "fault.nan_grad_step=[7]",
+        "resilience.replay=false",
+    )
+    peer = build_trainer(micro(*common, "train.stop_at_step=5", out="peer"), DistEnv())
+    peer.fit()
+    fresh = build_trainer(micro(*common, out="joined"), DistEnv())
+    fresh.healer.start(fresh, resumed=False)
+    ft.load_peer_state(fresh, ft.peer_state(peer))
+    held = [t.step for t in fresh.healer.targets.ring if t.held is not None]
+    assert held == [t.step for t in peer.healer.targets.ring if t.held is not None] and held
+    for trainer in (peer, fresh):
+        for _ in range(2):  # steps 6 and 7: the NaN at 7 rolls back
+            result = trainer.train_step()
+            trainer.healer.after_step(trainer, result)
+            trainer.callbacks.on_step_end(trainer, result)
+            trainer.healer.end_step(trainer)
+    rollbacks = [read_jsonl(t.run_dir.path / "events.jsonl") for t in (peer, fresh)]
+    (ours,), (theirs,) = (
+        [e for e in r if e["kind"] == "rollback"] for r in (rollbacks[1], rollbacks[0])
+    )
+    assert (
+        (ours["to_step"], ours["source"]) == (theirs["to_step"], theirs["source"]) == (4, "memory")
+    )
+    assert fresh.state.step == peer.state.step == 4
+    assert fresh.backend.fingerprint() == peer.backend.fingerprint()
+    for trainer in (peer, fresh):
+        trainer.callbacks.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -122,7 +123,7 @@ def test_fault_free_groups_train_as_the_plain_run_of_the_same_data_parallel_size
 
 
 def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, tmp_path):
-    """Group 1 dies by SIGKILL inside step 4: the step is not committed anywhere, the two
+    """Group 1 dies by SIGKILL inside step 12: the step is not committed anywhere, the two
     survivors commit every later step without it, group 1 restarts under torchrun, takes the
     whole state from a peer and finishes with the same weights; no token is trained twice and
     its missed slices are counted."""
@@ -131,7 +132,7 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
         *FP32,
         "train.max_steps=50",
         "fault.kill_group=1",
-        "fault.kill_step=4",
+        "fault.kill_step=12",
         # slow steps, so that the killed group's restart (a new interpreter, ~5-10 s here)
         # comes back before the survivors finish
         "fault.slow_rank=0",
@@ -141,9 +142,9 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     done = finishes(out, 3)
     assert len({e["fingerprint"] for e in done.values()}) == 1
     (kill,) = events(out, "fault")
-    assert kill["type"] == "kill_group" and kill["group"] == 1 and kill["step"] == 4
+    assert kill["type"] == "kill_group" and kill["group"] == 1 and kill["step"] == 12
     failed = events(out, "commit_failed")
-    assert failed and {e["step"] for e in failed} == {4}
+    assert failed and {e["step"] for e in failed} == {12}
     assert {e["group"] for e in failed} <= {0, 2}
     # (a group that starts late joins at its first step too: only the join after the kill)
     joined = [
@@ -153,17 +154,22 @@ def test_a_killed_group_restarts_alone_and_rejoins_from_a_live_peer(micro_args, 
     # the survivors committed every step: each step has one metrics line (the leader's)
     curve = losses(out)
     assert sorted(curve) == list(range(1, 51))
-    for step in range(5, 51):  # continuous: no step jumps as a restart from scratch would
-        assert curve[step] < curve[step - 1] * 1.25, (step, curve)
+    # continuous: no stretch climbs back as a restart from scratch would (loss ~5.9 here against
+    # ~5 before the kill; a median over 5 steps, as a single step of the micro model on CPU can
+    # lie up to ~1.5x above its neighbours, see the issue note)
+    before = statistics.median(curve[s] for s in range(9, 12))
+    for start in range(12, 47):
+        stretch = statistics.median(curve[s] for s in range(start, start + 5))
+        assert stretch < before * 1.1, (start, before, curve)
     skipped = done[0]["tokens_skipped_by_group"]
-    missed = joined[0]["step"] - 4  # steps 4 .. joined-1 ran without group 1 (and maybe more)
+    missed = joined[0]["step"] - 12  # steps 12 .. joined-1 ran without group 1 (and maybe more)
     per_group = 8 * 32  # micro batch x seq_len
     assert skipped["1"] >= missed * per_group and skipped["1"] % per_group == 0
     assert done[0]["tokens"] + sum(skipped.values()) == 50 * 3 * per_group
     # the report: the quorum's size over time and the failure's costs
     build_report(out)
     plotted = json.loads((out / "report" / "plotted.json").read_text())["quorum"]
-    after_kill = [r for r in plotted["failures"] if r["step"] == 4]
+    after_kill = [r for r in plotted["failures"] if r["step"] == 12]
     (lost,) = [r for r in after_kill if r["group"] == 1]
     assert lost["away_s"] > lost["survivors_stall_s"] > 0
     assert 2.0 in plotted["groups in the quorum"]["y"]

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("plan needs a CONFIG")
             return _plan(args.items, args.world_size, args.gpu_memory)
         if args.command == "lighthouse":
-            from bigtrain.parallel.ft import serve_lighthouse
+            from bigtrain.parallel.lighthouse import serve_lighthouse
 
             return serve_lighthouse(_load(args.items).fault_tolerance, args.port)
         if args.command == "report":

@@ -186,7 +186,7 @@ class _TimedTransport:
         return getattr(self.transport, name)
 
 
-def _quiet_torchft() -> None:
+def quiet_torchft() -> None:
     """torchft's Rust side logs every quorum and commit at INFO on stderr: warnings only, unless
     the user set RUST_LOG (before torchft is imported: its logger reads it once). ConfigError
     when torchft is not installed."""
@@ -255,7 +255,7 @@ class ReplicaGroups:
     """This group's torchft Manager and what the loop asks of it (module docstring)."""
 
     def __init__(self, cfg: FaultToleranceConfig, layout: Layout, device: torch.device) -> None:
-        _quiet_torchft()
+        quiet_torchft()
         from torchft.manager import Manager
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft
@@ -295,8 +295,7 @@ class ReplicaGroups:
 
     def start_step(self, trainer) -> None:
         """The quorum of this step; a group behind the others loads a live peer's state here."""
-        self.manager.start_quorum()
-        quorum = self.client.last
+        quorum = self._quorum()
         participants = group_ids(quorum.replica_ids)
         self.leads = trainer.run_dir.leader = self.manager.participating_rank() == 0
         if quorum.quorum_id != self.quorum_id:  # a membership change (a group replaced too)
@@ -319,6 +318,28 @@ class ReplicaGroups:
                 bytes=self.transport.received_bytes,
                 source=quorum.recover_src_replica_rank,
             )
+
+    def _quorum(self) -> Any:
+        """torchft's quorum. A fresh job (nothing committed anywhere yet) asks again until every
+        group takes part, for up to fault_tolerance.quorum_timeout_s: groups whose processes
+        start at slightly different times begin together, not one or two steps apart."""
+        deadline = time.monotonic() + self.cfg.quorum_timeout_s
+        while True:
+            self.manager.start_quorum()
+            quorum = self.client.last
+            fresh = quorum.max_step == 0 and not quorum.heal
+            if not fresh or len(quorum.replica_ids) >= self.groups:
+                return quorum
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "bigtrain: %d of %d replica groups after fault_tolerance.quorum_timeout_s=%g "
+                    "s: starting without the others",
+                    len(quorum.replica_ids),
+                    self.groups,
+                    self.cfg.quorum_timeout_s,
+                )
+                return quorum
+            time.sleep(0.2)
 
     def undo_point(self, trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
         """The data cursor, RNG and transient-fault counts before the step: an uncommitted step
@@ -411,28 +432,3 @@ def make_replica_groups(
     cfg: FaultToleranceConfig, layout: Layout, device: torch.device
 ) -> ReplicaGroups | NoReplicaGroups:
     return ReplicaGroups(cfg, layout, device) if layout.ft > 1 else NoReplicaGroups()
-
-
-def serve_lighthouse(cfg: FaultToleranceConfig, port: int) -> int:
-    """Run torchft's lighthouse with the config's settings until SIGTERM or Ctrl-C: it forms
-    the quorum of every step. Prints `lighthouse http://HOST:PORT` once it listens."""
-    import signal
-    import threading
-
-    _quiet_torchft()
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(
-        bind=f"[::]:{port}",
-        min_replicas=cfg.min_groups,
-        join_timeout_ms=round(cfg.join_timeout_s * 1000),
-        quorum_tick_ms=100,
-        heartbeat_timeout_ms=round(cfg.heartbeat_timeout_s * 1000),
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"lighthouse {server.address()}", flush=True)
-    stop.wait()
-    server.shutdown()
-    return 0

@@ -21,7 +21,8 @@ class FaultToleranceConfig:
     process reads its index from BIGTRAIN_FT_GROUP (launch/ft.sh sets it)."""
     min_groups: int = 1
     """Groups that must take part in a step for it to be committed (applied); fewer: the step
-    waits for the quorum to grow again."""
+    waits for the quorum to grow again, for up to quorum_timeout_s. A fresh job's first quorum
+    waits for every group anyway (up to quorum_timeout_s)."""
     lighthouse: str = ""
     """The torchft lighthouse's address (http://host:port); empty: the TORCHFT_LIGHTHOUSE
     environment variable (launch/ft.sh and slurm/ft.sbatch start one and set it)."""
@@ -32,7 +33,8 @@ class FaultToleranceConfig:
     """How long the lighthouse waits for more groups before forming a quorum with fewer (all
     `groups` joining sooner end the wait)."""
     quorum_timeout_s: float = 120.0
-    """How long a group waits for a quorum: at start, while peers start or transfer state."""
+    """How long a group waits for a quorum: at start (a fresh job waits this long for all its
+    groups), while peers start or transfer state."""
     timeout_s: float = 30.0
     """torchft's timeout for the collectives across groups, the commit vote and a state transfer
     (one group's whole state, over `transport`)."""

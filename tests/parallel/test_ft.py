@@ -8,7 +8,6 @@ then over the groups, against one mean over all ranks), which FP32 rounds alike 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 
@@ -17,7 +16,7 @@ import pytest
 from bigtrain.parallel.env import free_port
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.telemetry.report import build_report
-from tests.conftest import ROOT
+from tests import test_launchers as launchers
 
 pytestmark = pytest.mark.distributed
 
@@ -25,10 +24,8 @@ FP32 = ("precision.compute_dtype=fp32", "train.log_every=1", "checkpoint.every=5
 
 
 def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    """The launchers' subprocess (tests/test_launchers.py), which must succeed."""
+    result = launchers.launch(cmd, timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

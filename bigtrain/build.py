@@ -69,7 +69,6 @@ from bigtrain.train.setup import RunSetup, StartPoint
 from bigtrain.utils.clock import StartupClock, last_event_time
 from bigtrain.utils.dist import barrier
 from bigtrain.utils.logs import add_rank_file, remove_handler
-from bigtrain.utils.names import canonical_name
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +91,7 @@ def make_monitor(
         )
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
     use_kernel = use_kernel and kernel.available(device)
-    trainable = [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
-    names = [canonical_name(n) for n, _ in trainable]
-    replicas = [layout.replication(p) for _, p in trainable]
+    names, replicas = backend.monitored()
     return GradMonitor(cfg, names, device, use_kernel, replicas, layout)
 
 
@@ -137,7 +134,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     layout = Layout.of(cfg.parallel, env.world_size, env.rank, groups, group_index(groups))
     # train.global_batch_size -> grad_accum_steps for the data-parallel ranks (tp shares a batch)
     cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
-    if cfg.parallel.backend == "local" and env.world_size != 1:
+    if cfg.parallel.backend == "local" and layout.pp == 1 and env.world_size != 1:
         raise SharedConfigError(
             f"parallel.backend=local runs one process, but the launcher started {env.world_size}; "
             "use parallel.backend=fsdp or zero"
@@ -148,7 +145,10 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if device.type == "cuda":
         enable_nccl_flight_recorder()  # before the process group: dumped if the run hangs
     init_process_group(
-        env, device, cfg.parallel.timeout_s, required=cfg.parallel.backend != "local"
+        env,
+        device,
+        cfg.parallel.timeout_s,
+        required=cfg.parallel.backend != "local" or layout.pp > 1,
     )
     layout = layout.connect(device.type)  # the DeviceMesh: every rank, once
     clock.mark("process_group")

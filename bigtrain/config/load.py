@@ -20,7 +20,7 @@ from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
 from bigtrain.config.fault_tolerance import check_fault_tolerance
 from bigtrain.config.model import check_model
-from bigtrain.config.parallel import check_parallel
+from bigtrain.config.parallel import check_parallel, check_pipeline_batch
 from bigtrain.config.resilience import check_rules
 from bigtrain.config.schema import (
     CheckpointConfig,
@@ -318,6 +318,7 @@ def validate(config: Config) -> None:
     check_telemetry(config.profile, config.log)
     _check_monitor_and_int8(config.monitor, config.precision.int8, config.resilience)
     check_parallel(config.parallel, config.model)
+    check_pipeline_batch(config.parallel, config.train.micro_batch_size)
     check_fault_tolerance(
         config.fault_tolerance,
         config.parallel.backend,

@@ -4,6 +4,7 @@ divide the world is checked at start, where the world is known (parallel/layout.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from bigtrain.config.model import ModelConfig, default_d_ff
@@ -47,6 +48,30 @@ class ParallelConfig:
     fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
     stay whole on every tp rank, see parallel/tp_conv1d.py). A colwise layer's output must feed
     the next rowwise one. At start."""
+    pipeline_parallel: int = 1
+    """Pipeline stages (docs/parallelism.md): the transformer blocks split into this many
+    consecutive parts, each on its own ranks, micro-batches flowing through them
+    (torch.distributed.pipelining). The outermost dimension: world size / (pipeline_parallel x
+    replicate x tensor_parallel) is the shard degree. local (one rank per stage, world size =
+    stages) or fsdp; bigtrain's GPT. At start."""
+    pp_schedule: str = "1f1b"
+    """`gpipe` (all forwards, then all backwards: the most activation memory), `1f1b` (one
+    forward, one backward: at most `stages` micro-batches in flight), `interleaved_1f1b`
+    (pp_stages_per_rank model chunks per rank: a bubble smaller by that factor, more
+    point-to-point traffic), `zbv` (zero-bubble V: two chunks per rank, the first and the last
+    stage on rank 0, backward split into input and weight gradients)."""
+    pp_stages_per_rank: int | None = None
+    """Model chunks (virtual stages) per pipeline rank: null is 1 for gpipe and 1f1b, 2 for
+    interleaved_1f1b and zbv (which needs exactly 2)."""
+    pp_microbatches: int | None = None
+    """Pipeline micro-batches per train.micro_batch_size batch (it must divide it); null: one
+    sequence each (train.micro_batch_size of them), the smallest bubble. 1f1b, interleaved_1f1b
+    and zbv need at least as many as the pipeline has stages (pp x pp_stages_per_rank)."""
+    pp_split: list[int] = field(default_factory=list)
+    """The first block of each stage after the first (pp x pp_stages_per_rank - 1 increasing
+    block indices), e.g. [5] for two stages of a 10-block model split 5/5; empty: balanced
+    by each block's parameter and FLOP share, the embedding counted with the first stage and
+    the final norm and output layer with the last (parallel/pipeline_split.py)."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 
@@ -65,6 +90,7 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
             f"(HSDP), got parallel.backend={p.backend}"
         )
     _check_tensor_parallel(p, m)
+    check_pipeline(p, m)
     if p.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {p.timeout_s}, expected a positive number of seconds"
@@ -136,3 +162,105 @@ def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
             f"key 'parallel.tensor_parallel' ({tp}) must divide {', '.join(bad)}: each tp rank "
             f"holds whole heads, an equal part of the MLP and vocabulary, and of the sequence{hint}"
         )
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+
+
+def pp_stages_per_rank(p: ParallelConfig) -> int:
+    """Model chunks per pipeline rank: the key, or the schedule's own default."""
+    if p.pp_stages_per_rank is not None:
+        return p.pp_stages_per_rank
+    return 2 if p.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+
+
+def pp_microbatches(p: ParallelConfig, micro_batch_size: int) -> int:
+    """Pipeline micro-batches per train.micro_batch_size batch: the key, or one sequence each."""
+    return p.pp_microbatches if p.pp_microbatches is not None else micro_batch_size
+
+
+def check_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
+    """Pipeline keys against the backend, the schedule and the model (the micro-batch count
+    against the batch: check_pipeline_batch)."""
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(
+            f"key 'parallel.pp_schedule' got {p.pp_schedule!r}, expected one of {list(PP_SCHEDULES)}"
+        )
+    if p.pipeline_parallel < 1:
+        raise ConfigError(
+            f"key 'parallel.pipeline_parallel' got {p.pipeline_parallel}, expected a positive "
+            "integer"
+        )
+    chunks = pp_stages_per_rank(p)
+    if chunks < 1:
+        raise ConfigError(
+            f"key 'parallel.pp_stages_per_rank' got {chunks}, expected a positive integer"
+        )
+    if p.pipeline_parallel == 1:
+        return
+    if p.backend == "zero":
+        raise ConfigError(
+            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}) needs parallel.backend="
+            "local or fsdp: DeepSpeed's pipeline engine is a design of its own (its model a "
+            "PipelineModule of layer specs, its own schedule and checkpoint layout), which "
+            "bigtrain's GPT, monitor and universal checkpoints do not go through; use fsdp, "
+            "which shards each stage like ZeRO-3 (or ZeRO-2 with "
+            "parallel.reshard_after_forward=false)"
+        )
+    if m.kind != "gpt":
+        raise ConfigError(
+            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}) needs model.kind=gpt: "
+            "bigtrain's GPT is split into stages by its blocks; model.kind=hf is not split yet"
+        )
+    if p.pp_schedule in ("gpipe", "1f1b") and chunks != 1:
+        raise ConfigError(
+            f"key 'parallel.pp_stages_per_rank' ({chunks}) must be 1 for parallel.pp_schedule="
+            f"{p.pp_schedule} (one stage per rank); use interleaved_1f1b for more"
+        )
+    if p.pp_schedule == "zbv" and chunks != 2:
+        raise ConfigError(
+            f"key 'parallel.pp_stages_per_rank' ({chunks}) must be 2 for parallel.pp_schedule=zbv "
+            "(the V shape: each rank holds one stage on the way down and one on the way back)"
+        )
+    stages = p.pipeline_parallel * chunks
+    if stages > m.n_layers:
+        raise ConfigError(
+            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}) x pp_stages_per_rank "
+            f"({chunks}) = {stages} stages, more than model.n_layers ({m.n_layers}): every stage "
+            "needs at least one block"
+        )
+    if p.pp_split:
+        bounds = [0, *p.pp_split, m.n_layers]
+        if len(p.pp_split) != stages - 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ConfigError(
+                f"key 'parallel.pp_split' got {p.pp_split}, expected {stages - 1} increasing "
+                f"block indices between 1 and {m.n_layers - 1} (the first block of stages 1 to "
+                f"{stages - 1})"
+            )
+
+
+def check_pipeline_batch(p: ParallelConfig, micro_batch_size: int) -> None:
+    """The pipeline's micro-batches against train.micro_batch_size and the schedule."""
+    if p.pipeline_parallel == 1:
+        return
+    n = pp_microbatches(p, micro_batch_size)
+    if n < 1 or micro_batch_size % n:
+        raise ConfigError(
+            f"key 'parallel.pp_microbatches' ({n}) must divide train.micro_batch_size "
+            f"({micro_batch_size}): each pipeline micro-batch holds an equal part of it"
+        )
+    stages = p.pipeline_parallel * pp_stages_per_rank(p)
+    if p.pp_schedule != "gpipe" and n < stages:
+        raise ConfigError(
+            f"key 'parallel.pp_microbatches' ({n}) is below the {stages} pipeline stages, which "
+            f"parallel.pp_schedule={p.pp_schedule} needs at least (one micro-batch in flight per "
+            "stage): raise it (and train.micro_batch_size), or use gpipe"
+        )
+    if p.pp_schedule == "interleaved_1f1b":
+        rounds = max(1, n // p.pipeline_parallel)
+        if n % rounds:
+            raise ConfigError(
+                f"key 'parallel.pp_microbatches' ({n}) must be a multiple of {rounds} for "
+                "interleaved_1f1b (torch's schedule runs rounds of pipeline_parallel "
+                "micro-batches): use a multiple of parallel.pipeline_parallel"
+            )

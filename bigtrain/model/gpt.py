@@ -219,6 +219,14 @@ class GPT(nn.Module):
             # Not persistent: derived from the config, and kept in FP32 whatever the module dtype.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        self.takes_tokens = True
+        """False on a pipeline stage after the first (parallel/pipeline_split.py): the input is
+        the previous stage's hidden states, the embedding is elsewhere."""
+        self.gives_logits = True
+        """False on a pipeline stage before the last: the output is the hidden states."""
+        self.hidden_seq_shards = 1
+        """Parts of the sequence a stage's hidden-state input holds one of (tensor parallelism's
+        sequence shards, set by its plan): the whole sequence is this many times longer."""
         self.document_eos: int | None = None
         """Set from outside (data.document_mask): the EOS id that ends each document packed into
         a sequence. Attention then stays inside a document and positions restart at each one."""
@@ -266,9 +274,8 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def _positions_and_mask(
-        self, idx: torch.Tensor, cache: KVCache | None
+        self, idx: torch.Tensor, seq: int, cache: KVCache | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        seq = idx.shape[1]
         if cache is not None:
             if self.document_eos is not None:
                 # Positions and masks restart at each EOS; the cache keeps one causal stream.
@@ -284,27 +291,39 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab) in the compute dtype. With a
-        `cache`, idx holds the tokens after the cached ones, which it then holds too."""
-        seq = idx.shape[1]
+        `cache`, idx holds the tokens after the cached ones, which it then holds too. A pipeline
+        stage (takes_tokens, gives_logits) takes or gives hidden states (batch, seq, d_model)
+        instead, and runs its own blocks only."""
+        seq = idx.shape[1] * (1 if self.takes_tokens else self.hidden_seq_shards)
         start = cache.length if cache is not None else 0
         if start + seq > self.cfg.seq_len:
             raise ValueError(
                 f"sequence of {start + seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
             )
-        positions, mask = self._positions_and_mask(idx, cache)
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        x = self.drop(x)
+        positions, mask = self._positions_and_mask(idx, seq, cache)
+        x = self._embed(idx, positions) if self.takes_tokens else idx
         rope = None
         if self.cfg.position == "rope" and positions.dim() == 1:  # start, start + 1, ...
             rope = (self.rope_cos[start : start + seq], self.rope_sin[start : start + seq])
         elif self.cfg.position == "rope":  # per-token positions, broadcast over heads
             rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        layers = cache.layers if cache is not None else [None] * len(self.blocks)
-        for block, layer_cache in zip(self.blocks, layers, strict=True):
+        blocks = block_list(self.blocks)
+        layers = cache.layers if cache is not None else [None] * len(blocks)
+        for block, layer_cache in zip(blocks, layers, strict=True):
             x = block(x, rope, mask, cache=layer_cache)
-        return self.lm_head(self.norm_f(x))
+        return self.lm_head(self.norm_f(x)) if self.gives_logits else x
+
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        return self.drop(x)
+
+
+def block_list(blocks: nn.ModuleList | nn.ModuleDict) -> list[nn.Module]:
+    """The blocks in order: a whole model's ModuleList, or a pipeline stage's ModuleDict keyed
+    by each block's index in the whole model (so parameter names stay the whole model's)."""
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
 class LayerCache:

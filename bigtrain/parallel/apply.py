@@ -33,17 +33,26 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's list of transformer blocks: the largest ModuleList of same-type modules
-    (`blocks` in bigtrain's GPT, `transformer.h` in GPT-2, `model.layers` in Llama)."""
+def block_container(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
+    """The model's container of transformer blocks: the largest ModuleList of same-type modules
+    (`blocks` in bigtrain's GPT, `transformer.h` in GPT-2, `model.layers` in Llama), or the
+    ModuleDict a pipeline stage keeps its blocks in (parallel/pipeline_split.py)."""
     candidates = [
         m
         for m in model.modules()
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1
+        if isinstance(m, nn.ModuleList | nn.ModuleDict)
+        and len(m)
+        and len({type(b) for b in m.children()}) == 1
+        and not isinstance(next(iter(m.children())), nn.ModuleList | nn.ModuleDict)
     ]
     best = max(candidates, key=len, default=None)
     assert best is not None, f"no transformer blocks found in {type(model).__name__}"
     return best
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks in order (block_container's)."""
+    return list(block_container(model).children())
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -55,9 +64,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     kwargs = {}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
-    blocks = transformer_blocks(model)
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    blocks = block_container(model)
+    for key, block in list(blocks.named_children()):
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        blocks.register_module(key, wrapped)
 
 
 def apply_compile(model: nn.Module) -> None:

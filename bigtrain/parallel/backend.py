@@ -25,6 +25,7 @@ from bigtrain.model.loss import lm_loss
 from bigtrain.parallel.layout import Layout
 from bigtrain.precision.policy import Phase
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
+from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_tensor, to_cpu
 
 
@@ -121,6 +122,14 @@ class Backend(abc.ABC):
         directory), reading only the slices this rank keeps; persistent buffers too. The
         optimizer state stays fresh without `optimizer`. Checkpoints load through checkpoint/
         (CheckpointManager.load)."""
+
+    def monitored(self) -> tuple[list[str], list[int]]:
+        """The names of named_grads (the same list on every rank) and, per name, over how many
+        ranks this rank's gradient of it is repeated (the monitor counts each tensor once)."""
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [canonical_name(n) for n, _ in trainable], [
+            self.layout.replication(p) for _, p in trainable
+        ]
 
     def adopt_loss_scale(self, scale: float) -> None:  # noqa: B027 (nothing without scaling)
         """Continue from the loss scale of a checkpoint written by another backend."""
@@ -219,10 +228,15 @@ def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]])
     gathers one parameter at a time, in the same order on every rank."""
     h = hashlib.sha256()
     for name, get in sorted(named, key=lambda item: item[0]):
-        data = get().detach().to("cpu", torch.float32).contiguous()
-        h.update(f"{name}:{tuple(data.shape)};".encode())
-        h.update(data.numpy().tobytes())
+        hash_tensor(h, name, get())
     return h.hexdigest()
+
+
+def hash_tensor(h: Any, name: str, tensor: torch.Tensor) -> None:
+    """One parameter into a weights_fingerprint hash: (name, shape, FP32 bytes)."""
+    data = tensor.detach().to("cpu", torch.float32).contiguous()
+    h.update(f"{name}:{tuple(data.shape)};".encode())
+    h.update(data.numpy().tobytes())
 
 
 def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

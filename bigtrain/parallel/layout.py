@@ -76,18 +76,27 @@ class Layout:
         """The layout of `world_size` ranks (one job) under parallel.*, in replica group
         `ft_group` of `ft` (fault_tolerance.groups); ConfigError with the keys and the numbers
         when they do not divide."""
-        model_copies = cfg.replicate * cfg.tensor_parallel
+        pp = cfg.pipeline_parallel
+        model_copies = pp * cfg.replicate * cfg.tensor_parallel
         if world_size % model_copies:
             raise SharedConfigError(
-                f"key 'parallel.replicate' ({cfg.replicate}) x parallel.tensor_parallel "
-                f"({cfg.tensor_parallel}) = {model_copies} must divide the world size "
-                f"({world_size}): the shard degree is world size / (replicate x "
-                f"tensor_parallel) = {world_size} / {model_copies}, not an integer"
+                f"key 'parallel.pipeline_parallel' ({pp}) x parallel.replicate "
+                f"({cfg.replicate}) x parallel.tensor_parallel ({cfg.tensor_parallel}) = "
+                f"{model_copies} must divide the world size ({world_size}): the shard degree is "
+                f"world size / (pipeline_parallel x replicate x tensor_parallel) = "
+                f"{world_size} / {model_copies}, not an integer"
             )
         shard = world_size // model_copies
+        if cfg.backend == "local" and pp > 1 and shard * cfg.replicate * cfg.tensor_parallel != 1:
+            raise SharedConfigError(
+                f"parallel.backend=local runs one process per pipeline stage (parallel."
+                f"pipeline_parallel={pp}), but the launcher started {world_size}; use "
+                "parallel.backend=fsdp to shard each stage over more ranks"
+            )
         return cls(
             world_size,
             rank,
+            pp=pp,
             replicate=cfg.replicate,
             shard=shard,
             tp=cfg.tensor_parallel,
@@ -235,7 +244,8 @@ class Layout:
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The DeviceMesh's named axes, outermost first; size-1 replicate and tp left out."""
+        """The named axes of a stage's DeviceMesh, outermost first; size-1 replicate and tp left
+        out (connect puts `pp` outside them when there are stages)."""
         return tuple(a for a in MESH_AXES if self.size(a) > 1 or a == "shard")
 
     @property
@@ -245,12 +255,15 @@ class Layout:
     def connect(self, device_type: str) -> Layout:
         """This layout with its DeviceMesh (a collective: every rank calls it, once); itself
         where no process group was started (one process on the local backend). A one-axis
-        mesh over the whole world is the default group: no new group is made."""
+        mesh over the whole world is the default group: no new group is made. With pipeline
+        stages the mesh's outermost axis is `pp` (each stage's FSDP2 and tp sub-meshes are the
+        same as without it)."""
         if not dist.is_initialized():
             return self
-        assert self.pp == 1, "pipeline stages: not yet"
         # The mesh is this job's: replica groups meet only through torchft (parallel/ft.py).
-        mesh = init_device_mesh(device_type, self.mesh_sizes, mesh_dim_names=self.mesh_axes)
+        axes = (("pp",) if self.pp > 1 else ()) + self.mesh_axes
+        sizes = ((self.pp,) if self.pp > 1 else ()) + self.mesh_sizes
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=axes)
         return dataclasses.replace(self, mesh=mesh)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
@@ -287,4 +300,5 @@ class Layout:
         repeated = [
             mesh.size(i) for i, p in enumerate(tensor.placements) if isinstance(p, Replicate)
         ]
-        return self.world_size // mesh.size() * math.prod(repeated)
+        # A DTensor's mesh lies inside one pipeline stage: the other stages hold other tensors.
+        return self.world_size // self.pp // mesh.size() * math.prod(repeated)

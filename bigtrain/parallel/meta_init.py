@@ -35,7 +35,12 @@ def uses_meta_init(choice: bool | None, backend: str, kind: str, num_params: int
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate the (sharded) meta model on `device` and initialise it (see module docstring)."""
-    model.to_empty(device=device)
+    shared = _shared_params(model)
+    model.to_empty(device=device)  # from meta, each module gets a new tensor: ties are undone
+    for owners in shared:
+        (first, first_attr), *rest = owners
+        for module, attr in rest:
+            setattr(module, attr, getattr(first, first_attr))
     for _, buffer in model.named_buffers():
         if buffer.is_floating_point():
             buffer.zero_()  # e.g. INT8 calibration state; tables are recomputed below
@@ -50,3 +55,13 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             param.copy_(full)
         del full
     model.init_buffers()  # type: ignore[operator]
+
+
+def _shared_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) owners of each parameter that several modules share (tied
+    embeddings), to tie again after `to_empty`."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    return [o for o in owners.values() if len(o) > 1]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank
 from bigtrain.config.schema import Config, ParallelConfig
 from bigtrain.parallel.apply import (
     apply_activation_checkpointing,
@@ -32,6 +33,8 @@ from bigtrain.parallel.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.meta_init import materialize
+from bigtrain.parallel.pipeline import Pipeline, StageChunks, rank_stages
+from bigtrain.parallel.pipeline_split import stage_bounds, stage_module, stage_of_names
 from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 
@@ -42,6 +45,8 @@ def parallelize(
     """The model parallelized as parallel.* says over `layout` (module docstring), in its
     backend."""
     seed = cfg.train.seed
+    if layout.pp > 1:
+        return _pipelined(model, cfg, layout, policy, device)
     if cfg.parallel.backend == "fsdp":
         model = _fully_sharded(model, cfg.parallel, layout, policy, device, seed)
         return FSDPBackend(model, policy, cfg.optim, cfg.precision, device, layout, seed)
@@ -84,3 +89,42 @@ def _fully_sharded(
     if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
         materialize(model, device, seed)
     return model
+
+
+def _pipelined(
+    model: nn.Module, cfg: Config, layout: Layout, policy: PrecisionPolicy, device: torch.device
+) -> Backend:
+    """This rank's pipeline chunks, cut from the meta-device model and then parallelized and
+    materialized one by one as a whole model would be (only their own parameters are ever
+    allocated), in the backend with their schedule (pipeline.py)."""
+    p, seed = cfg.parallel, cfg.train.seed
+    chunks_per_rank = pp_stages_per_rank(p)
+    num_stages = layout.pp * chunks_per_rank
+    bounds = stage_bounds(model, num_stages, p.pp_split)  # type: ignore[arg-type]
+    stages = rank_stages(p.pp_schedule, layout.pp, chunks_per_rank, layout.coord("pp"))
+    chunks = []
+    for s in stages:
+        chunk = stage_module(model, bounds[s], bounds[s + 1], s == 0, s == num_stages - 1)  # type: ignore[arg-type]
+        if p.backend == "fsdp":
+            chunk = _fully_sharded(chunk, p, layout, policy, device, seed)
+        else:
+            _block_transforms(chunk, p)
+            materialize(chunk, device, seed)
+        chunks.append(chunk)
+    names = [n for n, _ in model.named_parameters()]
+    pipeline = Pipeline(
+        StageChunks(chunks),
+        stages,
+        num_stages,
+        p.pp_schedule,
+        pp_microbatches(p, cfg.train.micro_batch_size),
+        layout,
+        device,
+        model,
+        stage_of_names(names, bounds),
+    )
+    if p.backend == "fsdp":
+        return FSDPBackend(
+            pipeline.root, policy, cfg.optim, cfg.precision, device, layout, seed, pipeline
+        )
+    return LocalBackend(pipeline.root, policy, cfg.optim, cfg.precision, device, pipeline)

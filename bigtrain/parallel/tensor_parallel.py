@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -166,7 +167,7 @@ def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:
     vocabulary-parallel embedding and lm_head (logits stay split: loss parallelism)."""
     check_gpt_tensor_parallel(model.cfg, tp_mesh.size())
     seq = Shard(1)
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         present = dict(unwrapped(block).named_modules())  # a GELU MLP has no gate
         layers = {
             name: ColwiseParallel()
@@ -191,26 +192,30 @@ def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:
                 **layers,
             },
         )
-    tied = model.lm_head.weight is model.tok_emb.weight
-    if model.pos_emb is None:  # the looked-up vectors are reduce-scattered into sequence shards
-        embedding = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
-    else:  # summed whole, learned positions added, then split along the sequence at `drop`
-        embedding = {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "drop": PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
-            ),
-        }
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            **embedding,  # vocabulary rows split over the tp ranks
-            "norm_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(
-                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
+    model.hidden_seq_shards = tp_mesh.size()  # a later pipeline stage's input: one shard
+    _split_ends(model, tp_mesh, seq)
+
+
+def _split_ends(model: GPT, tp_mesh: DeviceMesh, seq: Shard) -> None:
+    """The embedding, final norm and lm_head over the tp ranks: vocabulary rows split, the
+    sequence scattered after the embedding. A pipeline stage holds the ones it runs (the last
+    stage of a tied model also holds the table, split alike)."""
+    head = model.lm_head if model.gives_logits else None
+    tied = head is not None and model.tok_emb is not None and head.weight is model.tok_emb.weight
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_emb is not None and model.pos_emb is None:  # reduce-scattered into shards
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    elif model.tok_emb is not None:  # summed whole, positions added, split at `drop`
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["drop"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
+        )
+    if head is not None:
+        plan["norm_f"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        )
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
     if tied:  # both split the table by vocabulary rows: one parameter again
         model.lm_head.weight = model.tok_emb.weight

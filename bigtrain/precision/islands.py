@@ -26,8 +26,11 @@ def matching_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[
 
 
 class FP32Islands:
-    def __init__(self, model: nn.Module, device_type: str) -> None:
+    def __init__(self, model: nn.Module, device_type: str, whole: nn.Module | None = None) -> None:
+        """`whole`: the model whose modules a pattern must match somewhere (a pipeline stage
+        holds only its part of it); `model` by default."""
         self.model, self.device_type = model, device_type
+        self.whole = whole if whole is not None else model
         self.patterns: tuple[str, ...] = ()
         self.names: list[str] = []
         self._handles: list = []
@@ -53,8 +56,9 @@ class FP32Islands:
     def check(self, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
         """The modules `patterns` match; ConfigError for a pattern that matches none."""
         matched = matching_modules(self.model, patterns)
+        known = matched if self.whole is self.model else matching_modules(self.whole, patterns)
         for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in matched):
+            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in known):
                 raise ConfigError(
                     f"precision.fp32_modules: pattern '{pattern}' matches no module of the model"
                 )

@@ -7,11 +7,17 @@ import re
 
 def canonical_name(name: str) -> str:
     """Parameter names without wrapper components (compile, DDP, DeepSpeed, activation
-    checkpointing), so fingerprints and telemetry agree across backends."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+    checkpointing, a pipeline rank's chunks), so fingerprints and telemetry agree across backends."""
+    return ".".join(
+        part
+        for part in name.split(".")
+        if part not in WRAPPER_COMPONENTS and not PIPELINE_CHUNK.fullmatch(part)
+    )
 
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
+PIPELINE_CHUNK = re.compile(r"pp_chunk\d+")
+"""A pipeline rank's model chunk under its root (parallel/pipeline.py's StageChunks)."""
 
 
 def compress_names(names: list[str]) -> str:

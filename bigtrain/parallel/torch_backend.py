@@ -51,6 +51,8 @@ class TorchBackend(Backend):
         `model`; None without pipeline parallelism."""
         self.model, self.policy, self.device = model, policy, device
         self.pipeline = pipeline
+        if pipeline is not None:  # one process per stage on the local backend: not alone
+            self.layout = pipeline.layout
         groups = adamw_param_groups(model, optim.weight_decay)
         rounding = precision.optimizer_state_rounding
         self.optimizer = make_adamw(groups, optim, policy, device, rounding)

@@ -319,6 +319,12 @@ def validate(config: Config) -> None:
     _check_monitor_and_int8(config.monitor, config.precision.int8, config.resilience)
     check_parallel(config.parallel, config.model)
     check_pipeline_batch(config.parallel, config.train.micro_batch_size)
+    if config.parallel.pipeline_parallel > 1 and config.data.document_mask:
+        raise ConfigError(
+            "data.document_mask=true with parallel.pipeline_parallel > 1: the per-document "
+            "positions and mask come from the token ids, which the stages after the first do not "
+            "see; use one stage, or document_mask=false"
+        )
     check_fault_tolerance(
         config.fault_tolerance,
         config.parallel.backend,

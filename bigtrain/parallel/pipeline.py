@@ -333,9 +333,25 @@ class Pipeline:
                 owned.setdefault(name, p)
         return owned
 
-    def is_counted(self, name: str, stage: int) -> bool:
-        """Whether a parameter of chunk `stage` is the copy the checkpoint and the monitor count."""
-        return not (name == TIED_TABLE and stage != 0 and self._tied_all)
+    def local_copy(self, param: torch.Tensor) -> bool:
+        """Whether `param` is the second copy of the tied table on a rank that holds the first
+        too (zbv): a checkpoint holds one, which load_local_copies copies into it."""
+        return len(self._tied) == 2 and param is self._tied[1]
+
+    @torch.no_grad()
+    def load_local_copies(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a checkpoint load: the second copy of the tied table (local_copy) takes the
+        first's values and optimizer state."""
+        if len(self._tied) != 2:
+            return
+        counted, copy = self._tied
+        local_tensor(copy).copy_(local_tensor(counted))
+        source, target = optimizer.state.get(counted, {}), optimizer.state.get(copy, {})
+        for key, value in source.items():
+            if isinstance(value, torch.Tensor) and key in target:
+                local_tensor(target[key]).copy_(local_tensor(value))
+            else:
+                target[key] = value
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """Every trainable parameter of the whole model, in its order: this rank's gradient

@@ -192,8 +192,14 @@ class TorchBackend(Backend):
             names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
             self._names = [names[id(p)] for p in self._params()]
         p = self._params()[index]
+        if self.pipeline is not None and self.pipeline.local_copy(p):
+            return []  # the tied table's second copy on this rank: the first one is saved
         offset, shape = local_block(p)
         return [(self._names[index], tuple(p.shape), offset, tensor.view(shape))]
+
+    def after_load_local_state(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.load_local_copies(self.optimizer)
 
     def monitored(self) -> tuple[list[str], list[int]]:
         if self.pipeline is None:

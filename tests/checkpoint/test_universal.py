@@ -22,6 +22,7 @@ BACKENDS = {
     "zero1": ("zero", ["parallel.zero_stage=1"]),
     "zero2": ("zero", ["parallel.zero_stage=2"]),
     "zero3": ("zero", ["parallel.zero_stage=3"]),
+    "pp2": ("local", ["parallel.pipeline_parallel=2"]),  # two stages, one process each
 }
 
 
@@ -39,7 +40,7 @@ def train(overrides: list[str]) -> dict:
 def launch(backend: str, overrides: list[str]) -> dict:
     name, extra = BACKENDS[backend]
     args = [*overrides, f"parallel.backend={name}", *extra]
-    if name == "local":
+    if backend == "local":
         return train(args)
     results = run_distributed(train, 2, args)
     return results[0]
@@ -67,7 +68,14 @@ def reference(tmp_path_factory, corpus_files, cache_dir) -> dict:
 
 @pytest.mark.parametrize(
     "source,target",
-    [("zero2", "local"), ("zero3", "fsdp"), ("fsdp", "zero1"), ("local", "zero3")],
+    [
+        ("zero2", "local"),
+        ("zero3", "fsdp"),
+        ("fsdp", "zero1"),
+        ("local", "zero3"),
+        ("pp2", "fsdp"),
+        ("local", "pp2"),
+    ],
 )
 def test_resume_on_another_backend_and_world_size(
     reference, tmp_path, corpus_files, cache_dir, source, target

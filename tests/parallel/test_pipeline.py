@@ -62,7 +62,8 @@ def local_runs(tmp_path_factory, corpus_files, cache_dir):
 
 @pytest.mark.parametrize(
     ("style", "schedule"),
-    [("gpt2", "gpipe"), ("llama", "1f1b"), ("gpt2", "interleaved_1f1b"), ("llama", "zbv")],
+    # tied tables: across ranks (gpipe: stages 0 and 1) and on one rank (zbv: stages 0 and 3)
+    [("gpt2", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("gpt2", "zbv")],
 )
 def test_pp2_losses_match_the_local_run(
     local_runs, tmp_path, corpus_files, cache_dir, style, schedule
@@ -83,3 +84,57 @@ def test_pp2_losses_match_the_local_run(
     assert results[1][1]["fingerprint"] == final["fingerprint"]  # the stages agree
     assert_same_losses(losses, reference, f"pp=2 {schedule}")
     assert val_losses(tmp_path / "pp") == pytest.approx(val_losses(ref_dir), rel=1e-5)
+    if schedule == "gpipe":  # the checkpoint of a pipelined run, as any other
+        check_saved_model(tmp_path / "pp", final["fingerprint"])
+
+
+def check_saved_model(run_dir: Path, fingerprint: str) -> None:
+    """The newest checkpoint of a pipelined run holds the whole model by the unsplit model's
+    names: its weights hash to the run's fingerprint, it exports to Hugging Face with equal
+    logits, and `generate` reads it."""
+    from bigtrain.checkpoint.export import export_checkpoint, open_saved_model
+    from bigtrain.inference import load_checkpoint_model
+    from bigtrain.model.generate import Sampling
+    from bigtrain.parallel.backend import weights_fingerprint
+
+    saved = open_saved_model(run_dir)
+    model = saved.model()
+    assert weights_fingerprint((n, lambda p=p: p) for n, p in model.named_parameters()) == (
+        fingerprint
+    )
+    exported = export_checkpoint(run_dir, run_dir / "hf", 1 << 30, check=True)
+    assert exported["check"]["ok"], exported["check"]
+    loaded = load_checkpoint_model(run_dir, device="cpu")
+    sample = next(loaded.generate(["Enter"], Sampling(max_new_tokens=4, temperature=0.0)))
+    assert 1 <= len(sample.tokens) <= 4
+
+
+def test_bad_pipeline_configs_name_the_key(micro):
+    from bigtrain.errors import ConfigError
+
+    cases = {
+        "parallel.pipeline_parallel": ["parallel.pipeline_parallel=3"],  # 3 stages, 2 blocks
+        "parallel.pp_microbatches": [
+            "parallel.pipeline_parallel=2",
+            "parallel.pp_microbatches=3",  # does not divide 8
+        ],
+        "parallel.pp_schedule": ["parallel.pp_schedule=dualpipe"],
+        "parallel.pp_split": [
+            "model.n_layers=4",
+            "parallel.pipeline_parallel=2",
+            "parallel.pp_split=[4]",
+        ],
+    }
+    for key, overrides in cases.items():
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            micro(*overrides)
+    with pytest.raises(ConfigError, match="needs parallel.backend=local or fsdp"):
+        micro("parallel.pipeline_parallel=2", "parallel.backend=zero")
+    with pytest.raises(ConfigError, match="below the 2 pipeline stages"):
+        micro("parallel.pipeline_parallel=2", "parallel.pp_microbatches=1")
+    with pytest.raises(ConfigError, match="must be 1 for parallel.pp_schedule=1f1b"):
+        micro("model.n_layers=4", "parallel.pipeline_parallel=2", "parallel.pp_stages_per_rank=2")
+    with pytest.raises(ConfigError, match="model.kind=gpt"):
+        micro("parallel.pipeline_parallel=2", "model.kind=hf", "model.hf_config={model_type: gpt2}")
+    with pytest.raises(ConfigError, match="data.document_mask"):
+        micro("parallel.pipeline_parallel=2", "data.document_mask=true")

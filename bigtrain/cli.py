@@ -67,11 +67,12 @@ def _train(items: list[str], local_rank: int | None) -> int:
 def _memory_plan(cfg, env) -> dict:
     """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
     from bigtrain.parallel.env import pick_device
-    from bigtrain.plan.footprint import planned, predicted_memory
+    from bigtrain.plan.footprint import planned
+    from bigtrain.plan.pipeline import planned_memory
     from bigtrain.precision import detect_hardware
 
     hardware = detect_hardware(pick_device(cfg.train.device, env))
-    return predicted_memory(planned(cfg, env.world_size, hardware))
+    return planned_memory(planned(cfg, env.world_size, hardware))
 
 
 def _prepare(items: list[str], out: Path) -> int:
@@ -102,7 +103,7 @@ def _prepare(items: list[str], out: Path) -> int:
     return 0
 
 
-def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
+def _plan(items: list[str], world_size: int, gpu_memory: str | None, propose: bool) -> int:
     if world_size < 1:
         raise ConfigError(f"--world-size got {world_size}, expected a positive integer")
     cfg = _load(items)  # before the heavy imports, as in _train
@@ -116,7 +117,12 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None) -> int:
     hardware = detect_hardware(device)
     if memory is not None and device.type != "cuda":
         hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
-    print(plan_text(planned(cfg, world_size, hardware), memory))
+    if propose and memory is None:
+        raise ConfigError("--propose needs --gpu-memory: the memory a layout must fit in")
+    # A proposal keeps the per-rank batch for the table: the config's own layout may not divide
+    # the global batch at this size, which is what the proposal answers.
+    run = planned(cfg, world_size, hardware, global_batch=not propose)
+    print(plan_text(run, memory, propose))
     return 0
 
 
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             if not args.items:
                 parser.error("plan needs a CONFIG")
-            return _plan(args.items, args.world_size, args.gpu_memory)
+            return _plan(args.items, args.world_size, args.gpu_memory, args.propose)
         if args.command == "lighthouse":
             from bigtrain.parallel.lighthouse import serve_lighthouse
 

@@ -56,6 +56,13 @@ def parser() -> argparse.ArgumentParser:
         "print the largest micro-batch that fits (planned for an sm90 GPU when run without "
         "one). A bare number is refused: GB and GiB differ by 7%%, which can change the answer",
     )
+    plan.add_argument(
+        "--propose",
+        action="store_true",
+        help="with --gpu-memory: also list the layouts (tp x pipeline stages x data parallel) "
+        "of --world-size GPUs for this model and global batch, why each fails, and the one "
+        "proposed (docs/parallelism.md)",
+    )
 
     _add_goodput_options(plan)
     light = sub.add_parser("lighthouse", help="the lighthouse of fault_tolerance's replica groups")

@@ -27,9 +27,10 @@ class ParallelConfig:
     """Build the model on the meta device and materialise only this rank's shards (fsdp, gpt):
     no process ever holds the whole model. None: on for fsdp from 1B parameters. The initial
     weights are those of a whole build (drawn per parameter: model/init.py)."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     """FSDP2: free the gathered parameters after forward (ZeRO-3-like memory) or keep them until
-    backward (ZeRO-2-like speed)."""
+    backward (ZeRO-2-like speed). null: free them, except with pipeline stages, whose every
+    micro-batch would gather them again (a stage's weights stay gathered through its step)."""
     replicate: int = 1
     """fsdp: replicas of the sharded model (HSDP). The ranks form a `replicate x shard` mesh;
     parameters are sharded over the shard dim (contiguous ranks, one node's) and replicated over
@@ -66,7 +67,7 @@ class ParallelConfig:
     pp_microbatches: int | None = None
     """Pipeline micro-batches per train.micro_batch_size batch (it must divide it); null: one
     sequence each (train.micro_batch_size of them), the smallest bubble. 1f1b, interleaved_1f1b
-    and zbv need at least as many as the pipeline has stages (pp x pp_stages_per_rank)."""
+    and zbv need at least parallel.pipeline_parallel of them."""
     pp_split: list[int] = field(default_factory=list)
     """The first block of each stage after the first (pp x pp_stages_per_rank - 1 increasing
     block indices), e.g. [5] for two stages of a 10-block model split 5/5; empty: balanced
@@ -249,12 +250,11 @@ def check_pipeline_batch(p: ParallelConfig, micro_batch_size: int) -> None:
             f"key 'parallel.pp_microbatches' ({n}) must divide train.micro_batch_size "
             f"({micro_batch_size}): each pipeline micro-batch holds an equal part of it"
         )
-    stages = p.pipeline_parallel * pp_stages_per_rank(p)
-    if p.pp_schedule != "gpipe" and n < stages:
+    if p.pp_schedule != "gpipe" and n < p.pipeline_parallel:
         raise ConfigError(
-            f"key 'parallel.pp_microbatches' ({n}) is below the {stages} pipeline stages, which "
-            f"parallel.pp_schedule={p.pp_schedule} needs at least (one micro-batch in flight per "
-            "stage): raise it (and train.micro_batch_size), or use gpipe"
+            f"key 'parallel.pp_microbatches' ({n}) is below parallel.pipeline_parallel "
+            f"({p.pipeline_parallel}): parallel.pp_schedule={p.pp_schedule} keeps a micro-batch "
+            "in flight on every pipeline rank; raise it (and train.micro_batch_size), or use gpipe"
         )
     if p.pp_schedule == "interleaved_1f1b":
         rounds = max(1, n // p.pipeline_parallel)
@@ -264,3 +264,10 @@ def check_pipeline_batch(p: ParallelConfig, micro_batch_size: int) -> None:
                 "interleaved_1f1b (torch's schedule runs rounds of pipeline_parallel "
                 "micro-batches): use a multiple of parallel.pipeline_parallel"
             )
+
+
+def reshards_after_forward(p: ParallelConfig) -> bool:
+    """parallel.reshard_after_forward, or its default (see the key)."""
+    if p.reshard_after_forward is not None:
+        return p.reshard_after_forward
+    return p.pipeline_parallel == 1

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank
+from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig
 from bigtrain.parallel.apply import (
     apply_activation_checkpointing,
@@ -81,7 +81,7 @@ def _fully_sharded(
     _block_transforms(model, parallel)
     # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
     data_mesh, mp = layout.data_mesh, fsdp_mixed_precision(policy)
-    reshard = parallel.reshard_after_forward
+    reshard = reshards_after_forward(parallel)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root holds embeddings, final norm and lm_head (tied weights stay in one group).

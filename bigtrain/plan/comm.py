@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.config.schema import ParallelConfig
 from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.layout import Layout
@@ -107,7 +108,7 @@ def fsdp_traffic(
     tp = tp or TPSplit()
     held = tp.per_rank_params(num_params, layout.tp)  # what FSDP2 shards on this tp rank
     accum = grad_accum_steps
-    gathers = accum * (2 if parallel.reshard_after_forward else 1)
+    gathers = accum * (2 if reshards_after_forward(parallel) else 1)
     out = []
     if layout.tp > 1:
         out.append(tp_traffic(tp, layout.tp, accum, activation_bytes))

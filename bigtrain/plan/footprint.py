@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig
 from bigtrain.parallel.layout import Layout
 from bigtrain.plan.comm import TPSplit, tp_split
@@ -144,6 +145,14 @@ def planned(
     return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware)
 
 
+def replanned(run: PlannedRun, cfg: Config, world_size: int) -> PlannedRun:
+    """`run`'s model under another config's parallel and train keys at `world_size` (the layout
+    proposal: the meta model and the policy are reused)."""
+    layout = Layout.of(cfg.parallel, world_size)
+    tp = tp_split(run.model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
+    return dataclasses.replace(run, cfg=cfg, layout=layout, tp=tp)
+
+
 def activation_bytes_per_token(
     shape: Shape, mode: str, compute_bytes: int, residual_bytes: int, fp32_softmax: bool = False
 ) -> dict[str, float]:
@@ -214,7 +223,7 @@ def transient_weight_bytes(
     grads = block * policy.reduce_dtype.itemsize
     if parallel.backend == "fsdp":
         gathered = gathered_dtype_bytes(policy)
-        held = 2 * block if parallel.reshard_after_forward else n
+        held = 2 * block if reshards_after_forward(parallel) else n
         return held * gathered + grads
     if parallel.backend == "zero" and parallel.zero_stage == 3:
         return 2 * block * c + grads

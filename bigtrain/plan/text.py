@@ -3,6 +3,7 @@ the traffic per mesh axis (fsdp), activations and the largest micro-batch that f
 
 from __future__ import annotations
 
+from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.plan.comm import fsdp_traffic
 from bigtrain.plan.footprint import (
     CHECKPOINTING,
@@ -17,6 +18,7 @@ from bigtrain.plan.footprint import (
     transient_weight_bytes,
     zero_paper_bytes,
 )
+from bigtrain.plan.pipeline import pipeline_lines, proposal_lines, rank_loads
 from bigtrain.precision.policy import dtype_name
 from bigtrain.utils.sizes import parse_size
 
@@ -114,15 +116,20 @@ def comm_lines(run: PlannedRun) -> list[str]:
         run.tp,
         activations * policy.compute_dtype.itemsize,
     )
+    share = {"tp": 1.0, "shard": 1.0, "replicate": 1.0}
+    if layout.pp > 1:  # a pipeline rank's part: its blocks' tp traffic, its parameters' FSDP2
+        params = max(load.params for load in rank_loads(run)) / run.num_params
+        share = {"tp": 1 / layout.pp, "shard": params, "replicate": params}
+        lines[-1] += " (the largest pipeline rank's part)"
     for t in traffic:
-        lines.append(
-            f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(t.bytes_per_step):>10}"
-        )
+        moved = t.bytes_per_step * share[t.axis]
+        lines.append(f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(moved):>10}")
     return lines
 
 
-def plan_text(run: PlannedRun, gpu_memory: int | None = None) -> str:
-    """The table for a planned run (footprint.py `planned`); with `gpu_memory`, what fits."""
+def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = False) -> str:
+    """The table for a planned run (footprint.py `planned`); with `gpu_memory`, what fits, and
+    with `propose` too, the layout proposed for its world size (plan/pipeline.py)."""
     cfg, n, policy = run.cfg, run.num_params, run.policy
     world_size, hardware = run.layout.world_size, run.hardware
     backend, stage = run.backend, cfg.parallel.zero_stage
@@ -138,22 +145,35 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None) -> str:
         + ":",
     ]
     per_param = run.states().per_rank_bytes_per_param(run.degree)
+    held_params = n  # what one rank's states are a share of: the model, or its pipeline rank's part
+    if run.layout.pp > 1:
+        held_params = max(load.params for load in rank_loads(run))
+        lines.append(f"  (the largest pipeline rank's {held_params / 1e9:.2f}B parameters)")
     for c in COMPONENTS:
-        lines.append(f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * n):>10}")
+        lines.append(
+            f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * held_params):>10}"
+        )
     total = sum(per_param.values())
-    lines.append(f"  {'total':<17} {total:>7.3f} B/param  {fmt_bytes(total * n):>10}")
+    lines.append(f"  {'total':<17} {total:>7.3f} B/param  {fmt_bytes(total * held_params):>10}")
     if backend == "fsdp":
         gathered = gathered_dtype_bytes(policy)
-        held = "two gathered blocks" if cfg.parallel.reshard_after_forward else "all blocks"
-        transient = transient_weight_bytes(cfg.parallel, policy, n, run.block_params)
+        held = "two gathered blocks" if reshards_after_forward(cfg.parallel) else "all blocks"
+        if run.layout.pp > 1:
+            held += " of the pipeline rank"
+        transient = transient_weight_bytes(cfg.parallel, policy, held_params, run.block_params)
+        transient /= run.tp_split_ways
         lines.append(
             f"  + transient: {held} in {gathered * 8}-bit "
-            f"({fmt_bytes(transient)} with one block of FP32 gradients)"
+            f"({fmt_bytes(transient)} with one block of FP32 gradients"
+            + (", per tp rank)" if run.tp_split_ways > 1 else ")")
         )
     lines += backend_lines(run)
     if backend == "fsdp":
         lines += comm_lines(run)
+    lines += pipeline_lines(run, fmt_bytes)
     lines += activation_lines(run, gpu_memory)
+    if propose and gpu_memory is not None:
+        lines += proposal_lines(run, run.layout.world_size, gpu_memory, fmt_bytes)
     return "\n".join(lines)
 
 

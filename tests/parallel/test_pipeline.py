@@ -130,7 +130,7 @@ def test_bad_pipeline_configs_name_the_key(micro):
             micro(*overrides)
     with pytest.raises(ConfigError, match="needs parallel.backend=local or fsdp"):
         micro("parallel.pipeline_parallel=2", "parallel.backend=zero")
-    with pytest.raises(ConfigError, match="below the 2 pipeline stages"):
+    with pytest.raises(ConfigError, match="below parallel.pipeline_parallel"):
         micro("parallel.pipeline_parallel=2", "parallel.pp_microbatches=1")
     with pytest.raises(ConfigError, match="must be 1 for parallel.pp_schedule=1f1b"):
         micro("model.n_layers=4", "parallel.pipeline_parallel=2", "parallel.pp_stages_per_rank=2")

@@ -79,11 +79,12 @@ class Layout:
         pp = cfg.pipeline_parallel
         model_copies = pp * cfg.replicate * cfg.tensor_parallel
         if world_size % model_copies:
+            stages = f"parallel.pipeline_parallel ({pp}) x " if pp > 1 else ""
             raise SharedConfigError(
-                f"key 'parallel.pipeline_parallel' ({pp}) x parallel.replicate "
-                f"({cfg.replicate}) x parallel.tensor_parallel ({cfg.tensor_parallel}) = "
-                f"{model_copies} must divide the world size ({world_size}): the shard degree is "
-                f"world size / (pipeline_parallel x replicate x tensor_parallel) = "
+                f"key {stages}'parallel.replicate' ({cfg.replicate}) x "
+                f"parallel.tensor_parallel ({cfg.tensor_parallel}) = {model_copies} must divide "
+                f"the world size ({world_size}): the shard degree is world size / "
+                f"({'pipeline_parallel x ' if pp > 1 else ''}replicate x tensor_parallel) = "
                 f"{world_size} / {model_copies}, not an integer"
             )
         shard = world_size // model_copies
@@ -149,6 +150,12 @@ class Layout:
         """Ranks of this job that hold a loss (the last pipeline stage's); the mean loss over the
         job is their sum over this many. The tp ranks of a data-parallel rank hold the same
         loss, so the mean over them equals the mean over data-parallel ranks."""
+        return self.world_size // self.pp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (the whole job without stages); the ranks of stage s are
+        s x stage_size onwards, in the stage's own (replicate, shard, tp) order."""
         return self.world_size // self.pp
 
     @property

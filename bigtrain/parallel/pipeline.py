@@ -410,7 +410,7 @@ def _tied_group(layout: Layout, schedule: str, num_stages: int) -> dist.ProcessG
     )
     if first == last:
         return None
-    rest = layout.world_size // layout.pp
+    rest = layout.stage_size
     pairs = [[first * rest + j, last * rest + j] for j in range(rest)]
     if layout.pp == 2:
         return layout.group("pp")

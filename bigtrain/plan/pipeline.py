@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import num_params
+from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.pipeline import rank_stages
 from bigtrain.parallel.pipeline_split import stage_bounds
 from bigtrain.plan.footprint import (
@@ -203,9 +204,16 @@ def candidates(run: PlannedRun, world_size: int, gpu_memory: int) -> list[Candid
     out = []
     for tp in (1, 2, 4, 8):
         for pp in (2**k for k in range(8)):
-            if pp > cfg.model.n_layers or world_size % (tp * pp):
+            if pp > cfg.model.n_layers:
                 continue
-            dp = world_size // (tp * pp)
+            sizes = dataclasses.replace(
+                cfg.parallel, backend="fsdp", tensor_parallel=tp, pipeline_parallel=pp, replicate=1
+            )
+            try:
+                layout = Layout.of(sizes, world_size)
+            except ConfigError:  # tp x pp does not divide the GPUs
+                continue
+            dp = layout.dp_size
             per_rank, rest = divmod(seqs, dp)
             if rest or per_rank == 0:
                 why = f"{dp} data-parallel ranks do not divide the global batch of {seqs}"
@@ -246,8 +254,9 @@ def _candidate(
         return Candidate(tp, pp, dp, chunks, per_rank, 1.0, 0.0, 0.0, {}, str(e).split(":")[0])
     peak = max(load.total_bytes for load in loads)
     bubble = bubble_fraction(schedule, pp, chunks, per_rank)
-    tokens = per_rank * dp * cfg.model.seq_len
-    compute = 6.0 * run.num_params * tokens / (world_size * PEAK_FLOPS * EFFICIENCY)
+    # One model copy (tp x pp GPUs) trains its data-parallel rank's tokens.
+    tokens = per_rank * cfg.model.seq_len
+    compute = 6.0 * run.num_params * tokens / (trial.layout.model_size * PEAK_FLOPS * EFFICIENCY)
     policy = trial.policy
     activations = per_rank * cfg.model.seq_len * run.shape.d_model * policy.compute_dtype.itemsize
     traffic = fsdp_traffic(

@@ -138,3 +138,28 @@ def test_bad_pipeline_configs_name_the_key(micro):
         micro("parallel.pipeline_parallel=2", "model.kind=hf", "model.hf_config={model_type: gpt2}")
     with pytest.raises(ConfigError, match="data.document_mask"):
         micro("parallel.pipeline_parallel=2", "data.document_mask=true")
+
+
+def test_fp16_overflow_is_one_verdict_across_stages(tmp_path, corpus_files, cache_dir):
+    """FP16 with a loss scale that overflows: the non-finite gradients of the stages reach one
+    verdict through the monitor, so both stages skip every step and back the scale off alike, and
+    their weights stay the initial ones."""
+    from tests.distributed import step0_fingerprint, train_run_probed
+
+    args = micro_overrides(tmp_path / "fp16", corpus_files, cache_dir) + [
+        "model.n_layers=4",
+        "train.max_steps=3",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "precision.compute_dtype=fp16",
+        "precision.loss_scale=1e30",
+        "precision.loss_scale_hysteresis=1",
+        "parallel.pipeline_parallel=2",
+    ]
+    ranks = run_distributed(train_run_probed, 2, args, step0_fingerprint)
+    for result in ranks:
+        assert result["final"]["fingerprint"] == result["probe"]["fingerprint"]  # nothing applied
+    metrics = [m for m in ranks[0]["metrics"] if "loss_scale" in m]
+    assert [m["loss_scale"] for m in metrics] == [5e29, 2.5e29, 1.25e29]
+    assert [m["skipped_steps"] for m in metrics] == [1, 2, 3]

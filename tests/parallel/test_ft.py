@@ -181,51 +181,37 @@ def test_a_killed_or_preempted_group_restarts_alone_and_rejoins_from_a_live_peer
     assert 2.0 in plotted["groups in the quorum"]["y"]
 
 
-def test_a_nan_in_one_group_rolls_every_group_back_to_the_same_target(micro_args, tmp_path):
-    """A NaN gradient in group 1 only: the reduced numbers are NaN in every group, so all three
-    replay (reproduced: a data fault), roll back to the same target and keep the trajectory of
-    the plain fsdp run of 3 ranks with the same NaN on its rank 1."""
-    steps = ("train.max_steps=12", "fault.nan_grad_step=[7]")
-    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
-    ft(
-        3,
-        1,
-        micro_args(*FP32, *steps, "fault.group=1", out="ft"),
-        tmp_path / "logs",
-        "fault_tolerance.min_groups=3",
-    )
-    plain(3, micro_args(*FP32, *steps, "fault.rank=1", out="plain"))
-    rollbacks = events(ft_out, "rollback")
-    assert sorted(e["group"] for e in rollbacks) == [0, 1, 2]
-    assert {(e["from_step"], e["to_step"]) for e in rollbacks} == {
-        (r["from_step"], r["to_step"]) for r in events(plain_out, "rollback")
-    }
-    assert_close(losses(ft_out), losses(plain_out))
-    assert len({e["fingerprint"] for e in finishes(ft_out, 3).values()}) == 1
-
-
 def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
     micro_args, tmp_path
 ):
-    """Group 2 dies right after a rollback (NaN in group 0 at step 6) and rejoins while the LR
-    is still backed off: it receives the lowered LR scale and the healer's windows with the
+    """A NaN gradient in group 0 only at step 6: the reduced numbers are NaN in every group, so
+    all three replay (reproduced: a data fault), roll back to the same target and keep the
+    trajectory of the plain fsdp run of 3 ranks with the same NaN on its rank 0 (compared up to
+    step 7). Group 2 then dies at step 8, right after the rollback, and rejoins while the LR is
+    still backed off: it receives the lowered LR scale and the healer's windows with the
     weights, and every group ends equal."""
-    out = tmp_path / "run"
+    out, plain_out = tmp_path / "run", tmp_path / "plain"
+    healing = ("fault.nan_grad_step=[6]", "resilience.lr_cooldown_steps=200")
     args = micro_args(
         *FP32,
+        *healing,
         "train.max_steps=50",
-        "fault.nan_grad_step=[6]",
         "fault.kill_group=2",
         "fault.kill_step=8",
-        "resilience.lr_cooldown_steps=200",
         "fault.slow_rank=0",
         "fault.slow_s=0.4",
     )
     ft(3, 1, args, tmp_path / "logs")
+    plain(3, micro_args(*FP32, *healing, "train.max_steps=7", "fault.rank=0", out="plain"))
     done = finishes(out, 3)
     assert len({e["fingerprint"] for e in done.values()}) == 1
     rollbacks = events(out, "rollback")
     assert {e["group"] for e in rollbacks} == {0, 1, 2}
+    assert {(e["from_step"], e["to_step"]) for e in rollbacks} == {
+        (r["from_step"], r["to_step"]) for r in events(plain_out, "rollback")
+    }
+    before_kill = {s: v for s, v in losses(out).items() if s <= 7}
+    assert_close(before_kill, losses(plain_out))
     (kill,) = [e for e in events(out, "fault") if e["type"] == "kill_group"]
     (joined,) = [
         e for e in events(out, "group_joined") if e["group"] == 2 and e["time"] > kill["time"]

@@ -1,6 +1,6 @@
-"""The same recovery on every backend and mesh: FSDP2, ZeRO-1/2/3, two pipeline stages (2 gloo
-ranks), HSDP, tp 2 x dp 2 and two pipeline stages of 2 FSDP2 shards (4 ranks) roll back like one
-process (FP32, global batch 16, clipping on every step):
+"""The same recovery on every backend and mesh: FSDP2, ZeRO-1/2/3 (2 gloo ranks), HSDP, tp 2 x
+dp 2 and two pipeline stages of 2 FSDP2 shards (4 ranks; the faults on stage 1 only) roll back
+like one process (FP32, global batch 16, clipping on every step):
 a NaN gradient on rank 1 at step 3 goes back to the start, a x50 loss spike on rank 1 at step 14
 goes back to snapshot 10, and the kept trajectory follows local's within FP32 rounding (1e-5
 relative) over the steps after each, with one fingerprint on all ranks."""
@@ -30,8 +30,6 @@ BACKENDS = {
     "zero3": (2, ["parallel.backend=zero", "parallel.zero_stage=3"]),
     "hsdp": (4, ["parallel.backend=fsdp", "parallel.replicate=2", "train.micro_batch_size=4"]),
     "tp2xdp2": (4, ["parallel.backend=fsdp", "parallel.tensor_parallel=2"]),
-    # rank 1 is stage 1 (the last): the NaN and the spike hit that stage only
-    "pp2": (2, ["parallel.pipeline_parallel=2"]),
     # ranks 2 and 3 are stage 1's two shards; the faults hit shard 1 of stage 1
     "pp2xfsdp2": (
         4,

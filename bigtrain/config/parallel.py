@@ -54,7 +54,7 @@ class ParallelConfig:
     consecutive parts, each on its own ranks, micro-batches flowing through them
     (torch.distributed.pipelining). The outermost dimension: world size / (pipeline_parallel x
     replicate x tensor_parallel) is the shard degree. local (one rank per stage, world size =
-    stages) or fsdp; bigtrain's GPT. At start."""
+    stages) or fsdp; bigtrain's GPT, or a transformers Llama-family or GPT-2 model. At start."""
     pp_schedule: str = "1f1b"
     """`gpipe` (all forwards, then all backwards: the most activation memory), `1f1b` (one
     forward, one backward: at most `stages` micro-batches in flight), `interleaved_1f1b`
@@ -166,6 +166,9 @@ def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+PP_HF_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+"""transformers architectures split into stages (model/hf.py's HF_STAGE_FAMILIES; checked again
+at build for a model_type read from model.hf_path)."""
 
 
 def pp_stages_per_rank(p: ParallelConfig) -> int:
@@ -208,10 +211,12 @@ def check_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
             "which shards each stage like ZeRO-3 (or ZeRO-2 with "
             "parallel.reshard_after_forward=false)"
         )
-    if m.kind != "gpt":
+    model_type = (m.hf_config or {}).get("model_type") if m.kind == "hf" else None
+    if model_type is not None and model_type not in PP_HF_TYPES:
         raise ConfigError(
-            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}) needs model.kind=gpt: "
-            "bigtrain's GPT is split into stages by its blocks; model.kind=hf is not split yet"
+            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}): model.kind=hf with "
+            f"model_type {model_type!r} is not split into stages yet (supported: "
+            f"{', '.join(PP_HF_TYPES)}, and bigtrain's GPT)"
         )
     if p.pp_schedule in ("gpipe", "1f1b") and chunks != 1:
         raise ConfigError(

@@ -102,3 +102,102 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+HF_STAGE_FAMILIES = {
+    # model_type -> (family, block container, first stage's modules, last stage's modules)
+    "llama": (
+        "llama",
+        "hf.model.layers",
+        ("hf.model.embed_tokens",),
+        ("hf.model.norm", "hf.lm_head"),
+    ),
+    "mistral": (
+        "llama",
+        "hf.model.layers",
+        ("hf.model.embed_tokens",),
+        ("hf.model.norm", "hf.lm_head"),
+    ),
+    "qwen2": (
+        "llama",
+        "hf.model.layers",
+        ("hf.model.embed_tokens",),
+        ("hf.model.norm", "hf.lm_head"),
+    ),
+    "gpt2": (
+        "gpt2",
+        "hf.transformer.h",
+        ("hf.transformer.wte", "hf.transformer.wpe"),
+        ("hf.transformer.ln_f", "hf.lm_head"),
+    ),
+}
+"""The transformers architectures a pipeline stage can be cut from (parallel/pipeline_split.py);
+config/parallel.py's PP_HF_TYPES lists the same types."""
+
+
+def hf_stage_family(model: HFCausalLM) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    """HF_STAGE_FAMILIES' entry of the model's type; ConfigError naming the supported ones."""
+    model_type = model.hf.config.model_type
+    if model_type not in HF_STAGE_FAMILIES:
+        raise ConfigError(
+            f"key 'parallel.pipeline_parallel': model.kind=hf with model_type {model_type!r} is "
+            f"not split into stages yet (supported: {', '.join(HF_STAGE_FAMILIES)})"
+        )
+    return HF_STAGE_FAMILIES[model_type]
+
+
+class HFStage(HFCausalLM):
+    """One pipeline stage of a transformers causal LM (pipeline_split.stage_module prunes it):
+    token ids or the previous stage's hidden states in, hidden states or logits out, through its
+    own decoder layers only, called as transformers' own model forward calls them (causal mask,
+    positions 0.., rotary tables of Llama-family models computed on every stage)."""
+
+    def __init__(
+        self, model: nn.Module, family: str, takes_tokens: bool, gives_logits: bool
+    ) -> None:
+        super().__init__(model)
+        self.family, self.takes_tokens, self.gives_logits = family, takes_tokens, gives_logits
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from transformers.masking_utils import create_causal_mask
+
+        if self.family == "gpt2":
+            body, layers, norm = self.hf.transformer, self.hf.transformer.h, "ln_f"
+        else:
+            body, layers, norm = self.hf.model, self.hf.model.layers, "norm"
+        seq = idx.shape[1]
+        positions = torch.arange(seq, device=idx.device).unsqueeze(0)
+        if self.takes_tokens:
+            h = (
+                body.embed_tokens(idx)
+                if self.family != "gpt2"
+                else body.wte(idx) + body.wpe(positions)
+            )
+            if self.family == "gpt2":
+                h = body.drop(h)
+        else:
+            h = idx
+        mask = create_causal_mask(
+            config=body.config,
+            inputs_embeds=h,
+            attention_mask=None,
+            cache=None,
+            position_ids=positions,
+        )
+        if self.family == "gpt2":
+            for block in layers.values():
+                h = block(h, None, mask, None, use_cache=False, position_ids=positions)
+        else:
+            rotary = body.rotary_emb(h, position_ids=positions)
+            for layer in layers.values():
+                h = layer(
+                    h,
+                    attention_mask=mask,
+                    position_embeddings=rotary,
+                    position_ids=positions,
+                    cache=None,
+                    use_cache=False,
+                )
+        if not self.gives_logits:
+            return h
+        return self.hf.lm_head(getattr(body, norm)(h))

@@ -5,8 +5,9 @@ Where it is built (`build_site`):
 - `partitioned`: ZeRO-3 with bigtrain's GPT, inside deepspeed.zero.Init: each layer is split
   across the ranks as soon as it is built, so no process holds more than its partition and the
   layer being built. Undrawn: ZeroBackend writes the initial values into its FP32 partitions.
-- `meta`: FSDP2 with parallel.meta_init, and every pipelined run: shapes only; FSDPBackend
-  materialises its shards, each pipeline stage its own part (parallelize.py).
+- `meta`: FSDP2 with parallel.meta_init, and pipelined GPTs: shapes only; FSDPBackend
+  materialises its shards, each pipeline stage its own part (parallelize.py). A pipelined
+  transformers model is built whole and cut (transformers initialises it as a whole).
 - `whole`: everything else, in every process. bigtrain's GPT is built on the training device and
   drawn there; transformers models on the default device, with transformers' own init.
 bigtrain's GPT gets the same initial weights on every site (model/init.py).
@@ -33,7 +34,7 @@ from bigtrain.utils.names import canonical_name
 
 def build_site(p: ParallelConfig, model_kind: str, num_params: int) -> str:
     """`partitioned`, `meta` or `whole` (module docstring)."""
-    if p.pipeline_parallel > 1:  # each stage materializes its own part (parallel/pipeline.py)
+    if p.pipeline_parallel > 1 and model_kind == "gpt":  # each stage draws its own part
         return "meta"
     if p.backend == "zero" and p.zero_stage == 3 and model_kind == "gpt":
         return "partitioned"

@@ -100,18 +100,19 @@ def _pipelined(
     p, seed = cfg.parallel, cfg.train.seed
     chunks_per_rank = pp_stages_per_rank(p)
     num_stages = layout.pp * chunks_per_rank
-    bounds = stage_bounds(model, num_stages, p.pp_split)  # type: ignore[arg-type]
+    bounds = stage_bounds(model, num_stages, p.pp_split, cfg.model.seq_len)
     stages = rank_stages(p.pp_schedule, layout.pp, chunks_per_rank, layout.coord("pp"))
+    on_meta = any(t.is_meta for t in model.parameters())  # bigtrain's GPT; transformers: whole
     chunks = []
     for s in stages:
-        chunk = stage_module(model, bounds[s], bounds[s + 1], s == 0, s == num_stages - 1)  # type: ignore[arg-type]
+        chunk = stage_module(model, bounds[s], bounds[s + 1], s == 0, s == num_stages - 1)
         if p.backend == "fsdp":
             chunk = _fully_sharded(chunk, p, layout, policy, device, seed)
         else:
             _block_transforms(chunk, p)
-            materialize(chunk, device, seed)
+            if on_meta:
+                materialize(chunk, device, seed)
         chunks.append(chunk)
-    names = [n for n, _ in model.named_parameters()]
     pipeline = Pipeline(
         StageChunks(chunks),
         stages,
@@ -121,7 +122,7 @@ def _pipelined(
         layout,
         device,
         model,
-        stage_of_names(names, bounds),
+        stage_of_names(model, bounds),
     )
     if p.backend == "fsdp":
         return FSDPBackend(

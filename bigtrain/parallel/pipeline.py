@@ -55,8 +55,6 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble,
 }
-TIED_TABLE = "tok_emb.weight"
-"""The canonical name of the tied token table (bigtrain's GPT): held by the first and last stage."""
 
 
 def rank_stages(schedule: str, pp: int, chunks: int, pp_rank: int) -> list[int]:
@@ -76,19 +74,26 @@ class StageChunks(nn.Module):
     """This rank's model chunks under one root, as `pp_chunk<v>` (dropped from canonical names).
     It is never called: the schedule runs the chunks."""
 
-    def __init__(self, chunks: list[GPT]) -> None:
+    def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__()
         for v, chunk in enumerate(chunks):
             self.add_module(f"pp_chunk{v}", chunk)
 
     @property
-    def chunks(self) -> list[GPT]:
+    def chunks(self) -> list[nn.Module]:
         return list(self.children())  # type: ignore[arg-type]
 
-    def init_value(
+    @property
+    def init_value(self) -> Callable[..., torch.Tensor]:
+        """GPT.init_value of the chunk that holds a name (a rollback to the initial weights);
+        absent (AttributeError) for chunks without one (transformers models)."""
+        if not all(isinstance(c, GPT) for c in self.chunks):
+            raise AttributeError("init_value")
+        return self._init_value
+
+    def _init_value(
         self, name: str, shape: torch.Size, device: torch.device, generator: torch.Generator
     ) -> torch.Tensor:
-        """GPT.init_value of the chunk that holds `name` (a rollback to the initial weights)."""
         owner = name.rpartition(".")[0]
         for chunk in self.chunks:
             with contextlib.suppress(AttributeError):
@@ -136,8 +141,8 @@ class Pipeline:
             canonical_name(n) for n, p in whole.named_parameters() if p.requires_grad
         ]
         self.whole_shapes = {canonical_name(n): tuple(p.shape) for n, p in whole.named_parameters()}
-        self.owned = self._owned_params()
         self._tied = self._tied_copies(whole)
+        self.owned = self._owned_params()
         self._tied_group = _tied_group(layout, schedule, num_stages) if self._tied_all else None
 
     # --- the step ------------------------------------------------------------------------------
@@ -290,19 +295,16 @@ class Pipeline:
     # --- tied embeddings -----------------------------------------------------------------------
 
     def _tied_copies(self, whole: nn.Module) -> list[nn.Parameter]:
-        """This rank's copies of the tied table (first and last stage); all ranks agree whether
-        the model ties it (`_tied_all`)."""
-        head = getattr(whole, "lm_head", None)
-        table = getattr(whole, "tok_emb", None)
-        self._tied_all = (
-            head is not None
-            and table is not None
-            and head.weight is table.weight
-            and self.num_stages > 1
-        )
-        if not self._tied_all:
-            return []
-        return [chunk.tok_emb.weight for chunk in self.root.chunks if chunk.tok_emb is not None]
+        """This rank's copies of the tied table (first and last stage), the first's first; all
+        ranks agree whether the model ties one (`_tied_all`)."""
+        self.tied_name = tied_table(whole) if self.num_stages > 1 else None
+        self._tied_all = self.tied_name is not None
+        copies = []
+        for chunk in self.root.chunks:
+            named = {canonical_name(n): p for n, p in chunk.named_parameters()}
+            if self.tied_name in named:
+                copies.append(named[self.tied_name])
+        return copies
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
@@ -328,7 +330,7 @@ class Pipeline:
         for chunk, s in zip(self.root.chunks, self.stage_ids, strict=True):
             for name, p in chunk.named_parameters():
                 name = canonical_name(name)
-                if name == TIED_TABLE and s != 0:
+                if name == self.tied_name and s != 0:
                     continue  # the last stage's copy of a tied table (or its own, untied: kept)
                 owned.setdefault(name, p)
         return owned
@@ -416,3 +418,15 @@ def _tied_group(layout: Layout, schedule: str, num_stages: int) -> dist.ProcessG
         return layout.group("pp")
     mine, _ = dist.new_subgroups_by_enumeration(pairs)
     return mine
+
+
+def tied_table(model: nn.Module) -> str | None:
+    """The canonical name of the parameter two modules of `model` share (the token table and
+    the output layer), as named_parameters lists it; None without one."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for _, param in module.named_parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    shared = [canonical_name(n) for n, p in model.named_parameters() if owners[id(p)] > 1]
+    assert len(shared) <= 1, f"one tied table expected, found {shared}"
+    return shared[0] if shared else None

@@ -6,12 +6,14 @@ FLOPs per token (time); the first stage also carries the embedding's parameters,
 final norm and the output layer's parameters and FLOPs. The contiguous split whose most
 expensive stage is cheapest is found exactly (a small dynamic programme over blocks x stages).
 
-A stage's module (`stage_module`) is a copy of the whole model's structure, still on the meta
-device, with only that stage's parts kept: its blocks in a ModuleDict keyed by their index in the
-whole model, so every parameter keeps the whole model's name (checkpoints, the monitor, telemetry
-and the initial values all go by it). The last stage of a model with tied embeddings keeps the
-token table as well (its output layer is that table); its gradient is summed with the first
-stage's copy (parallel/pipeline.py).
+A stage's module (`stage_module`) is a copy of the whole model with only that stage's parts kept:
+its blocks in a ModuleDict keyed by their index in the whole model, so every parameter keeps the
+whole model's name (checkpoints, the monitor, telemetry and the initial values all go by it).
+bigtrain's GPT is cut on the meta device (each stage then draws its own parameters by name, as a
+whole build would); a transformers model (`HFStage`, Llama-family and GPT-2) is cut from its
+whole build, which transformers initialises as a whole. The last stage of a model with tied
+embeddings keeps the token table as well (its output layer is that table); its gradient is summed
+with the first stage's copy (parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,54 @@ from dataclasses import dataclass
 from torch import nn
 
 from bigtrain.model.gpt import GPT, num_params
+from bigtrain.model.hf import HFCausalLM, HFStage, hf_stage_family
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a model's parts are: the block container, and the modules only the first stage
+    (embeddings) and only the last stage (final norm, then the output layer) run."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    family: str = "gpt"
+
+
+def stage_spec(model: nn.Module) -> StageSpec:
+    if isinstance(model, GPT):
+        return StageSpec("blocks", ("tok_emb", "pos_emb"), ("norm_f", "lm_head"))
+    assert isinstance(model, HFCausalLM), "bigtrain's GPT or a transformers causal LM"
+    family, blocks, first, last = hf_stage_family(model)
+    return StageSpec(blocks, first, last, family)
+
+
+def _present(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+    out = []
+    for path in paths:
+        parent, _, attr = path.rpartition(".")
+        module = getattr(model.get_submodule(parent) if parent else model, attr, None)
+        if module is not None:
+            out.append(module)
+    return out
+
+
+def _params(modules: list[nn.Module]) -> dict[int, nn.Parameter]:
+    return {id(p): p for m in modules for p in m.parameters()}
+
+
+def end_params(model: nn.Module) -> tuple[int, int]:
+    """(parameters only the first stage holds, parameters the last stage holds besides its
+    blocks): a tied table counts in both."""
+    spec = stage_spec(model)
+    first = _params(_present(model, spec.first))
+    last = _params(_present(model, spec.last))
+    return sum(p.numel() for p in first.values()), sum(p.numel() for p in last.values())
+
+
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks in order (the container stage_spec names)."""
+    return list(model.get_submodule(stage_spec(model).blocks).children())
 
 
 @dataclass(frozen=True)
@@ -33,23 +83,23 @@ class StageCosts:
     last: float
 
 
-def stage_costs(model: GPT) -> StageCosts:
+def stage_costs(model: nn.Module, seq_len: int) -> StageCosts:
     """Each part's cost: the mean of its parameter share and its forward-FLOP share (module
     docstring). `model` may be on the meta device."""
-    cfg = model.cfg
-    block_params = [num_params(b) for b in model.blocks]
+    spec = stage_spec(model)
+    blocks = list(model.get_submodule(spec.blocks).children())
+    block_params = [num_params(b) for b in blocks]
+    first = _params(_present(model, spec.first))
+    last = {k: p for k, p in _params(_present(model, spec.last)).items() if k not in first}
+    embed_params = sum(p.numel() for p in first.values())
+    head_params = sum(p.numel() for p in last.values())
+    output = _present(model, spec.last[-1:])[0].weight  # (vocab, d_model)
+    d_model = output.shape[1]
     # Forward FLOPs per token: 2 per weight of each matmul, plus attention's scores and values
     # (2 x 2 x seq x d_model, the causal half not discounted, as in model.flops_per_token).
-    attention = 4.0 * cfg.seq_len * cfg.d_model
+    attention = 4.0 * seq_len * d_model
     block_flops = [2.0 * n + attention for n in block_params]
-    embed_params = model.tok_emb.weight.numel() + (
-        model.pos_emb.weight.numel() if model.pos_emb is not None else 0
-    )
-    head_params = num_params(model.norm_f)
-    tied = model.lm_head.weight is model.tok_emb.weight
-    if not tied:
-        head_params += model.lm_head.weight.numel()
-    head_flops = 2.0 * model.lm_head.weight.numel()
+    head_flops = 2.0 * output.numel()
     total_params = sum(block_params) + embed_params + head_params
     total_flops = sum(block_flops) + head_flops
 
@@ -95,43 +145,57 @@ def balanced_bounds(costs: StageCosts, stages: int) -> list[int]:
     return [0, *reversed(bounds)]
 
 
-def stage_bounds(model: GPT, stages: int, split: list[int]) -> list[int]:
+def stage_bounds(model: nn.Module, stages: int, split: list[int], seq_len: int) -> list[int]:
     """parallel.pp_split's bounds when given, else the balanced ones."""
     if split:
-        return [0, *split, len(model.blocks)]
-    return balanced_bounds(stage_costs(model), stages)
+        n = len(model.get_submodule(stage_spec(model).blocks))
+        return [0, *split, n]
+    return balanced_bounds(stage_costs(model, seq_len), stages)
 
 
-def stage_module(model: GPT, first_block: int, end_block: int, first: bool, last: bool) -> GPT:
-    """A copy of `model` (on the meta device: nothing is allocated) that keeps blocks
-    [first_block, end_block), the embeddings if `first`, the final norm and output layer if
-    `last` (module docstring)."""
-    assert all(p.is_meta for p in model.parameters()), "stages are cut from a meta-device model"
+def stage_module(
+    model: nn.Module, first_block: int, end_block: int, first: bool, last: bool
+) -> nn.Module:
+    """A copy of `model` that keeps blocks [first_block, end_block), the embeddings if `first`,
+    the final norm and output layer if `last` (module docstring): a GPT with takes_tokens and
+    gives_logits set, or an HFStage."""
+    spec = stage_spec(model)
     stage = copy.deepcopy(model)
-    stage.blocks = nn.ModuleDict(
-        {str(i): stage.blocks[i] for i in range(first_block, end_block)}  # type: ignore[misc]
-    )
-    tied = model.lm_head.weight is model.tok_emb.weight
-    stage.takes_tokens, stage.gives_logits = first, last
-    if not first:
-        stage.pos_emb = None
-        if not (last and tied):  # the last stage's output layer is the tied table
-            stage.tok_emb = None  # type: ignore[assignment]
-    if not last:
-        stage.norm_f = None  # type: ignore[assignment]
-        stage.lm_head = None  # type: ignore[assignment]
-    return stage
+    parent_path, _, attr = spec.blocks.rpartition(".")
+    parent = stage.get_submodule(parent_path) if parent_path else stage
+    blocks = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleDict({str(i): blocks[i] for i in range(first_block, end_block)}))
+    output = _present(stage, spec.last[-1:])[0]
+    tied = {id(output.weight)}
+    for path in spec.first if not first else ():
+        module = _present(stage, (path,))
+        if module and not (last and id(getattr(module[0], "weight", None)) in tied):
+            _drop(stage, path)  # (the last stage's output layer keeps a tied table)
+    for path in spec.last if not last else ():
+        _drop(stage, path)
+    if isinstance(stage, GPT):
+        stage.takes_tokens, stage.gives_logits = first, last
+        return stage
+    return HFStage(stage.hf, spec.family, first, last)
 
 
-def stage_of_names(names: list[str], bounds: list[int]) -> dict[str, int]:
-    """The stage whose copy of each of the GPT's parameters counts: a block's by its index, the
-    embeddings the first stage's, the final norm and output layer the last's."""
+def _drop(model: nn.Module, path: str) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, None)
+
+
+def stage_of_names(model: nn.Module, bounds: list[int]) -> dict[str, int]:
+    """The stage whose copy of each parameter counts (by its name in named_parameters, which
+    lists a tied table once, under the embedding): a block's by its index, the embeddings the
+    first stage's, the final norm and output layer the last's."""
+    spec = stage_spec(model)
     last = len(bounds) - 2
+    prefix = spec.blocks + "."
     out = {}
-    for name in names:
-        if name.startswith("blocks."):
-            block = int(name.split(".")[1])
+    for name, _ in model.named_parameters():
+        if name.startswith(prefix):
+            block = int(name[len(prefix) :].split(".")[0])
             out[name] = next(s for s in range(last + 1) if bounds[s] <= block < bounds[s + 1])
         else:
-            out[name] = 0 if name.startswith(("tok_emb.", "pos_emb.")) else last
+            out[name] = 0 if name.startswith(tuple(p + "." for p in spec.first)) else last
     return out

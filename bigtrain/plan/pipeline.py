@@ -25,7 +25,7 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import num_params
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.pipeline import rank_stages
-from bigtrain.parallel.pipeline_split import stage_bounds
+from bigtrain.parallel.pipeline_split import block_modules, end_params, stage_bounds
 from bigtrain.plan.footprint import (
     PlannedRun,
     activation_bytes_per_token,
@@ -78,10 +78,9 @@ def rank_loads(run: PlannedRun) -> list[RankLoad]:
     p = cfg.parallel
     chunks = pp_stages_per_rank(p) if layout.pp > 1 else 1
     stages = layout.pp * chunks
-    bounds = stage_bounds(model, stages, p.pp_split)  # type: ignore[arg-type]
-    block_params = [num_params(b) for b in model.blocks]  # type: ignore[union-attr]
-    embed = num_params(model) - sum(block_params)  # embeddings, final norm and head
-    head_share = model.lm_head.weight.numel()  # type: ignore[union-attr]
+    bounds = stage_bounds(model, stages, p.pp_split, cfg.model.seq_len)
+    block_params = [num_params(b) for b in block_modules(model)]
+    first_params, last_params = end_params(model)
     split = run.tp_split_ways
     m = pp_microbatches(p, cfg.train.micro_batch_size) if layout.pp > 1 else 1
     per_micro = cfg.train.micro_batch_size / m  # sequences per pipeline micro-batch
@@ -102,9 +101,9 @@ def rank_loads(run: PlannedRun) -> list[RankLoad]:
         layers = sum(b - a_ for a_, b in spans)
         params = sum(sum(block_params[a_:b]) for a_, b in spans)
         if 0 in ids:
-            params += embed - head_share
+            params += first_params
         if stages - 1 in ids:
-            params += head_share
+            params += last_params
         flight = in_flight(p.pp_schedule, layout.pp, chunks, m, r) if layout.pp > 1 else 1.0
         activations = flight * per_micro * per_layer * layers
         if stages - 1 in ids:  # the loss's logits and the head, one micro-batch at a time

@@ -15,6 +15,19 @@ from tests.parallel.test_equivalence import train_and_read_losses
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
+HF = {
+    "hf-llama": [
+        "model.kind=hf",
+        "model.hf_config={model_type: llama, hidden_size: 64, intermediate_size: 128, "
+        "num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
+        "max_position_embeddings: 32}",
+    ],
+    "hf-gpt2": [  # tied table
+        "model.kind=hf",
+        "model.hf_config={model_type: gpt2, n_embd: 64, n_layer: 4, n_head: 4, n_positions: 32, "
+        "bos_token_id: 0, eos_token_id: 0, resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
+    ],
+}
 LLAMA = [
     "model.position=rope",
     "model.norm=rmsnorm",
@@ -49,26 +62,34 @@ def val_losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory, corpus_files, cache_dir):
-    """The one-process references, GPT-2 and Llama style."""
+    """The one-process references: bigtrain's GPT in GPT-2 and Llama style, and transformers'
+    Llama and GPT-2."""
     tmp = tmp_path_factory.mktemp("pipeline-local")
     return {
         style: (
             *train_and_read_losses(common(tmp, style, corpus_files, cache_dir, *extra)),
             tmp / style,
         )
-        for style, extra in (("gpt2", []), ("llama", LLAMA))
+        for style, extra in (("gpt2", []), ("llama", LLAMA), *HF.items())
     }
 
 
 @pytest.mark.parametrize(
     ("style", "schedule"),
     # tied tables: across ranks (gpipe: stages 0 and 1) and on one rank (zbv: stages 0 and 3)
-    [("gpt2", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("gpt2", "zbv")],
+    [
+        ("gpt2", "gpipe"),
+        ("llama", "1f1b"),
+        ("llama", "interleaved_1f1b"),
+        ("gpt2", "zbv"),
+        ("hf-llama", "1f1b"),
+        ("hf-gpt2", "gpipe"),
+    ],
 )
 def test_pp2_losses_match_the_local_run(
     local_runs, tmp_path, corpus_files, cache_dir, style, schedule
 ):
-    extra = [*LLAMA] if style == "llama" else []
+    extra = {"gpt2": [], "llama": LLAMA, **HF}[style]
     args = common(
         tmp_path,
         "pp",
@@ -134,8 +155,8 @@ def test_bad_pipeline_configs_name_the_key(micro):
         micro("parallel.pipeline_parallel=2", "parallel.pp_microbatches=1")
     with pytest.raises(ConfigError, match="must be 1 for parallel.pp_schedule=1f1b"):
         micro("model.n_layers=4", "parallel.pipeline_parallel=2", "parallel.pp_stages_per_rank=2")
-    with pytest.raises(ConfigError, match="model.kind=gpt"):
-        micro("parallel.pipeline_parallel=2", "model.kind=hf", "model.hf_config={model_type: gpt2}")
+    with pytest.raises(ConfigError, match="model_type 'opt' is not split into stages yet"):
+        micro("parallel.pipeline_parallel=2", "model.kind=hf", "model.hf_config={model_type: opt}")
     with pytest.raises(ConfigError, match="data.document_mask"):
         micro("parallel.pipeline_parallel=2", "data.document_mask=true")
 

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES: dict[str, tuple[str, list[str]]] = {
     "overhead": ("overhead.py", ["--rounds", "5"]),
     "scaling": ("scaling.py", ["--steps", "12"]),
+    "pipeline": ("pipeline.py", ["--steps", "8"]),
     "monitor": ("monitor.py", ["--reps", "3", "--steps", "20"]),
     "recovery": ("recovery.py", ["--steps", "150", "--every", "75"]),
     "precision": ("precision.py", ["--steps", "30"]),
@@ -71,6 +72,12 @@ def headline(name: str, r: dict) -> str:
     if name == "scaling":
         parts = [f"{k[:-6]}: {v:.2f}x" for k, v in r.items() if k.endswith("_ratio")]
         return "vs 1 process: " + ", ".join(parts)
+    if name == "pipeline":
+        return ", ".join(
+            f"pp2 {k} {r[f'pp2_{k}_vs_fsdp2']:.2f}x fsdp x2 (bubble {r[f'pp2_{k}_bubble_measured']:.0%}"
+            f" measured, {r[f'pp2_{k}_bubble_theory']:.0%} theory)"
+            for k in ("1f1b", "gpipe")
+        )
     if name == "monitor":
         stats = ", ".join(
             f"{s['num_tensors']} tensors {s['speedup_vs_naive_same_stats']:.1f}x"

@@ -24,7 +24,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,34 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bigtrain.build import build_trainer  # noqa: E402
-from bigtrain.config import load_config  # noqa: E402
-from bigtrain.parallel.env import read_env, shutdown  # noqa: E402
+from bench.scaling import BASE, timed  # noqa: E402
 from bigtrain.plan.pipeline import bubble_fraction  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-
-WARMUP = 3
-
-
-def timed(files: list[str], overrides: list[str], steps: int) -> dict:
-    """tokens/s over `steps` training steps, and the mean seconds of their forward_backward."""
-    trainer = build_trainer(load_config(files, [*overrides, "monitor.timing_every=1"]), read_env())
-    try:
-        for _ in range(WARMUP):
-            trainer.train_step()
-        start, schedule = time.perf_counter(), 0.0
-        for _ in range(steps):
-            result = trainer.train_step()
-            float(result.loss)  # host sync per step, every run alike
-            schedule += result.step_timing["forward_backward"]
-        seconds = time.perf_counter() - start
-        return {
-            "tokens_per_s": steps * trainer.tokens_per_step / seconds,
-            "forward_backward_s": schedule / steps,
-        }
-    finally:
-        trainer.callbacks.close()
-        shutdown(clean=True)
 
 
 def main() -> None:
@@ -73,13 +47,10 @@ def main() -> None:
     user = [i for i in args.items if "=" in i]
     out = tempfile.mkdtemp(prefix="bigtrain-pipeline-")
     base = [
-        "wandb.mode=disabled",
-        "train.progress=false",
-        "train.eval_every=0",
-        "checkpoint.every=-1",
-        "train.max_steps=100000",
+        *BASE,
         "eval.sample_every=0",
         "precision.compute_dtype=fp32",
+        "monitor.timing_every=1",
         *user,
     ]
     m, seqs = args.microbatches, args.seqs

@@ -38,18 +38,37 @@ from tests.distributed import run_distributed  # noqa: E402
 WARMUP = 3
 
 
+BASE = [
+    "wandb.mode=disabled",
+    "train.progress=false",
+    "train.eval_every=0",
+    "checkpoint.every=-1",
+    "train.max_steps=100000",
+]
+"""Overrides of a timed run: no logging sinks, evaluation or checkpoints, no end in sight."""
+
+
 def timed(files: list[str], overrides: list[str], steps: int) -> dict:
+    """tokens/s over `steps` training steps after a warm-up, every loss, and (with
+    monitor.timing_every=1) the mean seconds of the steps' forward_backward part."""
     cfg = load_config(files, overrides)
     trainer = build_trainer(cfg, read_env())
     try:
         losses = []
         for _ in range(WARMUP):
             losses.append(float(trainer.train_step().loss))
-        start = time.perf_counter()
+        start, forward_backward = time.perf_counter(), 0.0
         for _ in range(steps):
-            losses.append(float(trainer.train_step().loss))  # host sync per step, both sides alike
+            result = trainer.train_step()
+            losses.append(float(result.loss))  # host sync per step, both sides alike
+            if result.step_timing is not None:
+                forward_backward += result.step_timing["forward_backward"]
         seconds = time.perf_counter() - start
-        return {"tokens_per_s": steps * trainer.tokens_per_step / seconds, "losses": losses}
+        return {
+            "tokens_per_s": steps * trainer.tokens_per_step / seconds,
+            "losses": losses,
+            "forward_backward_s": forward_backward / steps,
+        }
     finally:
         trainer.callbacks.close()
         shutdown(clean=True)
@@ -63,13 +82,7 @@ def main() -> None:
     files = [i for i in args.items if "=" not in i] or [str(ROOT / "configs" / "tiny.yaml")]
     user = [i for i in args.items if "=" in i]
     out = tempfile.mkdtemp(prefix="bigtrain-scaling-")
-    base = [
-        "wandb.mode=disabled",
-        "train.progress=false",
-        "train.eval_every=0",
-        "checkpoint.every=-1",
-        "train.max_steps=100000",
-    ]
+    base = BASE
     loaded = load_config(files, user)
     micro = loaded.train.micro_batch_size
     if micro % 4:

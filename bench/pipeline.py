@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scaling import BASE, timed  # noqa: E402
-from bigtrain.plan.pipeline import bubble_fraction  # noqa: E402
+from bigtrain.plan.stages import bubble_fraction  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 

@@ -68,7 +68,7 @@ def _memory_plan(cfg, env) -> dict:
     """`bigtrain plan`'s memory per rank for the run's config, on its device (an `oom` event)."""
     from bigtrain.parallel.env import pick_device
     from bigtrain.plan.footprint import planned
-    from bigtrain.plan.pipeline import planned_memory
+    from bigtrain.plan.stages import planned_memory
     from bigtrain.precision import detect_hardware
 
     hardware = detect_hardware(pick_device(cfg.train.device, env))

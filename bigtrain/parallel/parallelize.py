@@ -11,6 +11,10 @@ The layout (layout.py) was decided and connected to its DeviceMesh in the run's 
    precision over the layout's (replicate, shard) mesh (fsdp), or the model handed to DeepSpeed, which partitions it (zero), or nothing
    (local); a model built on the meta device gets its shards' values here.
 
+With pipeline stages (parallel.pipeline_parallel > 1) the model is first cut into this rank's
+stages (pipeline_split.py), and each goes through 1-3 as a model of its own; the backend holds them
+with their schedule (pipeline.py).
+
 The Backend returned (backend.py) then owns the model and its optimizer: the step and its state.
 Where the model was built (whole, meta, partitioned) is decided before, in model_setup.py.
 """
@@ -22,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
-from bigtrain.config.schema import Config, ParallelConfig
+from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
 from bigtrain.parallel.apply import (
     apply_activation_checkpointing,
     apply_compile,
@@ -45,8 +49,15 @@ def parallelize(
     """The model parallelized as parallel.* says over `layout` (module docstring), in its
     backend."""
     seed = cfg.train.seed
-    if layout.pp > 1:
-        return _pipelined(model, cfg, layout, policy, device)
+    if layout.pp > 1:  # this rank's stages, each parallelized as a model of its own
+        pipeline = _pipelined(
+            model, cfg.parallel, cfg.train, cfg.model.seq_len, layout, policy, device
+        )
+        if cfg.parallel.backend == "fsdp":
+            return FSDPBackend(
+                pipeline.root, policy, cfg.optim, cfg.precision, device, layout, seed, pipeline
+            )
+        return LocalBackend(pipeline.root, policy, cfg.optim, cfg.precision, device, pipeline)
     if cfg.parallel.backend == "fsdp":
         model = _fully_sharded(model, cfg.parallel, layout, policy, device, seed)
         return FSDPBackend(model, policy, cfg.optim, cfg.precision, device, layout, seed)
@@ -92,15 +103,21 @@ def _fully_sharded(
 
 
 def _pipelined(
-    model: nn.Module, cfg: Config, layout: Layout, policy: PrecisionPolicy, device: torch.device
-) -> Backend:
-    """This rank's pipeline chunks, cut from the meta-device model and then parallelized and
-    materialized one by one as a whole model would be (only their own parameters are ever
-    allocated), in the backend with their schedule (pipeline.py)."""
-    p, seed = cfg.parallel, cfg.train.seed
+    model: nn.Module,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    seq_len: int,
+    layout: Layout,
+    policy: PrecisionPolicy,
+    device: torch.device,
+) -> Pipeline:
+    """This rank's pipeline chunks, cut from the model (a GPT on the meta device, a transformers
+    model whole) and then parallelized and materialized one by one as a whole model would be,
+    with their schedule (pipeline.py)."""
+    p, seed = parallel, train.seed
     chunks_per_rank = pp_stages_per_rank(p)
     num_stages = layout.pp * chunks_per_rank
-    bounds = stage_bounds(model, num_stages, p.pp_split, cfg.model.seq_len)
+    bounds = stage_bounds(model, num_stages, p.pp_split, seq_len)
     stages = rank_stages(p.pp_schedule, layout.pp, chunks_per_rank, layout.coord("pp"))
     on_meta = any(t.is_meta for t in model.parameters())  # bigtrain's GPT; transformers: whole
     chunks = []
@@ -118,14 +135,12 @@ def _pipelined(
         stages,
         num_stages,
         p.pp_schedule,
-        pp_microbatches(p, cfg.train.micro_batch_size),
+        pp_microbatches(p, train.micro_batch_size),
         layout,
         device,
         model,
         stage_of_names(model, bounds),
     )
-    if p.backend == "fsdp":
-        return FSDPBackend(
-            pipeline.root, policy, cfg.optim, cfg.precision, device, layout, seed, pipeline
-        )
-    return LocalBackend(pipeline.root, policy, cfg.optim, cfg.precision, device, pipeline)
+    if not on_meta:  # a transformers model's whole build: its storage goes, the stages hold theirs
+        model.to("meta")
+    return pipeline

@@ -120,9 +120,10 @@ class Pipeline:
         whole: nn.Module,
         stage_of: dict[str, int],
     ) -> None:
-        """`stages`: the stage index of each chunk of `root`; `whole`: the unsplit model on the
-        meta device (names and shapes of every parameter); `stage_of`: the stage holding the
-        counted copy of each parameter."""
+        """`stages`: the stage index of each chunk of `root`; `whole`: the unsplit model (names,
+        shapes and the tied table of every parameter; moved to the meta device after this, if
+        it is not there already); `stage_of`: the stage holding the counted copy of each
+        parameter."""
         self.root, self.layout, self.device, self.whole = root, layout, device, whole
         self.stage_ids, self.num_stages, self.schedule_name = stages, num_stages, schedule
         self.microbatches, self.stage_of = microbatches, stage_of

@@ -18,7 +18,7 @@ from bigtrain.plan.footprint import (
     transient_weight_bytes,
     zero_paper_bytes,
 )
-from bigtrain.plan.pipeline import pipeline_lines, proposal_lines, rank_loads
+from bigtrain.plan.stages import pipeline_lines, proposal_lines, rank_loads
 from bigtrain.precision.policy import dtype_name
 from bigtrain.utils.sizes import parse_size
 
@@ -129,7 +129,7 @@ def comm_lines(run: PlannedRun) -> list[str]:
 
 def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = False) -> str:
     """The table for a planned run (footprint.py `planned`); with `gpu_memory`, what fits, and
-    with `propose` too, the layout proposed for its world size (plan/pipeline.py)."""
+    with `propose` too, the layout proposed for its world size (plan/stages.py)."""
     cfg, n, policy = run.cfg, run.num_params, run.policy
     world_size, hardware = run.layout.world_size, run.hardware
     backend, stage = run.backend, cfg.parallel.zero_stage

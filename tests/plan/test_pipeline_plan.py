@@ -22,7 +22,7 @@ from bigtrain.parallel.pipeline_split import (
     stage_of_names,
 )
 from bigtrain.plan.footprint import planned
-from bigtrain.plan.pipeline import (
+from bigtrain.plan.stages import (
     bubble_fraction,
     candidates,
     in_flight,

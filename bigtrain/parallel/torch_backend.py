@@ -36,7 +36,6 @@ class TorchBackend(Backend):
 
     name = "torch"
     uses_autocast = True
-    _names: list[str] | None = None
 
     def __init__(
         self,
@@ -63,6 +62,10 @@ class TorchBackend(Backend):
         )
         for p in self._params():  # materialised now: see fresh_optimizer_state
             fresh_optimizer_state(self.optimizer, p)
+        # Canonical names in the optimizer's order, read now: while a schedule of several
+        # pipeline chunks runs, FSDP2 may show a chunk's unsharded parameters in their place.
+        names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        self._names = [names[id(p)] for p in self._params()]
         self.islands = FP32Islands(model, device.type, pipeline.whole if pipeline else None)
         for phase in policy.phases:  # a later phase's misspelt pattern fails now, not at its switch
             self.islands.check(phase.fp32_modules)
@@ -152,7 +155,7 @@ class TorchBackend(Backend):
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's gradient shards as plain tensors: scaled in place with one foreach call,
         also where the DTensors live on different meshes (tensor parallel and FSDP2 axes)."""
-        return [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return [local_tensor(p.grad) for p in self._params() if p.grad is not None]
 
     def clip_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         if max_norm > 0:
@@ -188,9 +191,6 @@ class TorchBackend(Backend):
         return self._params(), self.optimizer.state
 
     def blocks(self, index: int, tensor: torch.Tensor) -> list[Block]:
-        if self._names is None:  # canonical names in the optimizer's order
-            names = {id(p): canonical_name(n) for n, p in self.model.named_parameters()}
-            self._names = [names[id(p)] for p in self._params()]
         p = self._params()[index]
         if self.pipeline is not None and self.pipeline.local_copy(p):
             return []  # the tied table's second copy on this rank: the first one is saved

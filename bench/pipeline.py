@@ -8,8 +8,10 @@ m pipeline micro-batches of `--seqs` sequences each, then the same schedules wit
 `forward_backward` part on rank 0, the first stage): a pipeline step of m micro-batches takes
 F(m) = (m + pp - 1) t, t one micro-batch's stage time, so t is the slope between m and 2m and the
 measured bubble is 1 - m t / F(m); theory says (pp - 1) / (m + pp - 1). What does not grow with m
-(the tied table's all-reduce, the schedule's own bookkeeping) counts as bubble here. Tokens/s is
-over whole training steps after a warm-up (the monitor, clipping and the optimizer included).
+(the tied table's all-reduce, the schedule's own bookkeeping) counts as bubble here, and a
+schedule whose per-micro-batch cost grows with m (GPipe holds every micro-batch's activations)
+reads low. Tokens/s is over whole training steps after a warm-up (the monitor, clipping and the
+optimizer included).
 
     python bench/pipeline.py [CONFIG ...] [key=value ...] [--steps N] [--microbatches M]
 

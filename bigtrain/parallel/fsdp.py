@@ -14,7 +14,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.parallel.backend import weights_fingerprint
 from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.pipeline import Pipeline
 from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
 from bigtrain.parallel.torch_backend import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
@@ -49,19 +48,16 @@ class FSDPBackend(TorchBackend):
         device: torch.device,
         layout: Layout,
         seed: int,
-        pipeline: Pipeline | None = None,
     ) -> None:
-        """`model`: fully sharded already, on the layout's mesh (parallelize.py), or this
-        rank's pipeline chunks, each fully sharded (`pipeline`); `seed`: train.seed, from which
-        each tp rank's dropout seed is derived."""
+        """`model`: fully sharded already, on the layout's mesh (parallelize.py); `seed`:
+        train.seed, from which each tp rank's dropout seed is derived."""
         self.layout = layout
         # bigtrain's GPT under tensor parallelism leaves its logits split by vocabulary
-        gpt = model.chunks[0] if pipeline is not None else model  # type: ignore[union-attr]
-        self.logits_split_by_vocab = layout.tp > 1 and uses_gpt_plan(gpt)
+        self.logits_split_by_vocab = layout.tp > 1 and uses_gpt_plan(model)
         self.seed = seed
         # With compute-dtype gathers FSDP2 casts the weights itself; autocast would only add casts.
         self.uses_autocast = not gathers_in_compute_dtype(policy)
-        super().__init__(model, policy, optim, precision, device, pipeline)
+        super().__init__(model, policy, optim, precision, device)
 
     def borrowed_rng(self, step: int) -> None:
         if self.logits_split_by_vocab:  # the GPT plan: each tp rank its own dropout masks
@@ -73,13 +69,10 @@ class FSDPBackend(TorchBackend):
         return loss_parallel() if self.logits_split_by_vocab else contextlib.nullcontext()
 
     def before_backward(self, last_micro_step: bool) -> None:
-        # (With pipeline stages the schedule's stages do this per chunk.)
         # Accumulate unsharded gradients locally; reduce-scatter once, on the last micro-batch.
         self.model.set_requires_gradient_sync(last_micro_step)
 
     def fingerprint(self) -> str:
-        if self.pipeline is not None:
-            return self.pipeline.fingerprint()
         # full_tensor() all-gathers one parameter at a time; every rank walks the same order.
         return weights_fingerprint(
             (canonical_name(n), lambda p=p: p.full_tensor())

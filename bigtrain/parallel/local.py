@@ -1,5 +1,5 @@
-"""One process, one device: the reference backend the sharded ones are compared against. With
-pipeline stages, one process per stage (parallel/pipeline.py), each holding its chunks whole."""
+"""One process, one device: the reference backend the sharded ones are compared against (with
+pipeline stages one process per stage: parallel/pipelined.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from torch import nn
 
 from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.parallel.backend import weights_fingerprint
-from bigtrain.parallel.pipeline import Pipeline
 from bigtrain.parallel.torch_backend import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
@@ -24,16 +23,13 @@ class LocalBackend(TorchBackend):
         optim: OptimConfig,
         precision: PrecisionConfig,
         device: torch.device,
-        pipeline: Pipeline | None = None,
     ) -> None:
         assert all(p.dtype == policy.master_dtype for p in model.parameters()), (
             "master weights must be built in FP32"
         )
-        super().__init__(model.to(device), policy, optim, precision, device, pipeline)
+        super().__init__(model.to(device), policy, optim, precision, device)
 
     def fingerprint(self) -> str:
-        if self.pipeline is not None:
-            return self.pipeline.fingerprint()
         return weights_fingerprint(
             (canonical_name(n), lambda p=p: p) for n, p in self.model.named_parameters()
         )

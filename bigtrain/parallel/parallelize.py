@@ -13,7 +13,7 @@ The layout (layout.py) was decided and connected to its DeviceMesh in the run's 
 
 With pipeline stages (parallel.pipeline_parallel > 1) the model is first cut into this rank's
 stages (pipeline_split.py), and each goes through 1-3 as a model of its own; the backend holds them
-with their schedule (pipeline.py).
+with their schedule (pipeline.py, pipelined.py).
 
 The Backend returned (backend.py) then owns the model and its optimizer: the step and its state.
 Where the model was built (whole, meta, partitioned) is decided before, in model_setup.py.
@@ -39,6 +39,7 @@ from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.meta_init import materialize
 from bigtrain.parallel.pipeline import Pipeline, StageChunks, rank_stages
 from bigtrain.parallel.pipeline_split import stage_bounds, stage_module, stage_of_names
+from bigtrain.parallel.pipelined import PipelinedFSDP, PipelinedLocal
 from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 
@@ -54,10 +55,8 @@ def parallelize(
             model, cfg.parallel, cfg.train, cfg.model.seq_len, layout, policy, device
         )
         if cfg.parallel.backend == "fsdp":
-            return FSDPBackend(
-                pipeline.root, policy, cfg.optim, cfg.precision, device, layout, seed, pipeline
-            )
-        return LocalBackend(pipeline.root, policy, cfg.optim, cfg.precision, device, pipeline)
+            return PipelinedFSDP(pipeline, policy, cfg.optim, cfg.precision, device, layout, seed)
+        return PipelinedLocal(pipeline, policy, cfg.optim, cfg.precision, device)
     if cfg.parallel.backend == "fsdp":
         model = _fully_sharded(model, cfg.parallel, layout, policy, device, seed)
         return FSDPBackend(model, policy, cfg.optim, cfg.precision, device, layout, seed)

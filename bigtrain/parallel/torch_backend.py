@@ -3,8 +3,6 @@ FP32 parameters, autocast in the current phase's dtype, FP32 islands, loss scali
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +19,6 @@ from bigtrain.optim.optimizer import (
     set_fp32_optimizer_state,
 )
 from bigtrain.parallel.backend import Backend, load_buffers, scale_to_norm
-from bigtrain.parallel.pipeline import Pipeline
 from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
@@ -44,14 +41,8 @@ class TorchBackend(Backend):
         optim: OptimConfig,
         precision: PrecisionConfig,
         device: torch.device,
-        pipeline: Pipeline | None = None,
     ) -> None:
-        """`pipeline`: this rank's pipeline stages (parallel/pipeline.py), whose chunks are
-        `model`; None without pipeline parallelism."""
         self.model, self.policy, self.device = model, policy, device
-        self.pipeline = pipeline
-        if pipeline is not None:  # one process per stage on the local backend: not alone
-            self.layout = pipeline.layout
         groups = adamw_param_groups(model, optim.weight_decay)
         rounding = precision.optimizer_state_rounding
         self.optimizer = make_adamw(groups, optim, policy, device, rounding)
@@ -66,10 +57,14 @@ class TorchBackend(Backend):
         # pipeline chunks runs, FSDP2 may show a chunk's unsharded parameters in their place.
         names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         self._names = [names[id(p)] for p in self._params()]
-        self.islands = FP32Islands(model, device.type, pipeline.whole if pipeline else None)
+        self.islands = FP32Islands(model, device.type, self.islands_whole())
         for phase in policy.phases:  # a later phase's misspelt pattern fails now, not at its switch
             self.islands.check(phase.fp32_modules)
         self.set_phase(policy.phases[0])
+
+    def islands_whole(self) -> nn.Module | None:
+        """The model an FP32 module pattern must match somewhere (None: `model` itself)."""
+        return None
 
     def set_phase(self, phase: Phase) -> None:
         """Compute dtype and FP32 modules of a precision phase, effective from the next forward."""
@@ -83,11 +78,6 @@ class TorchBackend(Backend):
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
-        if self.pipeline is not None:
-            scale = self.scaler.scale if self.scaler else 1.0
-            return self.pipeline.step(
-                inputs, targets, scale, micro_step, num_micro_steps, self._step_context
-            )
         self.before_backward(micro_step == num_micro_steps - 1)
         with self.autocast():
             logits = self.model(inputs)
@@ -96,13 +86,6 @@ class TorchBackend(Backend):
             loss = lm_loss(logits, targets)
             (loss * (scale / num_micro_steps)).backward()
         return local_tensor(loss.detach())  # the same value on every tp rank
-
-    @contextlib.contextmanager
-    def _step_context(self) -> Iterator[None]:
-        """Around a pipeline schedule's step: autocast for the forwards, the loss context for
-        the loss and the backwards."""
-        with self.autocast(), self.loss_context():
-            yield
 
     def loss_scale(self) -> float | None:
         return self.scaler.scale if self.scaler else None
@@ -117,19 +100,7 @@ class TorchBackend(Backend):
     def before_backward(self, last_micro_step: bool) -> None:
         """FSDP2 syncs gradients on the last micro-batch only."""
 
-    @torch.no_grad()
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        if self.pipeline is None:
-            return super().eval_loss(batches)
-        pipeline = self.pipeline
-        total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
-            total += pipeline.eval_loss(inputs, targets, self.autocast, self.loss_context)
-        return self.reduce_mean(total / len(batches))
-
     def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.pipeline is not None:
-            return self.pipeline.logits(inputs, self.autocast)
         self.model.eval()
         try:
             with self.autocast():
@@ -138,8 +109,6 @@ class TorchBackend(Backend):
             self.model.train()
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
-        if self.pipeline is not None:
-            return self.pipeline.named_grads()
         empty = torch.empty(0, device=self.device)
         return [
             (canonical_name(n), local_tensor(p.grad) if p.grad is not None else empty)
@@ -192,24 +161,10 @@ class TorchBackend(Backend):
 
     def blocks(self, index: int, tensor: torch.Tensor) -> list[Block]:
         p = self._params()[index]
-        if self.pipeline is not None and self.pipeline.local_copy(p):
-            return []  # the tied table's second copy on this rank: the first one is saved
         offset, shape = local_block(p)
         return [(self._names[index], tuple(p.shape), offset, tensor.view(shape))]
 
-    def after_load_local_state(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.load_local_copies(self.optimizer)
-
-    def monitored(self) -> tuple[list[str], list[int]]:
-        if self.pipeline is None:
-            return super().monitored()
-        return self.pipeline.whole_names, self.pipeline.replication()
-
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        if self.pipeline is not None:  # every rank checks every parameter alike
-            names = set(self.pipeline.whole_names)
-            return {n: s for n, s in self.pipeline.whole_shapes.items() if n in names}
         return {
             canonical_name(n): tuple(p.shape)
             for n, p in self.model.named_parameters()

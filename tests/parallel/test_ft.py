@@ -251,3 +251,24 @@ def test_the_whole_job_restarts_from_its_checkpoint_with_another_number_of_group
     assert len({e["fingerprint"] for e in done.values()}) == 1
     assert done[0]["tokens"] == 10 * 24 * 32 and "tokens_skipped_by_group" not in done[0]
     assert not events(out, "group_joined")
+
+
+def test_a_group_of_pipeline_stages_dies_and_rejoins_stage_by_stage(micro_args, tmp_path):
+    """Two groups of two pipeline stages (4 processes): group 1 is killed inside step 5, restarts,
+    and each of its stages takes the state of the same stage of group 0; both end equal."""
+    out = tmp_path / "run"
+    args = micro_args(
+        *FP32,
+        "model.n_layers=4",
+        "parallel.pipeline_parallel=2",
+        "train.max_steps=30",
+        "fault.kill_group=1",
+        "fault.kill_step=5",
+        "fault.slow_rank=0",
+        "fault.slow_s=0.3",
+    )
+    ft(2, 2, args, tmp_path / "logs")
+    done = finishes(out, 2)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    (joined,) = [e for e in events(out, "group_joined") if e["group"] == 1 and e["step"] > 5]
+    assert joined["source"] == 0 and joined["bytes"] > 0

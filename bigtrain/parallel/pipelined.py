@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from bigtrain.checkpoint.state import Block
-from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.parallel.fsdp import FSDPBackend
-from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.local import LocalBackend
 from bigtrain.parallel.pipeline import Pipeline
 from bigtrain.parallel.tensor_parallel import uses_gpt_plan
-from bigtrain.precision.policy import PrecisionPolicy
 
 
 class Pipelined:
@@ -89,33 +87,20 @@ class Pipelined:
 class PipelinedLocal(Pipelined, LocalBackend):
     """One process per pipeline stage, each holding its chunks whole."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        policy: PrecisionPolicy,
-        optim: OptimConfig,
-        precision: PrecisionConfig,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, *backend_args: Any) -> None:
+        """`backend_args`: LocalBackend's after the model (policy, optim, precision, device)."""
         self.pipeline = pipeline
         self.layout = pipeline.layout  # one process per stage: not alone
-        super().__init__(pipeline.root, policy, optim, precision, device)
+        super().__init__(pipeline.root, *backend_args)
 
 
 class PipelinedFSDP(Pipelined, FSDPBackend):
     """Each of the pipeline rank's chunks fully sharded over its stage's ranks."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        policy: PrecisionPolicy,
-        optim: OptimConfig,
-        precision: PrecisionConfig,
-        device: torch.device,
-        layout: Layout,
-        seed: int,
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, *backend_args: Any) -> None:
+        """`backend_args`: FSDPBackend's after the model (policy, optim, precision, device,
+        layout, seed)."""
         self.pipeline = pipeline
-        super().__init__(pipeline.root, policy, optim, precision, device, layout, seed)
-        # bigtrain's GPT plan leaves the logits of the last stage split by vocabulary
-        self.logits_split_by_vocab = layout.tp > 1 and uses_gpt_plan(pipeline.root.chunks[0])
+        super().__init__(pipeline.root, *backend_args)
+        # bigtrain's GPT plan leaves the last stage's logits split by vocabulary
+        self.logits_split_by_vocab = self.layout.tp > 1 and uses_gpt_plan(pipeline.root.chunks[0])

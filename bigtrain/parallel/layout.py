@@ -150,7 +150,7 @@ class Layout:
         """Ranks of this job that hold a loss (the last pipeline stage's); the mean loss over the
         job is their sum over this many. The tp ranks of a data-parallel rank hold the same
         loss, so the mean over them equals the mean over data-parallel ranks."""
-        return self.world_size // self.pp
+        return self.stage_size  # the last stage's ranks
 
     @property
     def stage_size(self) -> int:

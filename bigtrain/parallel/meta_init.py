@@ -35,7 +35,7 @@ def uses_meta_init(choice: bool | None, backend: str, kind: str, num_params: int
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate the (sharded) meta model on `device` and initialise it (see module docstring)."""
-    shared = _shared_params(model)
+    shared = shared_params(model)
     model.to_empty(device=device)  # from meta, each module gets a new tensor: ties are undone
     for owners in shared:
         (first, first_attr), *rest = owners
@@ -57,7 +57,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.init_buffers()  # type: ignore[operator]
 
 
-def _shared_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def shared_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """The (module, attribute) owners of each parameter that several modules share (tied
     embeddings), to tie again after `to_empty`."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -41,11 +41,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from bigtrain.model.gpt import GPT
 from bigtrain.model.loss import lm_loss
 from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.meta_init import shared_params
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_tensor
 
@@ -288,8 +289,6 @@ class Pipeline:
             out = torch.empty(meta[0], dtype=meta[1], device=self.device)
         dist.broadcast(out, group_src=src, group=self.group)
         if meta[2] and self.layout.tp > 1:  # vocabulary-split logits on this stage's tp mesh
-            from torch.distributed.tensor import Shard
-
             return DTensor.from_local(out, self.layout.tp_mesh, [Shard(-1)], run_check=False)
         return out
 
@@ -424,10 +423,10 @@ def _tied_group(layout: Layout, schedule: str, num_stages: int) -> dist.ProcessG
 def tied_table(model: nn.Module) -> str | None:
     """The canonical name of the parameter two modules of `model` share (the token table and
     the output layer), as named_parameters lists it; None without one."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for _, param in module.named_parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    shared = [canonical_name(n) for n, p in model.named_parameters() if owners[id(p)] > 1]
-    assert len(shared) <= 1, f"one tied table expected, found {shared}"
-    return shared[0] if shared else None
+    shared = shared_params(model)
+    if not shared:
+        return None
+    assert len(shared) == 1, f"one tied table expected, found {len(shared)}"
+    module, attr = shared[0][0]
+    table = getattr(module, attr)
+    return next(canonical_name(n) for n, p in model.named_parameters() if p is table)

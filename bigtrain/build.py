@@ -32,6 +32,7 @@ from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorde
 from bigtrain.checkpoint.manager import CheckpointManager, corrupt_newest_checkpoint
 from bigtrain.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict, to_yaml
 from bigtrain.config.resilience import MonitorConfig
+from bigtrain.config.model import moe_blocks
 from bigtrain.data import (
     BatchLoader,
     TokenCorpus,
@@ -44,6 +45,7 @@ from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, SharedConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
+from bigtrain.monitor.routers import RouterStats
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
 from bigtrain.parallel.ft import NoReplicaGroups, ReplicaGroups, group_index, make_replica_groups
@@ -80,9 +82,14 @@ def seed_everything(seed: int) -> None:
 
 
 def make_monitor(
-    cfg: MonitorConfig, backend: Backend, layout: Layout, device: torch.device
+    cfg: MonitorConfig,
+    backend: Backend,
+    layout: Layout,
+    device: torch.device,
+    model: ModelConfig | None = None,
 ) -> GradMonitor:
-    """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs."""
+    """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs;
+    with an MoE `model`, its routers' numbers too."""
     choice = cfg.kernel
     if choice == "triton" and not kernel.available(device):
         raise ConfigError(
@@ -92,7 +99,9 @@ def make_monitor(
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
     use_kernel = use_kernel and kernel.available(device)
     names, replicas = backend.monitored()
-    return GradMonitor(cfg, names, device, use_kernel, replicas, layout)
+    blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
+    routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
+    return GradMonitor(cfg, names, device, use_kernel, replicas, layout, routers=routers)
 
 
 @dataclass(frozen=True)
@@ -331,7 +340,7 @@ def _assemble(
     backend = parallelize(model, cfg, layout, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
     if layout.tp > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
-    monitor = make_monitor(cfg.monitor, backend, layout, device)
+    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model)
     clock.mark("model")
     setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
     ledger = CostLedger(clock)

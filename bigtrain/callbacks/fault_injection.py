@@ -11,6 +11,7 @@ import torch
 
 from bigtrain.config.schema import FaultConfig
 from bigtrain.errors import ConfigError
+from bigtrain.model.moe import moe_layers
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 
@@ -24,6 +25,7 @@ class FaultInjector(Callback):
         self.group_armed: set[int] = set()  # kill_group's steps not done in this run directory
         self.fired: set[tuple[str, int]] = set()  # a rollback repeats step numbers: fire once
         self.this_step: list[str] = []  # what fired in this step's first run (for its replay)
+        self.biased = False  # the router-bias drill is on in this step (and its replay)
 
     def _due(self, kind: str, steps: list[int], step: int) -> bool:
         if step not in steps or (kind, step) in self.fired:
@@ -70,6 +72,28 @@ class FaultInjector(Callback):
             self._group_marker(trainer, step).write_text("")
             trainer.event("fault", type="kill_group", group=trainer.setup.layout.ft_group)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_before_forward(self, trainer, step: int) -> None:
+        """The router-bias drill: on for the forwards of its steps (first run and replay)."""
+        expert = self.cfg.router_bias
+        if not self.active or expert < 0:
+            return
+        if not trainer.replaying:
+            self.biased = self._due("router_bias", self.cfg.router_bias_step, step)
+        layers = moe_layers(trainer.backend.model)
+        if self.biased and not layers:
+            raise ConfigError("key 'fault.router_bias': the model has no MoE layer (model.moe)")
+        for layer in layers:
+            if expert >= layer.cfg.experts:
+                raise ConfigError(
+                    f"key 'fault.router_bias' ({expert}) must be an expert index below "
+                    f"model.moe.experts ({layer.cfg.experts})"
+                )
+            bias = torch.zeros(layer.cfg.experts, device=layer.stats.device)
+            bias[expert] = self.cfg.router_bias_logit
+            layer.router_bias = bias if self.biased else None
+        if self.biased and not trainer.replaying:
+            trainer.event("fault", type="router_bias", expert=expert)
 
     @torch.no_grad()
     def on_after_backward(self, trainer, result: StepResult) -> None:

@@ -48,6 +48,14 @@ class FaultConfig:
     transient_nan_step: list[int] = field(default_factory=list)
     """Steps at which one gradient of `rank` gets a NaN on the step's first execution only (a
     flaky-hardware drill: the replay comes out clean)."""
+    router_bias: int = -1
+    """An expert that `rank`'s routers favour at the steps of `router_bias_step`: its logit is
+    raised by `router_bias_logit` in every MoE layer (a router-collapse drill; the step's
+    replay meets it again). -1: off."""
+    router_bias_step: list[int] = field(default_factory=list)
+    """Steps of the router-bias drill."""
+    router_bias_logit: float = 10.0
+    """What the drill adds to the favoured expert's router logit."""
     hang_step: list[int] = field(default_factory=list)
     """Steps at which `rank` sleeps forever inside the step (a hang drill; once per run
     directory, so the restarted run goes on)."""

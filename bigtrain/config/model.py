@@ -4,10 +4,48 @@ its checks beyond the types (called by config/load.py's `validate`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bigtrain.errors import ConfigError
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts blocks (bigtrain's GPT; docs/moe.md): the MLP of chosen blocks becomes
+    `experts` MLPs of which a router picks `top_k` per token."""
+
+    experts: int = 0
+    """Routed experts per MoE block; 0: a dense model."""
+    top_k: int = 2
+    """Experts each token is sent to (token-choice routing)."""
+    every: int = 1
+    """Every n-th block (counted from `first`) is an MoE block; the others keep a dense MLP."""
+    first: int = 0
+    """Blocks before this index stay dense (DeepSeek keeps its first blocks dense)."""
+    d_expert: int | None = None
+    """Hidden width of each expert (SwiGLU or GELU as model.mlp). None: model.d_ff's default
+    (a top-1 model then has the dense model's active parameters)."""
+    shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek, Qwen-MoE), as one
+    MLP of shared_experts x d_expert hidden units."""
+    score: str = "softmax"
+    """Router scores: `softmax` over the experts (Mixtral, OLMoE) or `sigmoid` per expert
+    (DeepSeek-V3). The router is an FP32 island: logits and scores in FP32."""
+    normalize_weights: bool = True
+    """Rescale each token's top-k scores to sum to 1 (Mixtral); false keeps the raw scores
+    (OLMoE, Qwen-MoE with norm_topk_prob false)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer: experts x sum over experts of
+    the fraction of routed tokens x the mean score; 1.0 when perfectly balanced), per MoE block,
+    added to the training loss."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of the router logits),
+    which keeps the logits from growing."""
+    capacity_factor: float = 0.0
+    """0: dropless (every token reaches its experts). > 0: each expert takes at most
+    capacity_factor x tokens x top_k / experts token slots per micro-batch; the rest are dropped
+    (their routed output is 0, the residual carries them) and counted (`moe/dropped`)."""
 
 
 @dataclass
@@ -54,6 +92,8 @@ class ModelConfig:
     hf_path: str | None = None
     """kind=hf: a local directory holding `config.json` (and weights, which are then loaded), or a
     hub name. Takes precedence over `hf_config`."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts blocks (kind=gpt); `model.moe.experts=0` keeps the model dense."""
     init_from: str | None = None
     """Start this run from existing weights: a Hugging Face model directory (`config.json` and
     safetensors, sharded or not; GPT-2 and Llama layouts map onto kind=gpt by name, any model onto
@@ -71,8 +111,46 @@ def default_d_ff(cfg: ModelConfig) -> int:
     return 4 * cfg.d_model
 
 
+def moe_blocks(m: ModelConfig) -> list[int]:
+    """The indices of the blocks whose MLP is a mixture of experts (none in a dense model)."""
+    e = m.moe
+    if m.kind != "gpt" or e.experts == 0:
+        return []
+    return [i for i in range(e.first, m.n_layers) if (i - e.first) % e.every == 0]
+
+
+def check_moe(m: ModelConfig) -> None:
+    """Mixture-of-experts settings that cannot work; ConfigError naming the key."""
+    e = m.moe
+    if e.experts < 0:
+        raise ConfigError(f"key 'model.moe.experts' ({e.experts}) must be >= 0 (0: dense)")
+    if e.experts == 0:
+        return
+    if m.kind != "gpt":
+        raise ConfigError(
+            "key 'model.moe.experts': bigtrain's MoE blocks are for model.kind=gpt; a "
+            "transformers MoE model (Mixtral, Qwen-MoE, OLMoE) brings its own (model.hf_config)"
+        )
+    checks = [
+        (e.top_k < 1 or e.top_k > e.experts, "top_k", f"between 1 and model.moe.experts ({e.experts})"),
+        (e.every < 1, "every", "at least 1"),
+        (not 0 <= e.first < m.n_layers, "first", f"a block index below model.n_layers ({m.n_layers})"),
+        (e.d_expert is not None and e.d_expert < 1, "d_expert", "positive (or null)"),
+        (e.shared_experts < 0, "shared_experts", ">= 0"),
+        (e.score not in ("softmax", "sigmoid"), "score", "softmax or sigmoid"),
+        (e.aux_loss_coef < 0, "aux_loss_coef", ">= 0"),
+        (e.z_loss_coef < 0, "z_loss_coef", ">= 0"),
+        (e.capacity_factor < 0, "capacity_factor", ">= 0 (0: dropless)"),
+    ]
+    for bad, key, expected in checks:
+        if bad:
+            value = getattr(e, key)
+            raise ConfigError(f"key 'model.moe.{key}' ({value}) must be {expected}")
+
+
 def check_model(m: ModelConfig) -> None:
     """What the model keys' types alone do not check."""
+    check_moe(m)
     if m.kind == "gpt" and m.d_model % m.n_heads:
         raise ConfigError(
             f"key 'model.n_heads' ({m.n_heads}) must divide model.d_model ({m.d_model})"

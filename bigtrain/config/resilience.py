@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.errors import ConfigError
 
-SPIKE_RULES = ("loss", "grad_norm")
+SPIKE_RULES = ("loss", "grad_norm", "router_collapse", "router_logits")
 """The series a spike rule may watch (`monitor.rules`)."""
 
 
@@ -47,9 +47,14 @@ class MonitorConfig:
     event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
     the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
     steps) take the same action."""
-    rules: list[str] = field(default_factory=lambda: ["loss", "grad_norm"])
+    rules: list[str] = field(
+        default_factory=lambda: ["loss", "grad_norm", "router_collapse", "router_logits"]
+    )
     """Spike rules that may trigger the ladder (`monitor.on_spike`): `loss`, `grad_norm` (the
-    global gradient norm); [] turns spike detection off (non-finite values are always caught).
+    global gradient norm), and for mixture-of-experts models `router_collapse` (the worst MoE
+    layer's load-balancing loss) and `router_logits` (its router z-loss; a dense model has
+    neither, and they stay idle); [] turns spike detection off (non-finite values are always
+    caught).
     Per-tensor statistics never trigger: in healthy runs a single tensor's gradient norm jumps
     1000x when attention wakes up; they name the culprits in the anomaly event (docs/healing.md:
     the rules and the sweep that chose them)."""
@@ -64,6 +69,17 @@ class MonitorConfig:
     Healthy runs jump 53-74x in warm-up (clipping does its job there), so a sensitive threshold
     would roll back healthy runs; the spread of such a warm-up would lift a sigma threshold past
     20000x."""
+    router_collapse: SpikeRuleConfig = field(default_factory=SpikeRuleConfig)
+    """The router-collapse rule (MoE): the load-balancing loss is 1.0 when the router spreads
+    tokens and probabilities evenly and grows towards experts / top_k as they pile onto a few
+    experts. Healthy micro and tiny MoE runs kept it within 1.2x of its median while their hard
+    loads swung from balanced to collapsed and back in warm-up (docs/moe.md: why the hard load
+    is not the rule)."""
+    router_logits: SpikeRuleConfig = field(
+        default_factory=lambda: SpikeRuleConfig(window=50, factor=4.0, sigmas=6.0)
+    )
+    """The runaway-logits rule (MoE): the router z-loss (mean squared log-sum-exp of the
+    logits) at 4x its median: logits doubled in a step. Healthy runs let it fall steadily."""
     tensor_window: int = 20
     """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
     event (`top_jumps`: norm / median of its window)."""

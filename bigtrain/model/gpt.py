@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigtrain.config.model import moe_blocks
 from bigtrain.config.schema import ModelConfig, default_d_ff
 from bigtrain.model.init import initial_value
+from bigtrain.model.moe import MoE
 from bigtrain.utils.tensors import autocast_off
 
 
@@ -142,9 +144,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
         super().__init__()
-        hidden = cfg.d_ff or default_d_ff(cfg)
+        hidden = hidden or cfg.d_ff or default_d_ff(cfg)
         # SwiGLU: silu(gate(x)) * up(x); separate layers, which tensor parallelism splits alike.
         self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
         self.up = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
@@ -160,13 +162,23 @@ class MLP(nn.Module):
         return self.dropout(self.down(h))
 
 
+def make_moe(cfg: ModelConfig) -> MoE:
+    """An MoE block's MLP (model.moe): routed experts, and the shared experts as one MLP."""
+    hidden = cfg.moe.d_expert or cfg.d_ff or default_d_ff(cfg)
+    shared = MLP(cfg, cfg.moe.shared_experts * hidden) if cfg.moe.shared_experts else None
+    return MoE(cfg.moe, cfg.d_model, hidden, cfg.mlp == "swiglu", shared)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+        """index: the block's place in the model, which decides whether it is an MoE block."""
         super().__init__()
         self.norm1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        sparse = index in moe_blocks(cfg)
+        self.mlp = None if sparse else MLP(cfg)
+        self.moe = make_moe(cfg) if sparse else None
 
     def forward(
         self,
@@ -177,7 +189,8 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         # cache by keyword: tensor parallelism prepares the positional inputs (x, rope, mask)
         x = x + self.attn(self.norm1(x), rope, mask, cache=cache)
-        return x + self.mlp(self.norm2(x))
+        ffn = self.moe if self.moe is not None else self.mlp
+        return x + ffn(self.norm2(x))
 
 
 class TiedLinear(nn.Linear):
@@ -208,7 +221,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
         if cfg.tie_embeddings:
             self.lm_head = TiedLinear(self.tok_emb.weight, cfg.d_model, cfg.vocab_size)
@@ -258,6 +271,9 @@ class GPT(nn.Module):
         if attr == "weight" and len(shape) >= 2:  # linear layers (also replaced ones), embeddings
             std = self.cfg.init_std * self._linear_scale(owner)
             return out.normal_(0.0, std, generator=generator)
+        if attr in ("w_gate", "w_up", "w_down"):  # MoE experts, stacked (experts, in, out)
+            residual = 1 / math.sqrt(2 * self.cfg.n_layers) if attr == "w_down" else 1.0
+            return out.normal_(0.0, self.cfg.init_std * residual, generator=generator)
         if attr == "weight":  # LayerNorm, RMSNorm gains
             return out.fill_(1.0)
         return out.zero_()  # biases

@@ -27,6 +27,7 @@ from bigtrain.monitor.stats import (
     scale_stats,
     weighted_stats,
 )
+from bigtrain.monitor.routers import RouterStats
 from bigtrain.parallel.layout import Layout
 
 
@@ -74,6 +75,7 @@ class GradMonitor:
         layout: Layout | None = None,
         across_groups: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         | None = None,
+        routers: RouterStats | None = None,
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
         replicas hold equal shards): its local statistics are weighted 1/replication before the
@@ -82,7 +84,8 @@ class GradMonitor:
         its HSDP replicas are compared on full steps (one more small collective).
         `across_groups`: the loss averaged and the HSDP probe's flags summed over fault-tolerant
         replica groups (parallel/ft.py), whose gradients were averaged before the monitor reads
-        them; the preemption flag stays the group's."""
+        them; the preemption flag stays the group's. `routers`: an MoE model's router sums
+        (monitor/routers.py), summed over ranks (and groups) in the same all-reduce."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group
@@ -93,6 +96,7 @@ class GradMonitor:
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
         self.across_groups = across_groups
+        self.routers = routers
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
@@ -113,6 +117,9 @@ class GradMonitor:
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
         flags = self._flags(stats, full, stop_requested)
+        routers = self.routers.size if self.routers is not None else 0
+        if self.routers is not None:
+            flags = torch.cat([flags, self.routers.take(self.device)])
         stats = weighted_stats(stats, self.weights)
         stats, loss, flags = reduce_grad_stats(stats, local_loss, flags, self.layout.loss_ranks)
         if self.across_groups is not None:
@@ -126,6 +133,8 @@ class GradMonitor:
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n :] if full else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
+        if self.routers is not None:
+            telemetry.update(self.routers.read(host[f - routers : f]))
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
@@ -139,7 +148,7 @@ class GradMonitor:
             host_sum_sq=sum_sq,
             host_nonfinite=nonfinite,
             host_max_abs=max_abs,
-            replicas=[r for r, v in enumerate(host[3:f]) if v > 0],
+            replicas=[r for r, v in enumerate(host[3 : f - routers]) if v > 0],
             telemetry=telemetry,
             stop_requested=host[2] > 0,
             grad_factor=grad_factor,

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from bigtrain.model.gpt import GPT
 from bigtrain.model.loss import lm_loss
+from bigtrain.model.moe import aux_grad_scale
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import shared_params
 from bigtrain.utils.names import canonical_name
@@ -167,7 +168,7 @@ class Pipeline:
             self._warm_up(inputs, targets, context)
         self._factor = scale / (num_micro_steps * self.microbatches)
         losses: list[torch.Tensor] = []
-        with context():
+        with context(), aux_grad_scale(self._factor):  # MoE losses scaled as the loss
             self.schedule.step(
                 *((inputs,) if self.first else ()),
                 target=targets if self.last else None,

@@ -11,6 +11,7 @@ from torch import nn
 from bigtrain.checkpoint.state import Block
 from bigtrain.config.schema import OptimConfig, PrecisionConfig
 from bigtrain.model.loss import lm_loss
+from bigtrain.model.moe import aux_grad_scale
 from bigtrain.optim.optimizer import (
     MOMENTS,
     adamw_param_groups,
@@ -82,9 +83,9 @@ class TorchBackend(Backend):
         with self.autocast():
             logits = self.model(inputs)
         scale = self.scaler.scale if self.scaler else 1.0
-        with self.loss_context():
+        with self.loss_context(), aux_grad_scale(scale / num_micro_steps):
             loss = lm_loss(logits, targets)
-            (loss * (scale / num_micro_steps)).backward()
+            (loss * (scale / num_micro_steps)).backward()  # MoE losses scaled alike
         return local_tensor(loss.detach())  # the same value on every tp rank
 
     def loss_scale(self) -> float | None:

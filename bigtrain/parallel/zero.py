@@ -35,6 +35,7 @@ from bigtrain.checkpoint.state import Block
 from bigtrain.config.schema import Config
 from bigtrain.errors import AbortRun, ConfigError
 from bigtrain.model.loss import lm_loss
+from bigtrain.model.moe import aux_grad_scale
 from bigtrain.optim.optimizer import (
     MOMENTS,
     adamw_param_groups,
@@ -250,7 +251,10 @@ class ZeroBackend(Backend):
     ) -> torch.Tensor:
         assert num_micro_steps == self.ds_config["gradient_accumulation_steps"]
         loss = lm_loss(self.engine(inputs), targets)
-        self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        # DeepSpeed scales the loss and divides it by gradient_accumulation_steps itself; the MoE
+        # losses (model/moe.py) get the same factor.
+        with aux_grad_scale((self.loss_scale() or 1.0) / num_micro_steps):
+            self.engine.backward(loss)
         if micro_step < num_micro_steps - 1:
             self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         return loss.detach()

@@ -87,8 +87,12 @@ class Detector:
             return Anomaly(
                 "replica", "replicas", float(len(health.replicas)), replicas=health.replicas
             )
-        values = {"loss": health.host_loss, "grad_norm": health.host_grad_norm}
-        spikes = [s for m, rule in self.rules.items() if (s := rule.check(values[m])) is not None]
+        values = self._values(health)
+        spikes = [
+            s
+            for m, rule in self.rules.items()
+            if m in values and (s := rule.check(values[m])) is not None
+        ]
         if not spikes:
             return None
         first = max(spikes, key=lambda s: s.ratio)
@@ -103,10 +107,21 @@ class Detector:
 
     def add(self, health: Health) -> None:
         """A healthy step's values join the windows."""
-        values = {"loss": health.host_loss, "grad_norm": health.host_grad_norm}
+        values = self._values(health)
         for metric, rule in self.rules.items():
-            rule.add(values[metric])
+            if metric in values:
+                rule.add(values[metric])
         self.tensors.add(health.host_sum_sq)
+
+    @staticmethod
+    def _values(health: Health) -> dict[str, float]:
+        """The series the rules watch; the router ones only for an MoE model's steps."""
+        values = {"loss": health.host_loss, "grad_norm": health.host_grad_norm}
+        routers = {"router_collapse": "moe_aux_loss_max", "router_logits": "moe_z_loss_max"}
+        for rule, key in routers.items():
+            if key in health.telemetry:
+                values[rule] = health.telemetry[key]
+        return values
 
     def name_tensors(self, anomaly: Anomaly, health: Health, max_abs: list[float] | None) -> None:
         """The report's culprits: tensors by their jump over their own history, by max |g| and

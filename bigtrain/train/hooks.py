@@ -52,6 +52,9 @@ class Callback:
 
     def on_start(self, trainer: Trainer) -> None: ...
 
+    def on_before_forward(self, trainer: Trainer, step: int) -> None:
+        """Before the step's first forward, and again before its replay's (trainer.replaying)."""
+
     def on_after_backward(self, trainer: Trainer, result: StepResult) -> None: ...
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...

@@ -260,6 +260,7 @@ class Trainer:
     ) -> tuple[StepResult, Health]:
         """Forward and backward of the step's micro-batches, then the monitor's numbers."""
         backend = self.backend
+        self.callbacks.on_before_forward(self, step)
         self.ranges.begin("forward_backward")
         n = len(micro_batches)
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]

@@ -1,0 +1,234 @@
+"""Mixture-of-experts MLP for bigtrain's GPT (model.moe; docs/moe.md).
+
+A router (an FP32 island: logits, scores and top-k in FP32 whatever the compute dtype) sends each
+token to `top_k` of `experts` MLPs; their outputs are summed with the router's weights. The
+token-expert pairs are sorted by expert and each expert multiplies its run of tokens at once
+(`grouped_mm`: torch._grouped_mm on GPUs that have it, one matmul per expert elsewhere), so no
+Python loop ever runs over tokens. Dropless by default; with a capacity factor the pairs beyond an
+expert's capacity are dropped (earliest tokens kept) and counted.
+
+Two losses keep the router healthy: the load-balancing loss (Switch Transformer) and the router
+z-loss (ST-MoE). They do not travel to the training loss through the model's output: each MoE
+layer attaches its weighted losses to its own output with `AttachAux`, whose backward hands them
+the gradient `aux_grad_scale` (the factor the backend applies to the language-model loss: the
+loss scale over the micro-batches). So they reach the weights on every backend, across pipeline
+stages and through activation checkpointing, as if added to the loss.
+
+Under expert parallelism (parallel/experts.py sets `ep_group`) each rank holds experts / ep of
+them; the sorted pairs are sent to the rank that holds their expert and back with all-to-all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+from torch import nn
+
+from bigtrain.config.model import MoEConfig
+from bigtrain.utils.tensors import autocast_off, local_tensor
+
+STATS_EXTRA = 4
+"""Per MoE layer, after its per-expert loads: aux loss, z-loss, dropped pairs, forwards (the sums
+over a step's micro-batches that `stats` holds)."""
+
+_aux_grad_scale = 1.0
+
+
+@contextlib.contextmanager
+def aux_grad_scale(scale: float) -> Iterator[None]:
+    """The factor the language-model loss is multiplied by before backward (the loss scale over
+    the micro-batches): the auxiliary losses are scaled alike in the backward run inside."""
+    global _aux_grad_scale
+    previous, _aux_grad_scale = _aux_grad_scale, scale
+    try:
+        yield
+    finally:
+        _aux_grad_scale = previous
+
+
+class AttachAux(torch.autograd.Function):
+    """`out` unchanged; in backward, `aux` (a weighted loss) gets the gradient the training loss
+    gets: aux_grad_scale. So aux behaves as a term of the loss without being returned."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad, torch.full((), _aux_grad_scale, device=grad.device, dtype=torch.float32)
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (tokens, k) FP32: each chosen expert's share of the output
+    experts: torch.Tensor  # (tokens, k) int64
+    load: torch.Tensor  # (experts,) token-expert pairs routed to each, before any capacity drop
+    aux: torch.Tensor  # load-balancing loss (1.0 when balanced)
+    z: torch.Tensor  # router z-loss
+
+
+def route(logits: torch.Tensor, k: int, score: str, normalize: bool) -> Routing:
+    """Top-k routing of FP32 router logits (tokens, experts)."""
+    n_experts = logits.shape[-1]
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    weights, experts = scores.topk(k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    load = torch.bincount(experts.flatten(), minlength=n_experts)
+    # Switch Transformer: E x sum_e (share of pairs routed to e) x (mean probability of e).
+    probs = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = n_experts * (load.float() / experts.numel() * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return Routing(weights, experts, load, aux, z)
+
+
+def dispatch_order(
+    experts: torch.Tensor, n_experts: int, capacity: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-expert pairs (flat indices into experts.flatten()) sorted by expert (stable: in
+    token order within an expert), and the pairs each expert takes. With a `capacity`, an
+    expert's pairs beyond it are left out."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    if capacity is None:
+        return order, counts
+    starts = counts.cumsum(0) - counts
+    place = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return order[place < capacity], counts.clamp(max=capacity)
+
+
+def uses_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm: CUDA devices of compute capability 9.0 and up, in BF16."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` (grouped: counts[e] rows for expert e, in order) times w[e] (experts, in,
+    out), in the autocast dtype when autocast is on."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else x.dtype
+    if uses_grouped_kernel(x.device, dtype):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
+    # One matmul per expert, from the counts on the host (one read per call).
+    parts = x.split(counts.tolist())
+    return torch.cat([part @ w[e] for e, part in enumerate(parts)])
+
+
+class Experts(nn.Module):
+    """`n` MLPs as stacked weights (n, in, out): w_gate and w_up (SwiGLU) or w_up (GELU), then
+    w_down. Under expert parallelism the parameters are DTensors split by expert (dim 0)."""
+
+    def __init__(self, n: int, d_model: int, hidden: int, swiglu: bool) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n, d_model, hidden)) if swiglu else None
+        self.w_up = nn.Parameter(torch.empty(n, d_model, hidden))
+        self.w_down = nn.Parameter(torch.empty(n, hidden, d_model))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows grouped by this rank's experts, counts[e] rows for each."""
+        up = grouped_mm(x, local_tensor(self.w_up), counts)
+        if self.w_gate is not None:
+            h = F.silu(grouped_mm(x, local_tensor(self.w_gate), counts)) * up
+        else:
+            h = F.gelu(up, approximate="tanh")
+        return grouped_mm(h, local_tensor(self.w_down), counts)
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE block: router, routed experts, optional shared expert."""
+
+    def __init__(self, cfg: MoEConfig, d_model: int, hidden: int, swiglu: bool, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(d_model, cfg.experts, bias=False)
+        self.experts = Experts(cfg.experts, d_model, hidden, swiglu)
+        self.shared = shared
+        self.ep_group: dist.ProcessGroup | None = None
+        """Set by expert parallelism: the ranks this layer's experts are split over."""
+        self.router_bias: torch.Tensor | None = None
+        """Added to the router logits when set (the `fault.router_bias` drill)."""
+        self.register_buffer("stats", torch.zeros(cfg.experts + STATS_EXTRA), persistent=False)
+        """Sums over the step's training forwards: load per expert, aux, z, dropped, forwards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        with autocast_off(x.device.type):  # the FP32 island (FP64 stays FP64)
+            wide = torch.promote_types(flat.dtype, torch.float32)
+            logits = flat.to(wide) @ local_tensor(self.router.weight).to(wide).t()
+            if self.router_bias is not None:
+                logits = logits + self.router_bias
+            r = route(logits, self.cfg.top_k, self.cfg.score, self.cfg.normalize_weights)
+        capacity = self.capacity(flat.shape[0])
+        order, counts = dispatch_order(r.experts, self.cfg.experts, capacity)
+        token = order // self.cfg.top_k
+        if self.ep_group is None:
+            y = self.experts(flat[token], counts)
+        else:
+            y = expert_parallel(self.experts, flat[token], counts, self.ep_group)
+        # Back to (token, slot) places, then the weighted sum over each token's k slots: no
+        # scatter-add, so the sum's order (and the result) is the same on every device.
+        slots = y.new_zeros(r.experts.numel(), shape[-1]).index_copy(0, order, y)
+        weights = r.weights.flatten().to(y.dtype).unsqueeze(-1)
+        out = (slots * weights).view(flat.shape[0], self.cfg.top_k, -1).sum(1)
+        losses = self.cfg.aux_loss_coef * r.aux + self.cfg.z_loss_coef * r.z
+        out = AttachAux.apply(out, losses) if losses.requires_grad else out
+        # Training forwards only, and not their recomputation in backward (activation
+        # checkpointing): backward runs inside a graph task.
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._record(r, r.experts.numel() - order.numel())
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape)
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.cfg.capacity_factor <= 0:
+            return None
+        return math.ceil(self.cfg.capacity_factor * tokens * self.cfg.top_k / self.cfg.experts)
+
+    @torch.no_grad()
+    def _record(self, r: Routing, dropped: int) -> None:
+        n = self.cfg.experts
+        self.stats[:n] += r.load
+        self.stats[n] += r.aux
+        self.stats[n + 1] += r.z
+        self.stats[n + 2 :] += torch.as_tensor([float(dropped), 1.0], device=self.stats.device)
+
+
+def expert_parallel(
+    experts: Experts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """`experts` split over `group` (this rank holds a run of experts / ep of them): the rows of
+    x (grouped by global expert, counts per expert) go to their expert's rank, through it, and
+    back, in x's order. Two all-to-alls of rows (dispatch, combine; differentiable) and one of
+    the counts, read on the host for the split sizes."""
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    send = counts.view(ep, local)  # rows for each rank's experts
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)  # recv[src, e]: src's rows for my e
+    sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host read
+    rows = dist_fn.all_to_all_single(
+        x.new_empty(sum(sizes[1]), x.shape[-1]), x, sizes[1], sizes[0], group=group
+    )
+    # Received by (source, expert): regroup by expert for the matmuls, then back.
+    expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv.flatten())
+    by_expert = expert_of.argsort(stable=True)
+    y = experts(rows[by_expert], recv.sum(0))
+    y = y.new_empty(y.shape).index_copy(0, by_expert, y)
+    return dist_fn.all_to_all_single(x.new_empty(x.shape[0], y.shape[-1]), y, sizes[0], sizes[1], group=group)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers of a model (or pipeline chunk) in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]

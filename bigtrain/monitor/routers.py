@@ -1,0 +1,105 @@
+"""The routers of a mixture-of-experts model, watched per step (docs/moe.md).
+
+Each MoE layer sums over the step's training forwards the token-expert pairs routed to each of its
+experts, its load-balancing loss, its z-loss, the pairs a capacity dropped, and how many forwards
+it ran (model/moe.py). `RouterStats.take` lays those of the whole model out in one vector, the same
+layout on every rank (zeros for the layers this rank does not hold: pipeline stages), which rides
+along the monitor's SUM all-reduce; `read` turns the reduced numbers into the step's router
+metrics, identical on every rank, which the detection rules read: `router_collapse` the worst
+layer's load-balancing loss (it grows when the router's probabilities pile onto the experts that
+get the tokens), `router_logits` the worst layer's z-loss (the squared log-sum-exp of the logits).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigtrain.model.moe import STATS_EXTRA, MoE
+from bigtrain.utils.names import canonical_name
+
+
+def block_of(name: str) -> str:
+    """`blocks.3.moe` -> `blocks.3`: the block a router belongs to."""
+    return name.rsplit(".", 1)[0]
+
+
+class RouterStats:
+    def __init__(self, layers: dict[str, nn.Module], names: list[str], experts: int) -> None:
+        """`layers`: this rank's MoE layers by block name; `names`: every MoE block of the whole
+        model, in order (the vector's layout)."""
+        self.layers, self.names, self.experts = layers, names, experts
+        self.width = experts + STATS_EXTRA
+
+    @classmethod
+    def of(cls, modules: list[nn.Module], names: list[str], experts: int) -> RouterStats | None:
+        """Over the MoE layers found in `modules` (a model, or a pipeline rank's chunks); None for
+        a dense model."""
+        if not names:
+            return None
+        layers = {}
+        for module in modules:
+            for name, sub in module.named_modules():
+                if isinstance(sub, MoE):
+                    layers[block_of(canonical_name(name))] = sub
+        return cls(layers, names, experts)
+
+    @property
+    def size(self) -> int:
+        return len(self.names) * self.width
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The step's sums of every MoE layer held here (zeros elsewhere), and the layers' sums
+        cleared for the next step (or the step's replay)."""
+        rows = []
+        for name in self.names:
+            layer = self.layers.get(name)
+            if layer is None:
+                rows.append(torch.zeros(self.width, device=device))
+            else:
+                rows.append(layer.stats.to(device, copy=True))
+                layer.stats.zero_()
+        return torch.cat(rows)
+
+    def read(self, host: list[float]) -> dict[str, Any]:
+        """The router metrics of the reduced sums (over every rank and micro-batch): per layer the
+        busiest expert's load over the mean (1.0: balanced; experts / top_k: every token sends
+        the same experts), the entropy of the load over log(experts) (1.0: balanced), the mean
+        load-balancing and z-losses; the model's worst layer's ratio, entropy and losses, the
+        mean losses over layers and the dropped pairs."""
+        n = self.experts
+        by_layer: dict[str, dict[str, float]] = {}
+        dropped = 0.0
+        for i, name in enumerate(self.names):
+            row = host[i * self.width : (i + 1) * self.width]
+            load, (aux, z, drop, forwards) = row[:n], row[n:]
+            total = sum(load)
+            if forwards <= 0 or total <= 0:
+                continue
+            shares = [x / total for x in load]
+            entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(n)
+            by_layer[name] = {
+                "max_mean": max(shares) * n,
+                "entropy": entropy,
+                "aux": aux / forwards,
+                "z": z / forwards,
+                "load": [round(s, 4) for s in shares],
+            }
+            dropped += drop
+        if not by_layer:
+            return {}
+        layers = list(by_layer.values())
+        return {
+            "moe_load_max_mean": max(v["max_mean"] for v in layers),
+            "moe_load_entropy": min(v["entropy"] for v in layers),
+            "moe_aux_loss": sum(v["aux"] for v in layers) / len(layers),
+            "moe_z_loss": sum(v["z"] for v in layers) / len(layers),
+            "moe_aux_loss_max": max(v["aux"] for v in layers),
+            "moe_z_loss_max": max(v["z"] for v in layers),
+            "moe_dropped": dropped,
+            "moe_layer_load_max_mean": {k: v["max_mean"] for k, v in by_layer.items()},
+            "moe_layer_load": {k: v["load"] for k, v in by_layer.items()},
+        }

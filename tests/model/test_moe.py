@@ -1,0 +1,214 @@
+"""The MoE block (model/moe.py) against plain reference code: routing, the experts' batched
+matmuls, the combine, the load-balancing and z-losses and their gradients, capacity drops."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigtrain.config.model import MoEConfig, moe_blocks
+from bigtrain.config.schema import ModelConfig
+from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import GPT, make_moe
+from bigtrain.model.moe import (
+    aux_grad_scale,
+    dispatch_order,
+    grouped_mm,
+    moe_layers,
+    route,
+    uses_grouped_kernel,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def model_cfg(**moe) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=64,
+        n_layers=3,
+        n_heads=2,
+        d_model=16,
+        seq_len=8,
+        mlp="swiglu",
+        bias=False,
+        norm="rmsnorm",
+        position="rope",
+        moe=MoEConfig(**{"experts": 4, "top_k": 2, **moe}),
+    )
+
+
+def layer(**moe) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = make_moe(model_cfg(**moe))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m.double()  # FP64: the comparisons below are exact up to summation order
+
+
+def reference(m, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Token by token: FP32 router, softmax, top-k, renormalised weights, each chosen expert's
+    SwiGLU MLP; with a capacity, an expert serves its first `capacity` pairs in token order."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    taken = [0] * m.cfg.experts
+    e = m.experts
+    for t in range(flat.shape[0]):
+        probs = (flat[t] @ m.router.weight.t()).softmax(-1)
+        w, idx = probs.topk(m.cfg.top_k)
+        w = w / w.sum()
+        for weight, i in zip(w, idx.tolist(), strict=True):
+            taken[i] += 1
+            if capacity is not None and taken[i] > capacity:
+                continue
+            h = F.silu(flat[t] @ e.w_gate[i]) * (flat[t] @ e.w_up[i])
+            out[t] = out[t] + weight * (h @ e.w_down[i])
+    if m.shared is not None:
+        out = out + m.shared(flat)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_moe_layer_equals_token_by_token_reference_outputs_and_gradients(shared):
+    m = layer(shared_experts=shared, aux_loss_coef=0.0, z_loss_coef=0.0)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = m(x)
+    grads = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
+    ref = layer(shared_experts=shared, aux_loss_coef=0.0, z_loss_coef=0.0)
+    y_ref = reference(ref, x_ref)
+    grads_ref = torch.autograd.grad(y_ref.square().sum(), [x_ref, *ref.parameters()])
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_capacity_drops_the_pairs_beyond_each_experts_capacity_and_counts_them():
+    m = layer(capacity_factor=0.5, aux_loss_coef=0.0, z_loss_coef=0.0)
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    capacity = m.capacity(8)
+    assert capacity == math.ceil(0.5 * 8 * 2 / 4) == 2
+    y = m(x)
+    torch.testing.assert_close(y, reference(layer(capacity_factor=0.5), x, capacity), rtol=1e-5, atol=1e-5)
+    load = m.stats[:4]
+    dropped = m.stats[4 + 2].item()
+    assert load.sum().item() == 16  # every pair counted as routed, before the drop
+    assert dropped == sum(max(int(n) - capacity, 0) for n in load.tolist()) > 0
+    dropless = layer(aux_loss_coef=0.0, z_loss_coef=0.0)
+    dropless(x)
+    assert dropless.stats[4 + 2].item() == 0
+
+
+def test_dispatch_order_groups_pairs_by_expert_in_token_order():
+    experts = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
+    order, counts = dispatch_order(experts, 4, None)
+    flat = experts.flatten()
+    assert flat[order].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert order.tolist() == [1, 2, 6, 3, 5, 0, 4, 7]
+    assert counts.tolist() == [3, 2, 3, 0]
+    kept, capped = dispatch_order(experts, 4, 2)
+    assert kept.tolist() == [1, 2, 3, 5, 0, 4]  # each expert's first two pairs by token
+    assert capped.tolist() == [2, 2, 2, 0]
+
+
+def test_load_balancing_and_z_loss_values_and_gradients():
+    logits = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    r = route(logits, 2, "softmax", True)
+    probs = logits.softmax(-1)
+    share = torch.zeros(4, dtype=torch.float64)
+    for i in r.experts.flatten().tolist():
+        share[i] += 1 / 12
+    aux = 4 * (share * probs.mean(0)).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    torch.testing.assert_close(r.aux, aux)
+    torch.testing.assert_close(r.z, z)
+    g_aux, g_z = torch.autograd.grad(r.aux, logits)[0], torch.autograd.grad(r.z, logits)[0]
+    torch.testing.assert_close(g_aux, torch.autograd.grad(aux, logits)[0])
+    torch.testing.assert_close(g_z, torch.autograd.grad(z, logits)[0])
+    # Uniform probabilities and a perfectly balanced load: the loss is exactly 1.
+    flat = route(torch.zeros(4, 4), 1, "softmax", True)
+    assert flat.aux.item() == pytest.approx(1.0)
+
+
+def test_aux_losses_reach_the_router_as_terms_of_the_loss_scaled_like_it():
+    """AttachAux: the router's gradient of y.sum() with the losses attached equals that of
+    y.sum() + aux_coef * aux + z_coef * z computed by hand, also under a scale (the loss scale
+    over micro-batches)."""
+    m = layer(aux_loss_coef=0.3, z_loss_coef=0.2)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    with aux_grad_scale(4.0):
+        (4.0 * m(x).sum()).backward()
+    attached = m.router.weight.grad.clone()
+    ref = layer(aux_loss_coef=0.0, z_loss_coef=0.0)
+    y = ref(x)
+    logits = x.reshape(-1, 16) @ ref.router.weight.t()
+    r = route(logits, 2, "softmax", True)
+    (4.0 * (y.sum() + 0.3 * r.aux + 0.2 * r.z)).backward()
+    torch.testing.assert_close(attached, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_sigmoid_scores_without_renormalisation():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+    r = route(logits, 2, "sigmoid", False)
+    assert r.experts.tolist() == [[1, 3]]
+    torch.testing.assert_close(r.weights, torch.sigmoid(torch.tensor([[2.0, 1.0]])))
+
+
+def test_grouped_matmul_per_expert_equals_torch_grouped_mm_on_cpu():
+    """The per-expert loop (every device without the kernel) against torch._grouped_mm, which
+    runs in FP32 on CPU: the kernel CUDA uses, same offsets convention."""
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+    counts = torch.tensor([3, 0, 7])
+    expected = torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    torch.testing.assert_close(grouped_mm(x, w, counts), expected)
+    assert not uses_grouped_kernel(torch.device("cpu"), torch.bfloat16)
+    assert not uses_grouped_kernel(torch.device("cpu"), torch.float32)
+
+
+def test_gpt_places_moe_blocks_from_first_every_nth_and_counts_stats_in_training_only():
+    cfg = model_cfg(first=1, every=1)
+    assert moe_blocks(cfg) == [1, 2]
+    assert moe_blocks(model_cfg(first=0, every=2)) == [0, 2]
+    model = GPT(cfg)
+    assert model.blocks[0].moe is None and model.blocks[0].mlp is not None
+    assert [b.moe is not None for b in model.blocks] == [False, True, True]
+    idx = torch.randint(0, 64, (2, 8))
+    model.eval()
+    with torch.no_grad():
+        model(idx)
+    assert all(m.stats.sum().item() == 0 for m in moe_layers(model))
+    model.train()
+    model(idx).sum().backward()
+    for m in moe_layers(model):
+        assert m.stats[:4].sum().item() == 2 * 8 * 2  # pairs
+        assert m.stats[-1].item() == 1  # one forward
+
+
+def test_activation_checkpointing_recompute_is_not_counted_twice():
+    from bigtrain.parallel.apply import apply_activation_checkpointing
+
+    model = GPT(model_cfg())
+    apply_activation_checkpointing(model, "full")
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    for m in moe_layers(model):
+        assert m.stats[-1].item() == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("top_k", 5, "between 1 and model.moe.experts (4)"),
+        ("top_k", 0, "between 1"),
+        ("first", 2, "below model.n_layers (2)"),
+        ("every", 0, "at least 1"),
+        ("score", "relu", "softmax or sigmoid"),
+        ("capacity_factor", -1.0, ">= 0"),
+        ("aux_loss_coef", -0.1, ">= 0"),
+    ],
+)
+def test_impossible_moe_settings_name_their_key(micro, key, value, expected):
+    with pytest.raises(ConfigError, match=rf"model\.moe\.{key}.*{re.escape(expected)}"):
+        micro("model.moe.experts=4", f"model.moe.{key}={value}")

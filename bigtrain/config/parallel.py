@@ -73,6 +73,12 @@ class ParallelConfig:
     block indices), e.g. [5] for two stages of a 10-block model split 5/5; empty: balanced
     by each block's parameter and FLOP share, the embedding counted with the first stage and
     the final norm and output layer with the last (parallel/pipeline_split.py)."""
+    expert_parallel: int = 1
+    """fsdp with an MoE model (model.moe): the experts of each MoE block split over this many
+    consecutive shard ranks, tokens sent to their experts' rank and back with all-to-all
+    (docs/moe.md). Must divide model.moe.experts and the shard degree; the experts are then
+    FSDP2-sharded over the remaining shard / expert_parallel ranks, everything else over all
+    of them. At start."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 
@@ -92,6 +98,7 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         )
     _check_tensor_parallel(p, m)
     check_pipeline(p, m)
+    check_experts(p, m)
     if p.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {p.timeout_s}, expected a positive number of seconds"
@@ -101,6 +108,32 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
             "parallel.activation_checkpointing=selective with model.dropout > 0: the saved "
             "attention kernels would not advance the RNG in recompute, so dropout masks would "
             "differ from the forward's; use block checkpointing or dropout 0"
+        )
+
+
+def check_experts(p: ParallelConfig, m: ModelConfig) -> None:
+    """Expert parallelism against the backend and the model; MoE blocks against tensor
+    parallelism (whose plan has no expert layers)."""
+    ep, experts = p.expert_parallel, m.moe.experts if m.kind == "gpt" else 0
+    if experts and p.tensor_parallel > 1:
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' ({p.tensor_parallel}): MoE blocks (model.moe."
+            "experts > 0) are not split by tensor parallelism; split their experts with "
+            "parallel.expert_parallel instead"
+        )
+    if ep < 1:
+        raise ConfigError(f"key 'parallel.expert_parallel' got {ep}, expected a positive integer")
+    if ep == 1:
+        return
+    if p.backend != "fsdp":
+        raise ConfigError(
+            f"key 'parallel.expert_parallel' ({ep}) needs parallel.backend=fsdp, got "
+            f"parallel.backend={p.backend}"
+        )
+    if not experts or experts % ep:
+        raise ConfigError(
+            f"key 'parallel.expert_parallel' ({ep}) must divide model.moe.experts ({experts}): "
+            "each rank of an expert-parallel group holds as many experts"
         )
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -218,15 +218,13 @@ def expert_parallel(
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send.contiguous(), group=group)  # recv[src, e]: src's rows for my e
     sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host read
-    rows = dist_fn.all_to_all_single(
-        x.new_empty(sum(sizes[1]), x.shape[-1]), x, sizes[1], sizes[0], group=group
-    )
+    rows = funcol.all_to_all_single_autograd(x, sizes[1], sizes[0], group)
     # Received by (source, expert): regroup by expert for the matmuls, then back.
     expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv.flatten())
     by_expert = expert_of.argsort(stable=True)
     y = experts(rows[by_expert], recv.sum(0))
     y = y.new_empty(y.shape).index_copy(0, by_expert, y)
-    return dist_fn.all_to_all_single(x.new_empty(x.shape[0], y.shape[-1]), y, sizes[0], sizes[1], group=group)
+    return funcol.all_to_all_single_autograd(y, sizes[0], sizes[1], group)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

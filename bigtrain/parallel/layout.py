@@ -62,6 +62,9 @@ class Layout:
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """The DeviceMesh over MESH_AXES once connected (every backend with a process group; FSDP2
     and tensor parallelism shard over it); None before, and in one process without a group."""
+    expert_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """With ep > 1, once connected: the same ranks with `shard` unflattened into (`edp`, `ep`):
+    the experts are split over ep and FSDP2-sharded over edp (and replicated over replicate)."""
 
     def __post_init__(self) -> None:
         assert self.pp * self.replicate * self.shard * self.tp == self.world_size, (
@@ -88,6 +91,12 @@ class Layout:
                 f"{world_size} / {model_copies}, not an integer"
             )
         shard = world_size // model_copies
+        if shard % cfg.expert_parallel:
+            raise SharedConfigError(
+                f"key 'parallel.expert_parallel' ({cfg.expert_parallel}) must divide the shard "
+                f"degree ({shard} = world size {world_size} / {model_copies}): an expert-parallel "
+                "group is a run of one replica's shard ranks"
+            )
         if cfg.backend == "local" and pp > 1 and shard * cfg.replicate * cfg.tensor_parallel != 1:
             raise SharedConfigError(
                 f"parallel.backend=local runs one process per pipeline stage (parallel."
@@ -101,13 +110,14 @@ class Layout:
             replicate=cfg.replicate,
             shard=shard,
             tp=cfg.tensor_parallel,
+            ep=cfg.expert_parallel,
             ft=ft,
             ft_group=ft_group,
         )
 
     def at_rank(self, rank: int) -> Layout:
         """The same layout seen from another rank (without the mesh, which is this rank's)."""
-        return dataclasses.replace(self, rank=rank, mesh=None)
+        return dataclasses.replace(self, rank=rank, mesh=None, expert_mesh=None)
 
     # --- coordinates -------------------------------------------------------------------------
 
@@ -271,7 +281,11 @@ class Layout:
         axes = (("pp",) if self.pp > 1 else ()) + self.mesh_axes
         sizes = ((self.pp,) if self.pp > 1 else ()) + self.mesh_sizes
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=axes)
-        return dataclasses.replace(self, mesh=mesh)
+        experts = None
+        if self.ep > 1:  # within a stage: the experts' DTensors never span pipeline ranks
+            stage = mesh[self.mesh_axes] if self.pp > 1 else mesh
+            experts = stage._unflatten("shard", (self.shard // self.ep, self.ep), ("edp", "ep"))
+        return dataclasses.replace(self, mesh=mesh, expert_mesh=experts)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's `axis` (None where the axis has one rank, or in a
@@ -285,6 +299,11 @@ class Layout:
         """What fully_shard takes: (replicate, shard) is HSDP, shard alone FSDP."""
         assert self.mesh is not None, "connect() first"
         return self.mesh[("replicate", "shard")] if self.replicate > 1 else self.mesh["shard"]
+
+    @property
+    def expert_dp_dims(self) -> tuple[str | None, str]:
+        """The expert mesh's (replicate, shard) data-parallel dimension names for FSDP2."""
+        return ("replicate" if self.replicate > 1 else None), "edp"
 
     @property
     def tp_mesh(self) -> DeviceMesh:

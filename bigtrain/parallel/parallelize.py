@@ -7,7 +7,8 @@ The layout (layout.py) was decided and connected to its DeviceMesh in the run's 
    models by parallel.tp_plan (tensor_parallel.py), over the layout's tp axis;
 2. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
    per transformer block (apply.py);
-3. data parallelism: FSDP2's fully_shard per block and the root with the policy's mixed
+3. data parallelism: expert parallelism first (parallel.expert_parallel > 1: each MoE layer's
+   experts split over the ep ranks, experts.py), then FSDP2's fully_shard per block and the root with the policy's mixed
    precision over the layout's (replicate, shard) mesh (fsdp), or the model handed to DeepSpeed, which partitions it (zero), or nothing
    (local); a model built on the meta device gets its shards' values here.
 
@@ -33,6 +34,7 @@ from bigtrain.parallel.apply import (
     transformer_blocks,
 )
 from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.local import LocalBackend
@@ -92,6 +94,8 @@ def _fully_sharded(
     # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
     data_mesh, mp = layout.data_mesh, fsdp_mixed_precision(policy)
     reshard = reshards_after_forward(parallel)
+    if layout.ep > 1:  # the experts first: each MoE layer's its own FSDP2 group
+        apply_expert_parallel(model, layout, mp, reshard)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root holds embeddings, final norm and lm_head (tied weights stay in one group).

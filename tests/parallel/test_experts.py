@@ -1,0 +1,101 @@
+"""Expert parallelism (parallel/experts.py, model/moe.py's all-to-all) on 2 gloo ranks, FP32:
+experts split over ep=2 train the per-step losses of ep=1 (every rank holding every expert),
+route the same tokens to the same experts, resume on one process from an ep=2 checkpoint, and a
+router-collapse drill on one rank is caught and rolled back on both."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigtrain.store.rundir import read_jsonl
+from tests.distributed import by_step, mesh_run_args, run_distributed, train_run, train_run_probed
+
+pytestmark = pytest.mark.distributed
+
+MOE = ("model.moe.experts=4", "model.moe.top_k=2", "parallel.backend=fsdp")
+
+
+def expert_shapes(trainer) -> dict:
+    """A probe: this rank's slice of each MoE layer's experts and its ep group's size."""
+    import torch.distributed as dist
+
+    from bigtrain.model.moe import moe_layers
+    from bigtrain.utils.tensors import local_block
+
+    layers = moe_layers(trainer.backend.model)
+    return {
+        "blocks": [local_block(m.experts.w_up) for m in layers],
+        "ep": [dist.get_world_size(m.ep_group) if m.ep_group else 1 for m in layers],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_files, cache_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("experts")
+    out = {}
+    for ep in (1, 2):
+        args = mesh_run_args(
+            tmp, f"ep{ep}", corpus_files, cache_dir, *MOE, f"parallel.expert_parallel={ep}"
+        )
+        out[ep] = run_distributed(train_run_probed, 2, args, expert_shapes)
+    return out
+
+
+def test_expert_parallel_2_equals_expert_parallel_1_per_step(runs):
+    one, two = runs[1][0], runs[2][0]
+    # ep=2: each rank holds 2 of the 4 experts (its rows 0-1 or 2-3); ep=1: all 4
+    assert runs[2][0]["probe"]["ep"] == [2, 2]
+    assert [b[0][0] for b in runs[2][0]["probe"]["blocks"]] == [0, 0]
+    assert [b[0][0] for b in runs[2][1]["probe"]["blocks"]] == [2, 2]
+    assert all(b[1][0] == 2 for r in runs[2] for b in r["probe"]["blocks"])
+    assert runs[1][0]["probe"]["ep"] == [1, 1]  # FSDP2 alone: 4 experts sharded by rows
+    losses_1, losses_2 = by_step(one, "loss"), by_step(two, "loss")
+    assert sorted(losses_1) == sorted(losses_2) == list(range(1, 21))
+    for step, loss in losses_1.items():
+        assert losses_2[step] == pytest.approx(loss, rel=1e-5), step
+    # The same tokens went to the same experts, counted over both ranks.
+    for step in (1, 10, 20):
+        assert by_step(two, "moe_layer_load")[step] == by_step(one, "moe_layer_load")[step]
+    assert by_step(two, "moe_aux_loss")[20] == pytest.approx(by_step(one, "moe_aux_loss")[20])
+    assert one["final"]["rollbacks"] == two["final"]["rollbacks"] == 0
+
+
+def test_resume_expert_parallel_checkpoint_on_one_process(runs, tmp_path, corpus_files, cache_dir):
+    args = mesh_run_args(tmp_path, "run", corpus_files, cache_dir, *MOE, "checkpoint.every=5")
+    first = run_distributed(
+        train_run, 2, [*args, "parallel.expert_parallel=2", "train.stop_at_step=10"]
+    )
+    assert first[0]["final"] == {"step": 10, "stopped": True}
+    second = train_run([*args, "parallel.backend=local", "train.stop_at_step=14"])
+    reference = by_step(runs[2][0], "loss")
+    for step in range(11, 15):
+        assert by_step(second, "loss")[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_files, cache_dir):
+    args = mesh_run_args(
+        tmp_path,
+        "drill",
+        corpus_files,
+        cache_dir,
+        *MOE,
+        "parallel.expert_parallel=2",
+        "train.max_steps=14",
+        "resilience.snapshot_every=5",
+        "resilience.confirm_steps=1",
+        "fault.rank=1",
+        "fault.router_bias=3",
+        "fault.router_bias_step=12",
+    )
+    results = run_distributed(train_run, 2, args)
+    for result in results:
+        assert result["final"]["rollbacks"] == 1 and result["final"]["step"] == 14
+    events = read_jsonl(tmp_path / "drill" / "events.jsonl")
+    anomaly = next(e for e in events if e["kind"] == "anomaly")
+    assert anomaly["step"] == 12
+    assert {s["metric"] for s in anomaly["spikes"]} >= {"router_logits"}
+    rollback = next(e for e in events if e["kind"] == "rollback")
+    assert (rollback["from_step"], rollback["to_step"]) == (12, 10)
+    # The biased rank sent every token to expert 3 (and one other): its layer loads show it.
+    loads = [m["moe_layer_load"] for m in results[0]["metrics"] if m["step"] == 12]
+    assert max(loads[0]["blocks.0"]) == loads[0]["blocks.0"][3]

@@ -31,8 +31,8 @@ from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.checkpoint.manager import CheckpointManager, corrupt_newest_checkpoint
 from bigtrain.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict, to_yaml
-from bigtrain.config.resilience import MonitorConfig
 from bigtrain.config.model import moe_blocks
+from bigtrain.config.resilience import MonitorConfig
 from bigtrain.data import (
     BatchLoader,
     TokenCorpus,

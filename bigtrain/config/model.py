@@ -132,9 +132,17 @@ def check_moe(m: ModelConfig) -> None:
             "transformers MoE model (Mixtral, Qwen-MoE, OLMoE) brings its own (model.hf_config)"
         )
     checks = [
-        (e.top_k < 1 or e.top_k > e.experts, "top_k", f"between 1 and model.moe.experts ({e.experts})"),
+        (
+            e.top_k < 1 or e.top_k > e.experts,
+            "top_k",
+            f"between 1 and model.moe.experts ({e.experts})",
+        ),
         (e.every < 1, "every", "at least 1"),
-        (not 0 <= e.first < m.n_layers, "first", f"a block index below model.n_layers ({m.n_layers})"),
+        (
+            not 0 <= e.first < m.n_layers,
+            "first",
+            f"a block index below model.n_layers ({m.n_layers})",
+        ),
         (e.d_expert is not None and e.d_expert < 1, "d_expert", "positive (or null)"),
         (e.shared_experts < 0, "shared_experts", ">= 0"),
         (e.score not in ("softmax", "sigmoid"), "score", "softmax or sigmoid"),

@@ -147,7 +147,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """The MLP of an MoE block: router, routed experts, optional shared expert."""
 
-    def __init__(self, cfg: MoEConfig, d_model: int, hidden: int, swiglu: bool, shared: nn.Module | None) -> None:
+    def __init__(
+        self, cfg: MoEConfig, d_model: int, hidden: int, swiglu: bool, shared: nn.Module | None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(d_model, cfg.experts, bias=False)
@@ -216,7 +218,9 @@ def expert_parallel(
     local = counts.numel() // ep
     send = counts.view(ep, local)  # rows for each rank's experts
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)  # recv[src, e]: src's rows for my e
+    dist.all_to_all_single(
+        recv, send.contiguous(), group=group
+    )  # recv[src, e]: src's rows for my e
     sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host read
     rows = funcol.all_to_all_single_autograd(x, sizes[1], sizes[0], group)
     # Received by (source, expert): regroup by expert for the matmuls, then back.

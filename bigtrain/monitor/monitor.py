@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
+from bigtrain.monitor.routers import RouterStats
 from bigtrain.monitor.stats import (
     GradStats,
     layer_stats,
@@ -27,7 +28,6 @@ from bigtrain.monitor.stats import (
     scale_stats,
     weighted_stats,
 )
-from bigtrain.monitor.routers import RouterStats
 from bigtrain.parallel.layout import Layout
 
 

@@ -92,7 +92,9 @@ def test_capacity_drops_the_pairs_beyond_each_experts_capacity_and_counts_them()
     capacity = m.capacity(8)
     assert capacity == math.ceil(0.5 * 8 * 2 / 4) == 2
     y = m(x)
-    torch.testing.assert_close(y, reference(layer(capacity_factor=0.5), x, capacity), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        y, reference(layer(capacity_factor=0.5), x, capacity), rtol=1e-5, atol=1e-5
+    )
     load = m.stats[:4]
     dropped = m.stats[4 + 2].item()
     assert load.sum().item() == 16  # every pair counted as routed, before the drop

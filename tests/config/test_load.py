@@ -233,7 +233,8 @@ def test_a_saved_config_of_the_old_spike_detection_still_loads(tmp_path):
         "monitor:\n  spikes: [loss, tensor_max]\n  k: 3.0\n  tensor_floor: 0.001\n  every: 7\n"
     )
     cfg = load_saved_config(saved)
-    assert cfg.monitor.every == 7 and cfg.monitor.rules == ["loss", "grad_norm"]
+    assert cfg.monitor.every == 7
+    assert cfg.monitor.rules == ["loss", "grad_norm", "router_collapse", "router_logits"]
 
 
 @pytest.mark.unit

@@ -139,8 +139,8 @@ class HFSource(Source):
         for name, part in parts.items():
             # Hub directories of some models (GPT-2) drop the base model's prefix
             # (`transformer.`), which transformers adds back on load: accept both spellings.
-            part = dataclasses.replace(part, hf_name=self._spelling(part.hf_name))
-            if part.hf_name not in self.files:
+            part = dataclasses.replace(part, hf_name=self._spelling(part))
+            if self._first(part) not in self.files:
                 continue  # reported by check_covers when this model needs the tensor
             self.parts[name] = part
             self.shapes[name] = self._shape(part, rows[parts[name].hf_name])
@@ -176,15 +176,26 @@ class HFSource(Source):
     def _handle(self, hf_name: str):
         return self._open(self.files[hf_name])
 
-    def _spelling(self, hf_name: str) -> str:
-        if hf_name in self.files or "." not in hf_name:
-            return hf_name
-        bare = hf_name.split(".", 1)[1]
-        return bare if bare in self.files else hf_name
+    @staticmethod
+    def _first(part: Part) -> str:
+        """The HF tensor of a part; an expert stack's first expert's."""
+        return part.expert_names()[0] if part.experts else part.hf_name
+
+    def _spelling(self, part: Part) -> str:
+        name = part.hf_name
+        if self._first(part) in self.files or "." not in name:
+            return name
+        bare = part.hf_name.split(".", 1)[1]
+        return bare if self._first(dataclasses.replace(part, hf_name=bare)) in self.files else name
 
     def _shape(self, part: Part, whole_rows: int) -> tuple[int, ...]:
         """The bigtrain tensor's shape as the file gives it; an HF tensor whose row count is not
         the mapping's (another model config) gives -1 rows, so check_covers names the tensor."""
+        if part.experts:  # (experts, in, out) from expert 0's (out, in); all are alike
+            first = self._first(part)
+            inner = self._handle(first).get_slice(first).get_shape()[::-1]
+            every = all(n in self.files for n in part.expert_names())
+            return (part.rows if every else -1, *inner)
         shape = tuple(self._handle(part.hf_name).get_slice(part.hf_name).get_shape())
         shape = shape[::-1] if part.transpose else shape
         if (shape[0] if shape else 1) != whole_rows:
@@ -196,6 +207,12 @@ class HFSource(Source):
         if start == stop:  # an empty shard (fewer rows than ranks)
             return torch.empty(0)
         shape, part = self.shapes[name], self.parts[name]
+        if part.experts:  # the experts the range touches, each (out, in) transposed
+            row = math.prod(shape[1:])
+            first, last = start // row, -(-stop // row)
+            names = part.expert_names()[first:last]
+            rows = torch.stack([self._handle(n).get_tensor(n).t() for n in names])
+            return rows.float().reshape(-1)[start - first * row : stop - first * row]
         if not shape:
             return self._handle(part.hf_name).get_tensor(part.hf_name).float().reshape(-1)
         piece = self._handle(part.hf_name).get_slice(part.hf_name)

@@ -11,7 +11,6 @@ exist for the built-in GPT (`mapping_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from bigtrain.config.schema import ModelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import default_d_ff
+from bigtrain.model.hf_moe import mixtral_config
 
 Shape = tuple[int, ...]
 
@@ -43,6 +43,13 @@ class Part:
     offset: int = 0
     """Rows of the HF tensor before this part's: GPT-2's `c_attn` holds q, k and v at 0, d_model
     and d_model + kv width; every other part covers its HF tensor whole."""
+    experts: bool = False
+    """A stack of `rows` experts (bigtrain's (experts, in, out)), each its own nn.Linear weight
+    (out, in) in the HF files: `hf_name` has an `{e}` for the expert's index (Mixtral)."""
+
+    def expert_names(self) -> list[str]:
+        """The HF tensors of an expert stack, in expert order."""
+        return [self.hf_name.format(e=e) for e in range(self.rows)]
 
 
 @dataclass
@@ -72,6 +79,9 @@ class HFMapping:
         out: dict[str, Shape] = {}
         for name, shape in self.shapes.items():
             part = self.parts[name]
+            if part.experts:
+                out.update(dict.fromkeys(part.expert_names(), shape[:0:-1]))
+                continue
             whole = (rows[part.hf_name], *shape[1:]) if shape else ()
             out[part.hf_name] = whole[::-1] if part.transpose else whole
         out.update(self.extra)
@@ -93,6 +103,10 @@ class HFMapping:
                     f"made for {self.shapes[name]}"
                 )
             part = self.parts[name]
+            if part.experts:  # one Linear weight per expert
+                for hf_name, expert in zip(part.expert_names(), tensor, strict=True):
+                    yield hf_name, expert.T.contiguous()
+                continue
             if part.rows == rows[part.hf_name]:  # the whole HF tensor (also 0-d ones)
                 piece = tensor.T if part.transpose else tensor
                 yield part.hf_name, piece.clone(memory_format=torch.contiguous_format)
@@ -112,6 +126,8 @@ class HFMapping:
     def join(self, name: str, read_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """Bigtrain tensor `name` rebuilt from its HF tensor (`read_hf(hf_name)`)."""
         part = self.parts[name]
+        if part.experts:
+            return torch.stack([read_hf(n).T for n in part.expert_names()])
         t = read_hf(part.hf_name)
         t = t.T if part.transpose else t
         if t.dim():  # 0-d tensors are whole
@@ -146,6 +162,9 @@ def mapping_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> HFMapping:
     if _mismatches(cfg, GPT2_NEEDS) == [] and cfg.n_kv_heads in (None, cfg.n_heads):
         architecture, config = "GPT2LMHeadModel", _gpt2_config(cfg, vocab_size)
         parts, extra = _gpt2_parts(cfg, vocab_size)
+    elif _mismatches(cfg, LLAMA_NEEDS) == [] and cfg.moe.experts:
+        architecture, config = "MixtralForCausalLM", mixtral_config(cfg, vocab_size)
+        parts = _mixtral_parts(cfg, _llama_parts(cfg, vocab_size))
     elif _mismatches(cfg, LLAMA_NEEDS) == []:
         architecture, config = "LlamaForCausalLM", _llama_config(cfg, vocab_size)
         parts = _llama_parts(cfg, vocab_size)
@@ -288,6 +307,29 @@ def _llama_parts(cfg: ModelConfig, vocab_size: int) -> dict[str, Part]:
     return parts
 
 
+def _mixtral_parts(cfg: ModelConfig, llama: dict[str, Part]) -> dict[str, Part]:
+    """Llama's parts with every block's MLP a mixture of experts: its router is `gate`, expert
+    e's gate, down and up projections are `w1`, `w2` and `w3` (the Hub's Mixtral layout, which
+    transformers 5 fuses on load and splits on save)."""
+    e = cfg.moe.experts
+    parts = {n: p for n, p in llama.items() if ".mlp." not in n}
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.moe", f"model.layers.{i}.block_sparse_moe"
+        parts[f"{b}.router.weight"] = Part(f"{h}.gate.weight", e)
+        for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+            parts[f"{b}.experts.{ours}"] = Part(
+                f"{h}.experts.{{e}}.{theirs}.weight", e, experts=True
+            )
+    return dict(sorted(parts.items(), key=lambda item: _block_order(item[0], list(llama))))
+
+
+def _block_order(name: str, order: list[str]) -> tuple[int, str]:
+    """Tensors block by block, as Llama's order has them (the experts after a block's norms)."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1, name
+    return (0 if name == "tok_emb.weight" else 1 << 30), name
+
+
 def _llama_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     from transformers import LlamaConfig
 
@@ -350,96 +392,4 @@ def mapping_for_hf(hf_config, shapes: dict[str, Shape]) -> HFMapping:
         config,
         {f"hf.{n}": s for n, s in names.items()},
         {f"hf.{n}": Part(n, s[0] if s else 1) for n, s in names.items()},
-    )
-
-
-# The config.json keys that change what the weights compute, with the model.* key that sets each.
-CHECKED_KEYS = {
-    "GPT2LMHeadModel": {
-        "n_embd": "model.d_model",
-        "n_layer": "model.n_layers",
-        "n_head": "model.n_heads",
-        "n_inner": "model.d_ff",
-        "activation_function": "model.mlp (gelu = tanh-approximated GELU)",
-        "layer_norm_epsilon": "model.norm_eps",
-        "tie_word_embeddings": "model.tie_embeddings",
-        "scale_attn_by_inverse_layer_idx": "-",
-        "reorder_and_upcast_attn": "-",
-    },
-    "LlamaForCausalLM": {
-        "hidden_size": "model.d_model",
-        "num_hidden_layers": "model.n_layers",
-        "num_attention_heads": "model.n_heads",
-        "num_key_value_heads": "model.n_kv_heads",
-        "intermediate_size": "model.d_ff",
-        "head_dim": "model.d_model / model.n_heads",
-        "hidden_act": "model.mlp",
-        "rms_norm_eps": "model.norm_eps",
-        "rope": "model.rope_theta (scaled rotary embeddings are not supported)",
-        "tie_word_embeddings": "model.tie_embeddings",
-        "attention_bias": "model.bias",
-        "mlp_bias": "model.bias",
-    },
-}
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
-def _normalised(config: dict[str, Any], key: str) -> Any:
-    """A config value as it acts: defaults filled in, equivalent spellings merged."""
-    if key == "n_inner":
-        return config.get("n_inner") or 4 * config["n_embd"]
-    if key == "activation_function":
-        return "tanh-gelu" if config.get(key) in TANH_GELUS else config.get(key)
-    if key == "head_dim":
-        return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if key == "rope":  # transformers 5 keeps it in rope_parameters, older ones at the top
-        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = params.get("rope_theta", config.get("rope_theta"))
-        return (float(theta) if theta is not None else None, params.get("rope_type", "default"))
-    value = config.get(key)
-    return float(value) if isinstance(value, float) else value
-
-
-def check_hf_config(mapping: HFMapping, found: dict[str, Any], origin: str) -> None:
-    """The Hugging Face config `found` (a directory's config.json, defaults filled in) describes
-    the model this mapping writes: every key that changes what the weights compute agrees, or a
-    ConfigError names each difference and the model.* key that sets it. Shapes alone would pass
-    an untied head, another rope theta, norm eps or activation."""
-    _check_model_type(mapping, found, origin)
-    keys = CHECKED_KEYS.get(mapping.architecture, {})
-    diffs = []
-    for key, setting in keys.items():
-        want, have = _normalised(mapping.config, key), _normalised(found, key)
-        same = (
-            math.isclose(want, have, rel_tol=1e-6)
-            if isinstance(want, float) and isinstance(have, float)
-            else want == have
-        )
-        if not same:
-            diffs.append(f"{key} {have!r} there, {want!r} here ({setting})")
-    if diffs:
-        raise ConfigError(
-            f"{origin} holds another model than this config builds: {'; '.join(diffs)}"
-        )
-
-
-STYLES = {"gpt2": GPT2_NEEDS, "llama": LLAMA_NEEDS}
-"""The model.* settings of bigtrain's GPT that build each transformers model type."""
-
-
-def _check_model_type(mapping: HFMapping, found: dict[str, Any], origin: str) -> None:
-    """Another transformers model type than this mapping writes: a ConfigError naming both and
-    the settings that build the directory's model (their keys differ, so no key compares)."""
-    want, have = mapping.config.get("model_type"), found.get("model_type")
-    if have == want:
-        return
-    architecture = (found.get("architectures") or [f"model_type {have!r}"])[0]
-    if have in STYLES:
-        settings = " ".join(f"model.{k}={v}" for k, v in STYLES[have].items())
-        fix = f"build that with {settings}, or read it as it is with model.kind=hf"
-    else:
-        fix = "read it with model.kind=hf"
-    raise ConfigError(
-        f"{origin} holds a {architecture} (model_type {have!r}), but this config builds a "
-        f"{mapping.architecture} (model_type {want!r}): {fix}"
     )

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from bigtrain.checkpoint.hf_export import check_export, export_hf, plan_shards
+from bigtrain.config.model import MoEConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.data.tokens import train_bpe
 from bigtrain.errors import ConfigError
@@ -30,6 +31,9 @@ CONFIGS = {
     "llama-gqa-tied": LLAMA,
     "llama-gqa-untied": dataclasses.replace(LLAMA, tie_embeddings=False),
     "llama-gqa-untied-bias": dataclasses.replace(LLAMA, tie_embeddings=False, bias=True),
+    "mixtral-untied": dataclasses.replace(
+        LLAMA, tie_embeddings=False, moe=MoEConfig(experts=4, top_k=2, d_expert=24)
+    ),
 }
 
 
@@ -70,9 +74,8 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(tmp_path, cfg):
     assert result["ok"] and result["missing_keys"] == [] and result["unexpected_keys"] == []
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == [mapping.architecture]
-    assert mapping.architecture == (
-        "LlamaForCausalLM" if cfg.mlp == "swiglu" else "GPT2LMHeadModel"
-    )
+    llama = "MixtralForCausalLM" if cfg.moe.experts else "LlamaForCausalLM"
+    assert mapping.architecture == (llama if cfg.mlp == "swiglu" else "GPT2LMHeadModel")
     assert config["tie_word_embeddings"] is cfg.tie_embeddings
     # a tied table is written once, as save_pretrained does
     assert ("lm_head.weight" in written_tensors(tmp_path / "out")) is not cfg.tie_embeddings

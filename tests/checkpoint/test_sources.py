@@ -18,7 +18,7 @@ from tests.checkpoint.test_export import CONFIGS, export_gpt
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("name", ["gpt2-untied-bias", "llama-gqa-untied"])
+@pytest.mark.parametrize("name", ["gpt2-untied-bias", "llama-gqa-untied", "mixtral-untied"])
 def test_hf_source_reads_any_range_and_block_of_every_parameter(tmp_path, name):
     _, params, mapping, _ = export_gpt(CONFIGS[name], tmp_path / "hf", max_shard_bytes=20_000)
     source = HFSource(tmp_path / "hf", mapping.parts)
@@ -105,7 +105,8 @@ def test_a_local_checkpoint_of_the_old_layout_is_refused(tmp_path):
 def test_init_from_refuses_a_hf_config_that_computes_otherwise(tmp_path):
     import dataclasses
 
-    from bigtrain.model.hf_mapping import check_hf_config, mapping_for
+    from bigtrain.model.hf_check import check_hf_config
+    from bigtrain.model.hf_mapping import mapping_for
 
     cfg = CONFIGS["llama-gqa-untied"]
     _, params, mapping, _ = export_gpt(cfg, tmp_path / "hf")

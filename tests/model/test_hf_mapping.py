@@ -137,7 +137,7 @@ def test_tensors_of_another_model_config_are_refused():
     ids=["gpt2-dir-for-llama", "llama-dir-for-gpt2"],
 )
 def test_a_config_of_the_other_model_type_is_named_not_a_key_error(built, found, hint):
-    from bigtrain.model.hf_mapping import check_hf_config
+    from bigtrain.model.hf_check import check_hf_config
 
     mapping = mapping_for(built, shapes_of(built))
     theirs = mapping_for(found, shapes_of(found))

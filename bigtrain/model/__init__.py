@@ -36,8 +36,8 @@ def architecture_only(cfg: ModelConfig) -> ModelConfig:
 
 def model_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     """Training FLOPs per token of a built model (see gpt.flops_per_token)."""
-    if isinstance(model, GPT):
-        return flops_per_token(model.cfg, num_params(model, non_embedding=True))
+    if isinstance(model, GPT):  # an MoE block's token goes through top_k of its experts
+        return flops_per_token(model.cfg, num_params(model, non_embedding=True, active=True))
     hf_cfg = model.hf.config  # type: ignore[union-attr]
     n_layers = getattr(hf_cfg, "num_hidden_layers", getattr(hf_cfg, "n_layer", 0))
     d_model = getattr(hf_cfg, "hidden_size", getattr(hf_cfg, "n_embd", 0))

@@ -403,10 +403,15 @@ def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch
     return t - first, mask.unsqueeze(1)
 
 
-def num_params(model: nn.Module, non_embedding: bool = False) -> int:
+def num_params(model: nn.Module, non_embedding: bool = False, active: bool = False) -> int:
     """Parameters counted once (tied weights once). non_embedding drops the token and position
-    tables, the count that enters the 6N FLOPs rule."""
+    tables, the count that enters the 6N FLOPs rule; `active` counts of each MoE block's routed
+    experts the top_k one token goes through."""
     total = sum(p.numel() for p in model.parameters())
+    if active:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            routed = sum(p.numel() for p in moe.experts.parameters())
+            total -= routed - routed * moe.cfg.top_k // moe.cfg.experts
     if non_embedding:
         for name in ("tok_emb", "pos_emb"):
             table = getattr(model, name, None)

@@ -138,7 +138,7 @@ def planned(
     if global_batch:  # tp ranks share a batch
         cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
     model = meta_model(cfg.model, cfg.data)
-    n, block = count_params(model)
+    n, block = count_params(model, layout.ep)
     tp = tp_split(model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
     policy = resolve_policy(cfg.precision, hardware, n)
     shape = model_shape(cfg.model, cfg.data)

@@ -32,10 +32,20 @@ def meta_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
         return build_model(model, vocab_size_for_plan(model, data))
 
 
-def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters, largest transformer block's parameters) of a meta-device model."""
-    block = max(num_params(b) for b in transformer_blocks(model))
-    return num_params(model), block
+def count_params(model: torch.nn.Module, ep: int = 1) -> tuple[int, int]:
+    """(parameters, largest transformer block's parameters as one rank gathers it) of a
+    meta-device model: under expert parallelism `ep` an MoE block's routed experts are
+    gathered over its rank's 1/ep of them."""
+    from bigtrain.model.moe import Experts
+
+    def gathered(block: torch.nn.Module) -> float:
+        experts = sum(
+            p.numel() for m in block.modules() if isinstance(m, Experts) for p in m.parameters()
+        )
+        return num_params(block) - experts + experts / ep
+
+    block = max(gathered(b) for b in transformer_blocks(model))
+    return num_params(model), int(block)
 
 
 @dataclass(frozen=True)
@@ -68,10 +78,13 @@ def model_shape(m: ModelConfig, data: DataConfig) -> Shape:
         layers = getattr(hf, "num_hidden_layers", getattr(hf, "n_layer", 0))
         return Shape(layers, d, ff, kv * d // heads, heads, m.seq_len, hf.vocab_size, swiglu, rms)
     kv = (m.n_kv_heads or m.n_heads) * (m.d_model // m.n_heads)
+    d_ff = m.d_ff or default_d_ff(m)
+    if m.moe.experts:  # a token's MoE hidden units: top_k routed and the shared experts' (at most)
+        d_ff = max(d_ff, (m.moe.top_k + m.moe.shared_experts) * (m.moe.d_expert or d_ff))
     return Shape(
         m.n_layers,
         m.d_model,
-        m.d_ff or default_d_ff(m),
+        d_ff,
         kv,
         m.n_heads,
         m.seq_len,

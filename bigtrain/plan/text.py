@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.plan.comm import fsdp_traffic
+from bigtrain.plan.experts import count_experts, expert_lines, expert_traffic
 from bigtrain.plan.footprint import (
     CHECKPOINTING,
     COMPONENTS,
@@ -106,17 +107,22 @@ def comm_lines(run: PlannedRun) -> list[str]:
     cfg, policy, layout = run.cfg, run.policy, run.layout
     lines = ["", f"communication per rank and optimizer step, mesh {layout.describe()}:"]
     activations = cfg.train.micro_batch_size * run.shape.seq_len * run.shape.d_model
+    gathers = cfg.train.grad_accum_steps * (2 if reshards_after_forward(cfg.parallel) else 1)
+    gathered, reduced = gathered_dtype_bytes(policy), policy.reduce_dtype.itemsize
+    experts = count_experts(run.model, cfg.model)
+    sharded, expert_axis = expert_traffic(experts, layout, gathers, gathered, reduced)
     traffic = fsdp_traffic(
         cfg.parallel,
         cfg.train.grad_accum_steps,
         layout,
-        run.num_params,
-        gathered_dtype_bytes(policy),
-        policy.reduce_dtype.itemsize,
+        sharded or run.num_params,
+        gathered,
+        reduced,
         run.tp,
         activations * policy.compute_dtype.itemsize,
     )
-    share = {"tp": 1.0, "shard": 1.0, "replicate": 1.0}
+    traffic += expert_axis
+    share = {"tp": 1.0, "shard": 1.0, "replicate": 1.0, "edp": 1.0}
     if layout.pp > 1:  # a pipeline rank's part: its blocks' tp traffic, its parameters' FSDP2
         params = max(load.params for load in rank_loads(run)) / run.num_params
         share = {"tp": 1 / layout.pp, "shard": params, "replicate": params}
@@ -171,6 +177,17 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = Fa
     if backend == "fsdp":
         lines += comm_lines(run)
     lines += pipeline_lines(run, fmt_bytes)
+    layout, train = run.layout, cfg.train
+    lines += expert_lines(
+        count_experts(run.model, cfg.model),
+        cfg.model,
+        train.micro_batch_size * run.shape.seq_len,
+        train.grad_accum_steps,
+        layout.ep,
+        layout.shard,
+        policy.compute_dtype.itemsize,
+        fmt_bytes,
+    )
     lines += activation_lines(run, gpu_memory)
     if propose and gpu_memory is not None:
         lines += proposal_lines(run, run.layout.world_size, gpu_memory, fmt_bytes)

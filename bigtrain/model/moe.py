@@ -194,7 +194,9 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def capacity(self, tokens: int) -> int | None:
-        if self.cfg.capacity_factor <= 0:
+        """Pairs per expert kept in a training forward; None: all (dropless, and always in
+        evaluation and generation, where a token's output must not depend on its batch)."""
+        if self.cfg.capacity_factor <= 0 or not self.training:
             return None
         return math.ceil(self.cfg.capacity_factor * tokens * self.cfg.top_k / self.cfg.experts)
 

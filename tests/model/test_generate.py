@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from bigtrain.config.model import MoEConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.model.generate import (
     Sampling,
@@ -31,8 +32,11 @@ LEARNED = ModelConfig(
 ROPE_GQA = dataclasses.replace(
     LEARNED, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2
 )
-MODELS = [(LEARNED, False), (ROPE_GQA, False), (ROPE_GQA, True)]
-IDS = ["learned", "rope-gqa", "rope-gqa-fp32-softmax"]
+# An MoE model with a capacity: generation is dropless (capacity applies to training only), so
+# routing each new token alone gives what routing the whole prefix gives.
+MOE = dataclasses.replace(ROPE_GQA, moe=MoEConfig(experts=4, top_k=2, capacity_factor=0.5))
+MODELS = [(LEARNED, False), (ROPE_GQA, False), (ROPE_GQA, True), (MOE, False)]
+IDS = ["learned", "rope-gqa", "rope-gqa-fp32-softmax", "moe"]
 
 
 def _model(cfg: ModelConfig, fp32_softmax: bool) -> GPT:

@@ -2,6 +2,7 @@
 
     python bench/detection.py [--quick] [--seeds 1,2] [--runs N] [--steps 300] [--validate K]
                               [--no-candidates] [--save-fixtures DIR] [--threads T]
+                              [--moe] [--router-drills N]
 
 1. Healthy sweep: real runs in this process, detection on as configured (monitor.*): seeds x
    FP32/BF16 x GPT-2/Llama style x two corpora (the embedded Shakespeare and the Python standard
@@ -19,6 +20,11 @@
    simulated verdicts, and their steps from fault to detection.
 4. Candidates (default on; cheap): other rules' false alarms and detection rates on the same
    traces, against bigtrain's configured monitor.rules.
+
+--moe: the same matrix with every block a mixture of 4 experts (top 2): false alarms of every
+rule (the router rules included), the fault sweep on the MoE traces, and `--router-drills` real
+2-rank runs (quick 4, full 8) whose rank favours expert 0 in every router at a drawn step
+(fault.router_bias), caught at that step or not.
 
 Measured on 2 CPU cores shared with other jobs: --quick took 4-7 minutes (healthy runs 7-24 s
 each, validation 50-75 s). The micro model shows the healthy dynamics the rules were chosen from
@@ -47,10 +53,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from detection_runs import Trace, Trial, healthy_run, matrix, validate  # noqa: E402
+from detection_runs import ROUTER_KEYS, Trace, Trial, healthy_run, matrix, validate  # noqa: E402
 from detection_sim import CANDIDATES, FIRST_STEP, KINDS, SPIKES, judge, simulate  # noqa: E402
 
 ISSUE_KINDS = ("nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10")
+ROUTER_RULES = ("router_collapse", "router_logits")  # the rules reading ROUTER_KEYS
+ROUTER_DRILL = "router_bias"  # real runs only: a biased router changes the routing itself
 VALIDATED = tuple(k for k in KINDS if not k.startswith("grad_spike_x"))  # drills hit one tensor
 FIXTURES = 6  # the matrix's first 6 runs cover both levels of every factor
 
@@ -65,15 +73,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-candidates", action="store_true")
     ap.add_argument("--save-fixtures", type=Path, default=None, metavar="DIR")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the healthy runs")
+    ap.add_argument("--moe", action="store_true", help="MoE models (4 experts, top 2) + drills")
+    ap.add_argument("--router-drills", type=int, default=None, help="real router-bias runs")
     args = ap.parse_args()
     args.seeds = [int(s) for s in (args.seeds or ("1" if args.quick else "1,2")).split(",")]
     if args.validate is None:
         args.validate = 4 if args.quick else 12
+    if args.router_drills is None:
+        args.router_drills = (4 if args.quick else 8) if args.moe else 0
     return args
 
 
 def healthy_sweep(args: argparse.Namespace, out_root: str) -> list[Trace]:
-    specs = matrix(args.seeds, args.quick, args.steps)[: args.runs]
+    specs = matrix(args.seeds, args.quick, args.steps, args.moe)[: args.runs]
     traces = []
     for i, spec in enumerate(specs):
         trace = healthy_run(spec, str(Path(out_root) / f"healthy-{i}"))
@@ -81,7 +93,8 @@ def healthy_sweep(args: argparse.Namespace, out_root: str) -> list[Trace]:
         print(
             f"  {i + 1:2d}/{len(specs)} {spec.name:<42} {trace.seconds:5.1f} s  "
             f"false alarms {len(trace.anomalies)}  loss <= {jumps['loss']:.3f}x  "
-            f"grad norm <= {jumps['grad_norm']:.1f}x  one tensor <= {jumps['tensor']:.0f}x",
+            f"grad norm <= {jumps['grad_norm']:.1f}x  one tensor <= {jumps['tensor']:.0f}x"
+            + "".join(f"  {m} <= {jumps[m]:.2f}x" for m in ROUTER_RULES if m in jumps),
             flush=True,
         )
         traces.append(trace)
@@ -108,6 +121,9 @@ def dynamics(trace: Trace) -> dict[str, dict]:
         "grad_norm": over_median(np.asarray(trace.grad_norm), 50),
         "tensor": over_median(tensors, 20),
     }
+    for rule, key in zip(ROUTER_RULES, ROUTER_KEYS, strict=True):  # an MoE run's router series
+        if trace.routers and key in trace.routers[0]:
+            ratios[rule] = over_median(np.asarray([r[key] for r in trace.routers]), 50)
     out = {}
     for metric, ratio in ratios.items():
         ratio = np.where(np.isfinite(ratio), ratio, np.nan)  # a tensor with no gradient yet
@@ -142,27 +158,32 @@ def steps_to_detect(caught: list[dict[str, np.ndarray]]) -> dict[str, dict[str, 
     return out
 
 
-def draw_trials(traces: list[Trace], count: int, steps: int) -> list[Trial]:
+def draw_trials(traces: list[Trace], count: int, steps: int, drills: int = 0) -> list[Trial]:
+    """`count` faults of the simulated kinds and `drills` router-bias drills (MoE), each on a
+    drawn run, step and rank."""
     rng = random.Random(0)
+    kinds = [rng.choice(VALIDATED) for _ in range(count)] + [ROUTER_DRILL] * drills
     return [
-        Trial(rng.choice(traces).spec, rng.choice(VALIDATED), rng.randint(FIRST_STEP, steps), r)
-        for r in [rng.randrange(2) for _ in range(count)]
+        Trial(rng.choice(traces).spec, kind, rng.randint(FIRST_STEP, steps), rng.randrange(2))
+        for kind in kinds
     ]
 
 
-def validation(traces, sims, count: int, steps: int, out_root: str) -> dict:
-    """Real 2-rank runs of drawn faults against the simulated verdicts of the same faults."""
-    trials = draw_trials(traces, count, steps)
+def validation(traces, sims, count: int, steps: int, out_root: str, drills: int = 0) -> dict:
+    """Real 2-rank runs of drawn faults against the simulated verdicts of the same faults; the
+    router drills (no simulated verdict) are counted by their own real detection."""
+    trials = draw_trials(traces, count, steps, drills)
     found = validate(trials, out_root) if trials else []
     index = {t.name: i for i, t in enumerate(traces)}
     records, agree = [], 0
     for trial, anomalies in zip(trials, found, strict=True):
-        simulated = bool(
-            sims[index[trial.spec.name]].caught[trial.kind][trial.step - FIRST_STEP, trial.rank]
-        )
+        simulated = None
+        if trial.kind != ROUTER_DRILL:
+            caught = sims[index[trial.spec.name]].caught[trial.kind]
+            simulated = bool(caught[trial.step - FIRST_STEP, trial.rank])
         after = [a - trial.step for a in anomalies if a >= trial.step]
         real = min(after) if after else None
-        agree += simulated == (real == 0)
+        agree += simulated == (real == 0) if simulated is not None else 0
         records.append(
             {
                 "run": trial.spec.name,
@@ -174,7 +195,8 @@ def validation(traces, sims, count: int, steps: int, out_root: str) -> dict:
                 "anomalies_before": [a for a in anomalies if a < trial.step],
             }
         )
-    return {"validated": [agree, len(trials)], "trials": records}
+    simulated = sum(r["simulated_caught"] is not None for r in records)
+    return {"validated": [agree, simulated], "trials": records}
 
 
 def candidates(traces: list[Trace], healthy_steps: int) -> dict[str, dict]:
@@ -221,7 +243,9 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
     for alarm in result["false_alarm_events"]:
         print(f"    {alarm}")
     d = result["healthy_dynamics"]
-    for metric, what in (("loss", "loss"), ("grad_norm", "grad norm"), ("tensor", "one tensor")):
+    shown_metrics = [("loss", "loss"), ("grad_norm", "grad norm"), ("tensor", "one tensor")]
+    shown_metrics += [(m, m.replace("_", " ")) for m in ROUTER_RULES if m in d]
+    for metric, what in shown_metrics:
         window = 20 if metric == "tensor" else 50
         where = f"{d[metric]['run']} step {d[metric]['step']}"
         where += f" {d[metric]['tensor']}" if metric == "tensor" else ""
@@ -246,9 +270,14 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
             if t["steps_to_detect"] is None
             else f"caught after {t['steps_to_detect']} steps"
         )
-        sim = "caught" if t["simulated_caught"] else "missed"
+        sim = {None: "not simulated", True: "caught", False: "missed"}[t["simulated_caught"]]
         fault = f"{t['kind']:<20} step {t['step']:3d} rank {t['rank']}"
         print(f"  {t['run']:<42} {fault}: real {real}; simulated {sim}")
+    if result["moe"]:
+        r = result["router_bias"]
+        print(
+            f"  router-bias drills (MoE): {r['caught_at_step']} of {r['trials']} caught at their step"
+        )
     if result["candidates"]:
         print_candidates(result)
 
@@ -296,9 +325,15 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
     order = ISSUE_KINDS + tuple(k for k in KINDS if k not in ISSUE_KINDS)
     monitor = traces[0].monitor
     jumps = [dynamics(t) for t in traces]
+    drills = [t for t in checked["trials"] if t["kind"] == ROUTER_DRILL]
     return {
         "bench": "detection",
         "mode": "quick" if args.quick else "full",
+        "moe": args.moe,
+        "router_bias": {
+            "trials": len(drills),
+            "caught_at_step": sum(t["steps_to_detect"] == 0 for t in drills),
+        },
         "model": "micro" if args.quick else "tiny",
         "healthy_runs": len(traces),
         "healthy_steps": healthy_steps,
@@ -315,7 +350,7 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
         "candidates": found,
         "rules": {
             "rules": list(monitor.rules),
-            **{m: asdict(getattr(monitor, m)) for m in ("loss", "grad_norm")},
+            **{m: asdict(getattr(monitor, m)) for m in ("loss", "grad_norm", *ROUTER_RULES)},
         },
         "healthy_dynamics": {
             k: max((j[k] for j in jumps), key=lambda v: v["ratio"]) for k in jumps[0]
@@ -333,7 +368,7 @@ def main() -> None:
         seconds["healthy"] = time.perf_counter() - started
         sims = [simulate(t, t.monitor) for t in traces]
         seconds["simulate"] = time.perf_counter() - started - seconds["healthy"]
-        checked = validation(traces, sims, args.validate, args.steps, out_root)
+        checked = validation(traces, sims, args.validate, args.steps, out_root, args.router_drills)
         seconds["validate"] = time.perf_counter() - started - sum(seconds.values())
     healthy_steps = sum(len(t.loss) for t in traces)
     found = {} if args.no_candidates else candidates(traces, healthy_steps)

@@ -33,6 +33,8 @@ RANKS = 2  # emulated data-parallel ranks: micro-batch m and row half m belong t
 
 TINY = str(ROOT / "configs/tiny.yaml")
 MICRO = ["model.n_layers=2", "model.n_heads=2", "model.d_model=64", "model.seq_len=64"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2"]
+"""The MoE sweep's blocks: 4 experts, 2 per token, dropless, the default coefficients."""
 MICRO_VOCAB = 512
 TINY_VOCAB = 2048
 STYLES = {
@@ -85,10 +87,11 @@ class RunSpec:
     lr_mult: int
     micro: bool  # the micro model (--quick) rather than configs/tiny.yaml
     steps: int = 300
+    moe: bool = False  # every block's MLP a mixture of experts (MOE; bench/detection.py --moe)
 
     @property
     def name(self) -> str:
-        size = "micro" if self.micro else "tiny"
+        size = ("micro" if self.micro else "tiny") + ("-moe" if self.moe else "")
         return f"{size}-{self.style}-{self.precision}-{self.corpus}-lr{self.lr_mult}x-s{self.seed}"
 
     def overrides(self, out_dir: str, world_size: int = 1) -> list[str]:
@@ -104,17 +107,19 @@ class RunSpec:
         args += [f"train.grad_accum_steps={RANKS // world_size}", f"train.out_dir={out_dir}"]
         if world_size > 1:
             args += ["parallel.backend=fsdp"]
-        return args + QUIET
+        return args + (MOE if self.moe else []) + QUIET
 
 
-def matrix(seeds: list[int], micro: bool, steps: int) -> list[RunSpec]:
+def matrix(seeds: list[int], micro: bool, steps: int, moe: bool = False) -> list[RunSpec]:
     """Seeds x precisions x styles x corpora x LRs, seed by seed. Within a seed the half
     fraction whose levels (as 0/1) add up to an even number comes first: any 6 leading runs
     cover both levels of every factor (bench --runs 6 makes the test fixtures)."""
     levels = (list(PRECISIONS), list(STYLES), list(CORPORA), list(LR_MULTS))
     combos = sorted(itertools.product(range(2), repeat=4), key=lambda c: (sum(c) % 2, c))
     return [
-        RunSpec(seed, *(level[i] for level, i in zip(levels, combo, strict=True)), micro, steps)
+        RunSpec(
+            seed, *(level[i] for level, i in zip(levels, combo, strict=True)), micro, steps, moe
+        )
         for seed in seeds
         for combo in combos
     ]
@@ -132,12 +137,17 @@ class Trace:
     halves: list[np.ndarray] = field(default_factory=list)  # [step] -> [tensor, rank] sum of sq.
     sizes: np.ndarray | None = None  # [tensor, rank] values in each half (0: the rank holds none)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # the run's detection settings
+    routers: list[dict[str, float]] = field(default_factory=list)  # [step] MoE router telemetry
     anomalies: list[dict] = field(default_factory=list)  # the run's anomaly events
     seconds: float = 0.0
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+ROUTER_KEYS = ("moe_aux_loss_max", "moe_z_loss_max")
+"""The router telemetry the rules read (resilience/detect.py): kept per step of a trace."""
 
 
 class Recorder:
@@ -176,11 +186,19 @@ class Recorder:
         self.micro = []
         step = self.trainer.step_in_progress
         sum_sq = np.asarray(host[RANKS:], dtype=np.float64).reshape(-1, RANKS)
-        self.by_step[step] = (health.host_loss, health.host_grad_norm, host[:RANKS], sum_sq)
+        routers = {k: v for k, v in health.telemetry.items() if k in ROUTER_KEYS}
+        self.by_step[step] = (
+            health.host_loss,
+            health.host_grad_norm,
+            host[:RANKS],
+            sum_sq,
+            routers,
+        )
 
     def finish(self) -> Trace:
         for step in sorted(self.by_step):
-            loss, norm, micro, halves = self.by_step[step]
+            loss, norm, micro, halves, routers = self.by_step[step]
+            self.trace.routers.append(routers)
             self.trace.loss.append(loss)
             self.trace.grad_norm.append(norm)
             self.trace.micro_loss.append(micro)
@@ -224,6 +242,7 @@ class Trial:
         name, _, factor = self.kind.partition("_x")
         drill = {"grad_spike_first": "grad_spike"}.get(name, name)  # the drill's default tensor
         args = [f"fault.{drill}_step={self.step}", f"fault.rank={self.rank}"]
+        args += ["fault.router_bias=0"] if name == "router_bias" else []  # expert 0 favoured
         args += [f"fault.spike_factor={factor}"] if factor else []
         # The healthy run's schedule (max_steps), stopped once the fault had 3 steps to show;
         # `skip` instead of a rollback: the same verdict, and no steps trained again.

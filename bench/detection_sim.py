@@ -42,6 +42,7 @@ class Faulty:
     micro_loss: np.ndarray  # [..., rank]
     halves: np.ndarray  # [..., tensor, rank] sums of squares
     nonfinite: np.ndarray  # [..., tensor] non-finite values
+    telemetry: dict = field(default_factory=dict)  # an MoE step's router numbers (unchanged)
 
     def health(self) -> Health:
         """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size)."""
@@ -58,7 +59,7 @@ class Faulty:
             host_nonfinite=self.nonfinite.tolist(),
             host_max_abs=None,
             replicas=[],
-            telemetry={},
+            telemetry=dict(self.telemetry),
         )
 
 
@@ -85,14 +86,15 @@ def inject(kind: str, step: Faulty, rank: int, sizes: np.ndarray, tensor: int = 
         loss[..., rank] *= factor
     else:
         halves[..., first if name == "grad_spike_first" else tensor, rank] *= factor**2
-    return Faulty(loss, halves, nonfinite)
+    return Faulty(loss, halves, nonfinite, step.telemetry)
 
 
 def healthy_steps(trace: Trace) -> list[Faulty]:
     n = len(trace.names)
+    routers = trace.routers or [{}] * len(trace.loss)
     return [
-        Faulty(np.asarray(m), h, np.zeros(n))
-        for m, h in zip(trace.micro_loss, trace.halves, strict=True)
+        Faulty(np.asarray(m), h, np.zeros(n), r)
+        for m, h, r in zip(trace.micro_loss, trace.halves, routers, strict=True)
     ]
 
 

@@ -105,23 +105,34 @@ def dispatch_order(
     return order[place < capacity], counts.clamp(max=capacity)
 
 
-def uses_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch._grouped_mm: CUDA devices of compute capability 9.0 and up, in BF16."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+def uses_grouped_kernel(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """torch._grouped_mm for weights of `shape` (experts, in, out): CUDA devices of compute
+    capability 9.0 and up in BF16; CPUs in FP32 or BF16. Rows of 16-byte multiples only."""
+    if not hasattr(torch, "_grouped_mm") or any(n * dtype.itemsize % 16 for n in shape[1:]):
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` (grouped: counts[e] rows for expert e, in order) times w[e] (experts, in,
-    out), in the autocast dtype when autocast is on."""
+    out), in the autocast dtype when autocast is on. One grouped kernel where the device has it
+    (no host read; on a CPU also the fast path in BF16, where one matmul per expert pays
+    oneDNN's set-up for every new row count), else one matmul per expert."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else x.dtype
-    if uses_grouped_kernel(x.device, dtype):
+    if uses_grouped_kernel(x.device, dtype, tuple(w.shape)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
-    # One matmul per expert, from the counts on the host (one read per call).
+    return per_expert_mm(x, w, counts)
+
+
+def per_expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one matmul per expert, from the counts on the host (one read per call).
+    unbind, not w[e]: its backward stacks the experts' gradients once, where indexing would add
+    a zero-filled copy of the whole stack per expert."""
     parts = x.split(counts.tolist())
-    return torch.cat([part @ w[e] for e, part in enumerate(parts)])
+    return torch.cat([part @ w_e for part, w_e in zip(parts, w.unbind(0), strict=True)])
 
 
 class Experts(nn.Module):

@@ -19,6 +19,7 @@ from bigtrain.model.moe import (
     dispatch_order,
     grouped_mm,
     moe_layers,
+    per_expert_mm,
     route,
     uses_grouped_kernel,
 )
@@ -69,6 +70,14 @@ def reference(m, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
     if m.shared is not None:
         out = out + m.shared(flat)
     return out.view(x.shape)
+
+
+def test_moe_layer_in_fp32_through_the_grouped_kernel_equals_the_reference():
+    m = layer(aux_loss_coef=0.0, z_loss_coef=0.0).float()
+    x = torch.randn(2, 8, 16)
+    assert uses_grouped_kernel(x.device, torch.float32, tuple(m.experts.w_up.shape))
+    ref = layer(aux_loss_coef=0.0, z_loss_coef=0.0).float()
+    torch.testing.assert_close(m(x), reference(ref, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shared", [0, 1])
@@ -159,15 +168,27 @@ def test_sigmoid_scores_without_renormalisation():
     torch.testing.assert_close(r.weights, torch.sigmoid(torch.tensor([[2.0, 1.0]])))
 
 
-def test_grouped_matmul_per_expert_equals_torch_grouped_mm_on_cpu():
-    """The per-expert loop (every device without the kernel) against torch._grouped_mm, which
-    runs in FP32 on CPU: the kernel CUDA uses, same offsets convention."""
-    x, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+def test_grouped_kernel_equals_one_matmul_per_expert_values_and_gradients():
+    """torch._grouped_mm (CPUs in FP32/BF16, CUDA from sm90 in BF16) against the per-expert
+    loop (the fallback everywhere else), with an expert that gets no row."""
     counts = torch.tensor([3, 0, 7])
-    expected = torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
-    torch.testing.assert_close(grouped_mm(x, w, counts), expected)
-    assert not uses_grouped_kernel(torch.device("cpu"), torch.bfloat16)
-    assert not uses_grouped_kernel(torch.device("cpu"), torch.float32)
+    x = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    assert uses_grouped_kernel(x.device, torch.float32, tuple(w.shape))
+    y, y_loop = grouped_mm(x, w, counts), per_expert_mm(x2, w2, counts)
+    torch.testing.assert_close(y, y_loop)
+    g = torch.randn_like(y)
+    torch.testing.assert_close(
+        torch.autograd.grad(y, [x, w], g), torch.autograd.grad(y_loop, [x2, w2], g)
+    )
+    cpu = torch.device("cpu")
+    assert uses_grouped_kernel(cpu, torch.bfloat16, (3, 8, 16))
+    assert not uses_grouped_kernel(cpu, torch.bfloat16, (3, 8, 4))  # 8-byte rows: the loop
+    assert not uses_grouped_kernel(cpu, torch.float64, (3, 8, 4))
+    meta_cuda = torch.device("cuda")
+    if not torch.cuda.is_available():  # the CUDA rule without a GPU: BF16 only
+        assert not uses_grouped_kernel(meta_cuda, torch.float32, (3, 8, 16))
 
 
 def test_gpt_places_moe_blocks_from_first_every_nth_and_counts_stats_in_training_only():

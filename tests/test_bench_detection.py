@@ -41,3 +41,24 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
     assert report["validated"] == [0, 0]
     assert report["rules"]["rules"] == ["loss", "grad_norm"]
     assert len(report["candidates"]) == 6
+
+
+def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
+    """--moe: a healthy MoE micro run with all four rules on, and one real 2-rank run of the
+    router-bias drill, caught at its step."""
+    result = subprocess.run(
+        [sys.executable, "bench/detection.py", "--quick", "--moe", "--runs", "1", "--steps", "30"]
+        + ["--validate", "0", "--router-drills", "1", "--no-candidates"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BIGTRAIN_CACHE": str(cache_dir), "WANDB_MODE": "disabled"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["moe"] is True and report["healthy_runs"] == 1
+    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_collapse", "router_logits"]
+    assert report["false_alarms"] == report["false_alarms_simulated"] == 0
+    assert "router_collapse" in report["healthy_dynamics"]
+    assert report["router_bias"] == {"trials": 1, "caught_at_step": 1}

@@ -135,6 +135,9 @@ def _figures(logs: RunLogs) -> Iterator[tuple[str, Figure, dict[str, Any]]]:
     if layers:
         extra = {"layers": layers, "steps": steps}
         yield "layer_grad_norm", _layer_figure(layers, steps, grid), extra
+    rows = [m for m in logs.kept if isinstance(m.get("moe_layer_load_max_mean"), dict)]
+    if rows:  # an MoE model's routers (monitor/routers.py)
+        yield "expert_load", _expert_load_figure(rows), {}
     steps, sizes = quorum_series(logs.events)
     if steps:  # replica groups (parallel/ft.py)
         yield "quorum", _quorum_figure(steps, sizes), {"failures": failures(logs.events)}
@@ -308,6 +311,29 @@ def _layer_figure(layers: list[str], steps: list[int], grid: list[list[float]]) 
     fig.suptitle("per-layer gradient norm")
     fig.tight_layout()
     return fig
+
+
+def _expert_load_figure(rows: list[dict[str, Any]]) -> Figure:
+    """Per MoE block, its busiest expert's share of the routed tokens over the mean share (1.0:
+    balanced); each expert's share in the last record's busiest block below."""
+    fig = Figure(figsize=(8, 5.5))
+    top, bottom = fig.subplots(2, 1)
+    steps = [m["step"] for m in rows]
+    for block in rows[-1]["moe_layer_load_max_mean"]:
+        values = [_num(m["moe_layer_load_max_mean"].get(block)) for m in rows]
+        top.plot(steps, [math.nan if v is None else v for v in values], label=block)
+    top.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    top.set_xlabel("step")
+    top.set_ylabel("busiest / mean")
+    top.legend(fontsize="small")
+    last = rows[-1]
+    block = max(last["moe_layer_load_max_mean"], key=last["moe_layer_load_max_mean"].get)
+    shares = last.get("moe_layer_load", {}).get(block, [])
+    bottom.bar(range(len(shares)), shares, label=f"{block} at step {last['step']}")
+    bottom.set_xlabel("expert")
+    bottom.set_ylabel("share of routed tokens")
+    bottom.legend(fontsize="small")
+    return _finish(fig, "expert load")
 
 
 def _plotted(fig: Figure) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def flat_record(record: dict[str, Any]) -> dict[str, Any]:
     dicts as one key per layer under `layers/<metric>/`, prefixed with the layer's position in the
     model so that the keys sort as the layers stack (a layer x step heatmap reads them in order);
     per-rank lists as `timing/<part>/rank<r>` and `memory/peak_bytes/rank<r>`; per-source counts
-    as `data/<key>/<source>`."""
+    as `data/<key>/<source>`; an MoE block's expert shares as `moe/load/<block>/expert<e>`."""
     out: dict[str, Any] = {}
     for key, value in record.items():
         if key == "step_time_by_rank":
@@ -100,6 +100,9 @@ def flat_record(record: dict[str, Any]) -> dict[str, Any]:
             out.update({f"{PER_RANK[key]}/rank{r}": v for r, v in enumerate(value)})
         elif key in PER_SOURCE:
             out.update({f"data/{key}/{name}": v for name, v in value.items()})
+        elif key == "moe_layer_load":  # each expert's share of its MoE block's routed tokens
+            for block, shares in value.items():
+                out.update({f"moe/load/{block}/expert{e}": s for e, s in enumerate(shares)})
         elif isinstance(value, dict):
             width = max(2, len(str(len(value) - 1)))
             for i, (layer, v) in enumerate(value.items()):

@@ -235,3 +235,29 @@ def test_activation_checkpointing_recompute_is_not_counted_twice():
 def test_impossible_moe_settings_name_their_key(micro, key, value, expected):
     with pytest.raises(ConfigError, match=rf"model\.moe\.{key}.*{re.escape(expected)}"):
         micro("model.moe.experts=4", f"model.moe.{key}={value}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model.moe.experts=4", "parallel.expert_parallel=2"],
+            "'parallel.expert_parallel' (2) needs parallel.backend=fsdp, got parallel.backend=local",
+        ),
+        (
+            ["model.moe.experts=6", "parallel.backend=fsdp", "parallel.expert_parallel=4"],
+            "'parallel.expert_parallel' (4) must divide model.moe.experts (6)",
+        ),
+        (
+            ["parallel.backend=fsdp", "parallel.expert_parallel=2"],
+            "'parallel.expert_parallel' (2) must divide model.moe.experts (0)",
+        ),
+        (
+            ["model.moe.experts=4", "parallel.backend=fsdp", "parallel.tensor_parallel=2"],
+            "'parallel.tensor_parallel' (2): MoE blocks (model.moe.experts > 0) are not split",
+        ),
+    ],
+)
+def test_impossible_expert_parallel_settings_name_their_key(micro, overrides, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        micro(*overrides)

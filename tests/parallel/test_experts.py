@@ -61,7 +61,7 @@ def test_expert_parallel_2_equals_expert_parallel_1_per_step(runs):
 
 
 def test_resume_expert_parallel_checkpoint_on_one_process(runs, tmp_path, corpus_files, cache_dir):
-    args = mesh_run_args(tmp_path, "run", corpus_files, cache_dir, *MOE, "checkpoint.every=5")
+    args = mesh_run_args(tmp_path, "run", corpus_files, cache_dir, *MOE, "checkpoint.every=2")
     first = run_distributed(
         train_run, 2, [*args, "parallel.expert_parallel=2", "train.stop_at_step=10"]
     )
@@ -70,6 +70,12 @@ def test_resume_expert_parallel_checkpoint_on_one_process(runs, tmp_path, corpus
     reference = by_step(runs[2][0], "loss")
     for step in range(11, 15):
         assert by_step(second, "loss")[step] == pytest.approx(reference[step], rel=1e-4), step
+    # and on 2 ranks with the experts on both (expert_parallel 1), from the local run's step 14
+    third = run_distributed(
+        train_run, 2, [*args, "parallel.expert_parallel=1", "train.stop_at_step=16"]
+    )
+    for step in (15, 16):
+        assert by_step(third[0], "loss")[step] == pytest.approx(reference[step], rel=1e-4), step
 
 
 def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_files, cache_dir):

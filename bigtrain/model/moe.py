@@ -155,6 +155,15 @@ class Experts(nn.Module):
         return grouped_mm(h, local_tensor(self.w_down), counts)
 
 
+class Router(nn.Module):
+    """The router's weight (experts, d_model). Not an nn.Linear: it is an FP32 island that no
+    layer replacement (INT8 forward) or compute-dtype cast may touch; MoE computes its logits."""
+
+    def __init__(self, d_model: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d_model))
+
+
 class MoE(nn.Module):
     """The MLP of an MoE block: router, routed experts, optional shared expert."""
 
@@ -163,7 +172,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.router = nn.Linear(d_model, cfg.experts, bias=False)
+        self.router = Router(d_model, cfg.experts)
         self.experts = Experts(cfg.experts, d_model, hidden, swiglu)
         self.shared = shared
         self.ep_group: dist.ProcessGroup | None = None

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from bigtrain.model.gpt import GPT
 from bigtrain.model.loss import lm_loss
-from bigtrain.model.moe import aux_grad_scale
+from bigtrain.model.moe import aux_grad_scale, moe_layers
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import shared_params
 from bigtrain.utils.names import canonical_name
@@ -204,6 +204,8 @@ class Pipeline:
                 )
         for chunk in self.root.chunks:
             chunk.zero_grad(set_to_none=True)
+            for layer in moe_layers(chunk):  # nor do its routers' counts
+                layer.stats.zero_()
         self._ready = True
 
     @torch.no_grad()

@@ -39,7 +39,8 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
     # The real runs' alarms and the simulation's replay of the same steps agree.
     assert report["false_alarms"] == report["false_alarms_simulated"]
     assert report["validated"] == [0, 0]
-    assert report["rules"]["rules"] == ["loss", "grad_norm"]
+    # the router rules are on by default and idle on a dense model
+    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_collapse", "router_logits"]
     assert len(report["candidates"]) == 6
 
 

@@ -14,8 +14,9 @@ the gradient `aux_grad_scale` (the factor the backend applies to the language-mo
 loss scale over the micro-batches). So they reach the weights on every backend, across pipeline
 stages and through activation checkpointing, as if added to the loss.
 
-Under expert parallelism (parallel/experts.py sets `ep_group`) each rank holds experts / ep of
-them; the sorted pairs are sent to the rank that holds their expert and back with all-to-all.
+Under expert parallelism (parallel/expert_parallel.py sets `ep_group`) each rank holds
+experts / ep of them; the sorted pairs are sent to the rank that holds their expert and back
+with all-to-all.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ The layout (layout.py) was decided and connected to its DeviceMesh in the run's 
 2. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
    per transformer block (apply.py);
 3. data parallelism: expert parallelism first (parallel.expert_parallel > 1: each MoE layer's
-   experts split over the ep ranks, experts.py), then FSDP2's fully_shard per block and the root with the policy's mixed
-   precision over the layout's (replicate, shard) mesh (fsdp), or the model handed to DeepSpeed, which partitions it (zero), or nothing
-   (local); a model built on the meta device gets its shards' values here.
+   experts split over the ep ranks, expert_parallel.py), then FSDP2's fully_shard per block and
+   the root with the policy's mixed precision over the layout's (replicate, shard) mesh (fsdp),
+   or the model handed to DeepSpeed, which partitions it (zero), or nothing (local); a model
+   built on the meta device gets its shards' values here.
 
 With pipeline stages (parallel.pipeline_parallel > 1) the model is first cut into this rank's
 stages (pipeline_split.py), and each goes through 1-3 as a model of its own; the backend holds them
@@ -34,7 +35,7 @@ from bigtrain.parallel.apply import (
     transformer_blocks,
 )
 from bigtrain.parallel.backend import Backend
-from bigtrain.parallel.experts import apply_expert_parallel
+from bigtrain.parallel.expert_parallel import apply_expert_parallel
 from bigtrain.parallel.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.local import LocalBackend

@@ -1,4 +1,4 @@
-"""Expert parallelism (parallel/experts.py, model/moe.py's all-to-all) on 2 gloo ranks, FP32:
+"""Expert parallelism (parallel/expert_parallel.py, model/moe.py's all-to-all) on 2 gloo ranks, FP32:
 experts split over ep=2 train the per-step losses of ep=1 (every rank holding every expert),
 route the same tokens to the same experts, resume on one process from an ep=2 checkpoint, and a
 router-collapse drill on one rank is caught and rolled back on both."""

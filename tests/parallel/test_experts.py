@@ -105,3 +105,29 @@ def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_file
     # The biased rank sent every token to expert 3 (and one other): its layer loads show it.
     loads = [m["moe_layer_load"] for m in results[0]["metrics"] if m["step"] == 12]
     assert max(loads[0]["blocks.0"]) == loads[0]["blocks.0"][3]
+
+
+def test_hsdp_with_expert_parallel_equals_hsdp_without(tmp_path, corpus_files, cache_dir):
+    """4 ranks, replicate 2 x shard 2, the experts split over each replica's 2 shard ranks (their
+    DTensors span replicate, edp and ep; HSDP all-reduces their gradients across replicas)
+    against the same mesh with the experts on every rank. The same micro-batches: the balancing
+    losses, per micro-batch, are the same too."""
+    results = {}
+    for ep in (1, 2):
+        args = mesh_run_args(
+            tmp_path,
+            f"hsdp-ep{ep}",
+            corpus_files,
+            cache_dir,
+            *MOE,
+            "parallel.replicate=2",
+            f"parallel.expert_parallel={ep}",
+            "train.micro_batch_size=4",
+            "train.max_steps=10",
+        )
+        results[ep] = run_distributed(train_run_probed, 4, args, expert_shapes)
+    assert results[2][0]["probe"]["ep"] == [2, 2]
+    reference = by_step(results[1][0], "loss")
+    assert sorted(reference) == list(range(1, 11))
+    for step, loss in by_step(results[2][0], "loss").items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step

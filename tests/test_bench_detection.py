@@ -17,10 +17,10 @@ pytestmark = pytest.mark.e2e
 ISSUE_KINDS = {"nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10"}
 
 
-def test_detection_bench_reports_the_issues_keys(cache_dir):
+def detection_bench(cache_dir, *args: str) -> dict:
+    """bench/detection.py --quick ARGS in a fresh process: its JSON report."""
     result = subprocess.run(
-        [sys.executable, "bench/detection.py", "--quick", "--runs", "2", "--steps", "40"]
-        + ["--validate", "0"],
+        [sys.executable, "bench/detection.py", "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -28,7 +28,11 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_detection_bench_reports_the_issues_keys(cache_dir):
+    report = detection_bench(cache_dir, "--runs", "2", "--steps", "40", "--validate", "0")
     assert report["bench"] == "detection" and report["mode"] == "quick"
     assert (report["healthy_runs"], report["healthy_steps"]) == (2, 80)
     assert ISSUE_KINDS <= set(report["detection_rate"]) <= set(report["steps_to_detect"])
@@ -47,17 +51,19 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
 def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
     """--moe: a healthy MoE micro run with all four rules on, and one real 2-rank run of the
     router-bias drill, caught at its step."""
-    result = subprocess.run(
-        [sys.executable, "bench/detection.py", "--quick", "--moe", "--runs", "1", "--steps", "30"]
-        + ["--validate", "0", "--router-drills", "1", "--no-candidates"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "BIGTRAIN_CACHE": str(cache_dir), "WANDB_MODE": "disabled"},
-        timeout=600,
+    report = detection_bench(
+        cache_dir,
+        "--moe",
+        "--runs",
+        "1",
+        "--steps",
+        "30",
+        "--validate",
+        "0",
+        "--router-drills",
+        "1",
+        "--no-candidates",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["moe"] is True and report["healthy_runs"] == 1
     assert report["rules"]["rules"] == ["loss", "grad_norm", "router_collapse", "router_logits"]
     assert report["false_alarms"] == report["false_alarms_simulated"] == 0

@@ -20,7 +20,6 @@ import torch
 from bigtrain.config.schema import ModelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import default_d_ff
-from bigtrain.model.hf_moe import mixtral_config
 
 Shape = tuple[int, ...]
 
@@ -163,7 +162,7 @@ def mapping_for(cfg: ModelConfig, shapes: dict[str, Shape]) -> HFMapping:
         architecture, config = "GPT2LMHeadModel", _gpt2_config(cfg, vocab_size)
         parts, extra = _gpt2_parts(cfg, vocab_size)
     elif _mismatches(cfg, LLAMA_NEEDS) == [] and cfg.moe.experts:
-        architecture, config = "MixtralForCausalLM", mixtral_config(cfg, vocab_size)
+        architecture, config = "MixtralForCausalLM", _mixtral_config(cfg, vocab_size)
         parts = _mixtral_parts(cfg, _llama_parts(cfg, vocab_size))
     elif _mismatches(cfg, LLAMA_NEEDS) == []:
         architecture, config = "LlamaForCausalLM", _llama_config(cfg, vocab_size)
@@ -320,40 +319,83 @@ def _mixtral_parts(cfg: ModelConfig, llama: dict[str, Part]) -> dict[str, Part]:
             parts[f"{b}.experts.{ours}"] = Part(
                 f"{h}.experts.{{e}}.{theirs}.weight", e, experts=True
             )
-    return dict(sorted(parts.items(), key=lambda item: _block_order(item[0], list(llama))))
+    return dict(sorted(parts.items(), key=lambda item: _block_order(item[0])))
 
 
-def _block_order(name: str, order: list[str]) -> tuple[int, str]:
+def _block_order(name: str) -> tuple[int, str]:
     """Tensors block by block, as Llama's order has them (the experts after a block's norms)."""
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1, name
     return (0 if name == "tok_emb.weight" else 1 << 30), name
 
 
-def _llama_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
-    from transformers import LlamaConfig
-
-    head_dim, _, hidden = _widths(cfg)
-    return LlamaConfig(
+def _llama_kwargs(cfg: ModelConfig, vocab_size: int, hidden: int) -> dict[str, Any]:
+    """What a Llama-family transformers config (Llama, Mixtral) takes from bigtrain's GPT."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=hidden,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
-        head_dim=head_dim,
+        head_dim=cfg.d_model // cfg.n_heads,
         hidden_act="silu",
         max_position_embeddings=cfg.seq_len,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
-        attention_bias=cfg.bias,
-        mlp_bias=cfg.bias,
         attention_dropout=0.0,  # the export is for inference
         tie_word_embeddings=cfg.tie_embeddings,
         bos_token_id=None,
         eos_token_id=None,
-        architectures=["LlamaForCausalLM"],
         dtype="float32",
+    )
+
+
+def _llama_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **_llama_kwargs(cfg, vocab_size, _widths(cfg)[2]),
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        architectures=["LlamaForCausalLM"],
+    ).to_dict()
+
+
+MIXTRAL_NEEDS = {
+    "every": 1,
+    "first": 0,
+    "shared_experts": 0,
+    "score": "softmax",
+    "normalize_weights": True,
+    "capacity_factor": 0.0,
+}
+"""The model.moe settings of a Mixtral (besides Llama's)."""
+
+
+def _mixtral_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    """Mixtral: Llama style, every block a mixture of softmax-routed experts whose top-k weights
+    are renormalised, no shared expert; ConfigError naming each model.moe setting it lacks."""
+    from transformers import MixtralConfig
+
+    wrong = [
+        f"model.moe.{key}={value} (have {getattr(cfg.moe, key)})"
+        for key, value in MIXTRAL_NEEDS.items()
+        if getattr(cfg.moe, key) != value
+    ]
+    if wrong:
+        raise ConfigError(
+            "no transformers mapping for this MoE model: MixtralForCausalLM needs "
+            + ", ".join(wrong)
+        )
+    return MixtralConfig(
+        **_llama_kwargs(cfg, vocab_size, cfg.moe.d_expert or _widths(cfg)[2]),
+        sliding_window=None,
+        num_local_experts=cfg.moe.experts,
+        num_experts_per_tok=cfg.moe.top_k,
+        router_aux_loss_coef=cfg.moe.aux_loss_coef,
+        router_jitter_noise=0.0,
+        architectures=["MixtralForCausalLM"],
     ).to_dict()
 
 

@@ -101,5 +101,7 @@ class RouterStats:
             "moe_z_loss_max": max(v["z"] for v in layers),
             "moe_dropped": dropped,
             "moe_layer_load_max_mean": {k: v["max_mean"] for k, v in by_layer.items()},
+            "moe_layer_aux_loss": {k: v["aux"] for k, v in by_layer.items()},
+            "moe_layer_z_loss": {k: v["z"] for k, v in by_layer.items()},
             "moe_layer_load": {k: v["load"] for k, v in by_layer.items()},
         }

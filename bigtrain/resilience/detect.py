@@ -56,6 +56,17 @@ class Verdict:
         return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
 
 
+ROUTER_SERIES = {"router_collapse": "moe_layer_aux_loss", "router_logits": "moe_layer_z_loss"}
+"""Per MoE block, the series a router rule's worst-layer value comes from."""
+
+
+def _router_of(metric: str, telemetry: dict[str, Any]) -> str | None:
+    """A router rule's culprit: the router weight of the block whose value it read (None for
+    the other rules: the per-tensor jumps name theirs)."""
+    by_block = telemetry.get(ROUTER_SERIES.get(metric, ""), {})
+    return f"{max(by_block, key=by_block.get)}.moe.router.weight" if by_block else None
+
+
 class Detector:
     def __init__(self, cfg: MonitorConfig, names: list[str]) -> None:
         self.cfg, self.names = cfg, names
@@ -102,6 +113,7 @@ class Detector:
             first.value,
             first.threshold,
             first.baseline,
+            tensor=_router_of(first.metric, health.telemetry),
             spikes=[asdict(s) for s in spikes],
         )
 

@@ -100,6 +100,7 @@ def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_file
     anomaly = next(e for e in events if e["kind"] == "anomaly")
     assert anomaly["step"] == 12
     assert {s["metric"] for s in anomaly["spikes"]} >= {"router_logits"}
+    assert anomaly["tensor"] in ("blocks.0.moe.router.weight", "blocks.1.moe.router.weight")
     rollback = next(e for e in events if e["kind"] == "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (12, 10)
     # The biased rank sent every token to expert 3 (and one other): its layer loads show it.

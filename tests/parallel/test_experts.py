@@ -132,3 +132,25 @@ def test_hsdp_with_expert_parallel_equals_hsdp_without(tmp_path, corpus_files, c
     assert sorted(reference) == list(range(1, 11))
     for step, loss in by_step(results[2][0], "loss").items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_zero_trains_an_moe_model_like_fsdp(runs, tmp_path, corpus_files, cache_dir):
+    """DeepSpeed ZeRO-2 (no expert parallelism): its loss scaling and accumulation hand the
+    balancing and z-losses the same gradient factor as the loss (aux_grad_scale)."""
+    args = mesh_run_args(
+        tmp_path,
+        "zero",
+        corpus_files,
+        cache_dir,
+        *MOE,
+        "parallel.backend=zero",
+        "parallel.zero_stage=2",
+        "train.stop_at_step=6",
+    )
+    result = run_distributed(train_run, 2, args)[0]
+    reference = by_step(runs[1][0], "loss")
+    for step, loss in by_step(result, "loss").items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert by_step(result, "moe_aux_loss")[6] == pytest.approx(
+        by_step(runs[1][0], "moe_aux_loss")[6]
+    )

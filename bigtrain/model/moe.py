@@ -240,10 +240,8 @@ def expert_parallel(
     ep = dist.get_world_size(group)
     local = counts.numel() // ep
     send = counts.view(ep, local)  # rows for each rank's experts
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(
-        recv, send.contiguous(), group=group
-    )  # recv[src, e]: src's rows for my e
+    recv = torch.empty_like(send)  # recv[src, e]: rank src's rows for this rank's expert e
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
     sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # one host read
     rows = funcol.all_to_all_single_autograd(x, sizes[1], sizes[0], group)
     # Received by (source, expert): regroup by expert for the matmuls, then back.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared run on a machine with one CUDA GPU, in about 6 minutes:
+# The GPU checks in one prepared run on a machine with one CUDA GPU, in about 7 minutes:
 #   default     configs/tiny.yaml on CUDA (300 steps): loss falls, no anomaly
 #   rollback    a NaN drill on CUDA: the run rolls back, skips the data and finishes
 #   mfu         the Llama-style 1B (configs/llama-1b.yaml), BF16, torch.compile, no activation
@@ -12,6 +12,9 @@
 #               from 100M up) and its share of a step
 #   checkpoint  the 1B on `local`: the loop's stall with an async checkpoint vs a synchronous
 #               save (goal <= 0.1 of it, <= 2 s)
+#   moe         configs/moe-tiny.yaml on CUDA (300 steps, BF16: torch._grouped_mm on sm90+):
+#               loss falls, experts balanced; then tests/model/test_moe.py (its CUDA test
+#               compares the grouped kernel with one matmul per expert on the GPU)
 #
 #   bash bench/gpu.sh [OUT_DIR]            (default: bench/results/gpu-<date>)
 #
@@ -71,5 +74,9 @@ step int8 60 $PY bench/int8.py "${GPT2[@]}" --steps 30 --batch 16
 step monitor 45 $PY bench/monitor.py --device cuda --reps 5 --steps 10
 step checkpoint 120 $PY bench/checkpoint.py configs/llama-1b.yaml "${RUN[@]}" "${DATA[@]}" \
     train.micro_batch_size=1 --backends local --rounds 1 --modes sync,async
+
+step moe 90 $PY -m bigtrain train configs/moe-tiny.yaml "${RUN[@]}" train.out_dir="$OUT/moe" \
+    checkpoint.every=-1 train.eval_every=100
+step moe_kernel 60 $PY -m pytest -q -p no:cacheprovider tests/model/test_moe.py
 
 $PY bench/gpu_data.py --summary "$OUT"

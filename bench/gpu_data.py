@@ -134,6 +134,14 @@ def summary(out: Path) -> int:
             f"stall {local['async_stall_s']:.2f} s ({local['ratio']:.3f} of sync)"
         )
         values["checkpoint"] = local
+    moe = [m for m in _metrics(out, "moe") if "moe_load_max_mean" in m]
+    if moe:
+        last = moe[-1]
+        rows["moe"] = (
+            f"moe-tiny: loss {moe[0]['loss']:.2f} -> {last['loss']:.2f}, busiest expert / mean "
+            f"{last['moe_load_max_mean']:.2f}, {last['tokens_per_s']:,.0f} tokens/s"
+        )
+        values["moe"] = {k: last[k] for k in ("loss", "moe_load_max_mean", "tokens_per_s")}
     width = max(map(len, rows), default=0)
     for name, line in rows.items():
         print(f"{name:<{width}}  {line}")

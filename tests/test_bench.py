@@ -39,6 +39,12 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
     )
     ckpt = {"bytes": 15e9, "sync_s": 30.0, "async_stall_s": 1.5, "ratio": 0.05}
     (tmp_path / "checkpoint.json").write_text(json.dumps({"backends": {"local": ckpt}}))
+    (tmp_path / "moe").mkdir()
+    moe = [
+        {"step": s, "loss": v, "moe_load_max_mean": r, "tokens_per_s": 90000.0}
+        for s, v, r in ((10, 7.0, 3.5), (300, 4.5, 1.2))
+    ]
+    (tmp_path / "moe" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in moe))
     result = subprocess.run(
         [sys.executable, "bench/gpu_data.py", "--summary", str(tmp_path)],
         cwd=ROOT,
@@ -49,6 +55,9 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
     assert "50.0% MFU" in result.stdout  # the first interval (compilation) is left out
     assert "1000M 80%" in result.stdout
     assert "async stall 1.50 s (0.050 of sync)" in result.stdout
+    assert (
+        "moe-tiny: loss 7.00 -> 4.50, busiest expert / mean 1.20, 90,000 tokens/s" in result.stdout
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     # 2 ms for 1B values -> 2.47 ms for the 1B's gradients, over 16384 tokens at 60k tokens/s
     assert abs(summary["monitor"]["share_of_1b_step_est"] - 2.472e-3 / (16384 / 60000)) < 1e-6

@@ -154,3 +154,33 @@ def test_zero_trains_an_moe_model_like_fsdp(runs, tmp_path, corpus_files, cache_
     assert by_step(result, "moe_aux_loss")[6] == pytest.approx(
         by_step(runs[1][0], "moe_aux_loss")[6]
     )
+
+
+def test_moe_blocks_in_pipeline_stages_follow_one_process(tmp_path, corpus_files, cache_dir):
+    """2 pipeline stages of one MoE block each (local backend, 2 processes): the balancing
+    losses are attached per stage, the routers' numbers of both stages reach every rank, and
+    the losses equal one process's. GPipe with one pipeline micro-batch of the process's 8
+    sequences: the balancing losses, per micro-batch, are computed over the same tokens."""
+    common = (*MOE[:2], "train.stop_at_step=8")
+    one = train_run(
+        mesh_run_args(tmp_path, "one", corpus_files, cache_dir, *common, "parallel.backend=local")
+    )
+    args = mesh_run_args(
+        tmp_path,
+        "pp",
+        corpus_files,
+        cache_dir,
+        *common,
+        "parallel.backend=local",
+        "parallel.pipeline_parallel=2",
+        "parallel.pp_schedule=gpipe",
+        "parallel.pp_microbatches=1",
+    )
+    staged = run_distributed(train_run, 2, args)
+    reference = by_step(one, "loss")
+    for step, loss in by_step(staged[1], "loss").items():  # the last stage holds the loss
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    for result in staged:  # every rank reads both stages' routers, each a whole step's tokens
+        loads = by_step(result, "moe_layer_load")[8]
+        assert set(loads) == {"blocks.0", "blocks.1"}
+        assert all(sum(shares) == pytest.approx(1.0, abs=1e-3) for shares in loads.values())

@@ -103,9 +103,10 @@ def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_file
     assert anomaly["tensor"] in ("blocks.0.moe.router.weight", "blocks.1.moe.router.weight")
     rollback = next(e for e in events if e["kind"] == "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (12, 10)
-    # The biased rank sent every token to expert 3 (and one other): its layer loads show it.
+    # The biased rank sent every token to expert 3 (and one other): half of its pairs, a quarter
+    # of all, whatever the healthy rank routed (shares are logged to 4 decimals).
     loads = [m["moe_layer_load"] for m in results[0]["metrics"] if m["step"] == 12]
-    assert max(loads[0]["blocks.0"]) == loads[0]["blocks.0"][3]
+    assert loads[0]["blocks.0"][3] >= 0.2499
 
 
 def test_hsdp_with_expert_parallel_equals_hsdp_without(tmp_path, corpus_files, cache_dir):

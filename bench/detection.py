@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import random
 import sys
 import tempfile
@@ -56,8 +57,10 @@ sys.path.insert(0, str(ROOT))
 from detection_runs import ROUTER_KEYS, Trace, Trial, healthy_run, matrix, validate  # noqa: E402
 from detection_sim import CANDIDATES, FIRST_STEP, KINDS, SPIKES, judge, simulate  # noqa: E402
 
+from bigtrain.resilience.detect import ROUTER_VALUES  # noqa: E402
+
 ISSUE_KINDS = ("nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10")
-ROUTER_RULES = ("router_collapse", "router_logits")  # the rules reading ROUTER_KEYS
+ROUTER_RULES = tuple(ROUTER_VALUES)  # the rules reading ROUTER_KEYS, in the same order
 ROUTER_DRILL = "router_bias"  # real runs only: a biased router changes the routing itself
 VALIDATED = tuple(k for k in KINDS if not k.startswith("grad_spike_x"))  # drills hit one tensor
 FIXTURES = 6  # the matrix's first 6 runs cover both levels of every factor
@@ -72,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--validate", type=int, default=None, help="real 2-rank runs (12; quick 4)")
     ap.add_argument("--no-candidates", action="store_true")
     ap.add_argument("--save-fixtures", type=Path, default=None, metavar="DIR")
+    ap.add_argument("--save-traces", type=Path, default=None, metavar="FILE", help="pickle")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the healthy runs")
     ap.add_argument("--moe", action="store_true", help="MoE models (4 experts, top 2) + drills")
     ap.add_argument("--router-drills", type=int, default=None, help="real router-bias runs")
@@ -365,6 +369,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_root:
         print("healthy runs:", flush=True)
         traces = healthy_sweep(args, out_root)
+        if args.save_traces is not None:  # for studying rules offline
+            args.save_traces.write_bytes(pickle.dumps(traces))
         seconds["healthy"] = time.perf_counter() - started
         sims = [simulate(t, t.monitor) for t in traces]
         seconds["simulate"] = time.perf_counter() - started - seconds["healthy"]

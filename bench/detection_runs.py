@@ -27,6 +27,7 @@ from bigtrain.build import build_trainer
 from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.parallel.env import DistEnv, free_port, read_env, shutdown
+from bigtrain.resilience.detect import ROUTER_VALUES
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2  # emulated data-parallel ranks: micro-batch m and row half m belong to rank m
@@ -146,7 +147,7 @@ class Trace:
         return self.spec.name
 
 
-ROUTER_KEYS = ("moe_aux_loss_max", "moe_z_loss_max")
+ROUTER_KEYS = tuple(ROUTER_VALUES.values())
 """The router telemetry the rules read (resilience/detect.py): kept per step of a trace."""
 
 

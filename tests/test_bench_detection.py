@@ -44,7 +44,7 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
     assert report["false_alarms"] == report["false_alarms_simulated"]
     assert report["validated"] == [0, 0]
     # the router rules are on by default and idle on a dense model
-    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits"]
+    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits", "router_spread"]
     assert len(report["candidates"]) == 6
 
 
@@ -65,7 +65,7 @@ def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
         "--no-candidates",
     )
     assert report["moe"] is True and report["healthy_runs"] == 1
-    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits"]
+    assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits", "router_spread"]
     assert report["false_alarms"] == report["false_alarms_simulated"] == 0
     assert "router_collapse" in report["healthy_dynamics"]
     assert report["router_bias"] == {"trials": 1, "caught_at_step": 1}

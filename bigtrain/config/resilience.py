@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from bigtrain.errors import ConfigError
 
-SPIKE_RULES = ("loss", "grad_norm", "router_collapse", "router_logits")
+SPIKE_RULES = ("loss", "grad_norm", "router_collapse", "router_logits", "router_spread")
 """The series a spike rule may watch (`monitor.rules`)."""
 
 
@@ -47,12 +47,16 @@ class MonitorConfig:
     event, ABORTED marker, exit 3). FP16 overflows under dynamic loss scaling are not anomalies:
     the scale backs off. HSDP replicas whose gradient shards differ (compared every `every`
     steps) take the same action."""
-    rules: list[str] = field(default_factory=lambda: ["loss", "grad_norm", "router_logits"])
+    rules: list[str] = field(
+        default_factory=lambda: ["loss", "grad_norm", "router_logits", "router_spread"]
+    )
     """Spike rules that may trigger the ladder (`monitor.on_spike`): `loss`, `grad_norm` (the
-    global gradient norm), for mixture-of-experts models `router_logits` (the worst MoE layer's
-    router z-loss; idle on a dense model) and, opt-in, `router_collapse` (the worst layer's
-    load-balancing loss: off by default, it rolled back a healthy tiny MoE run in warm-up, see
-    its key); [] turns spike detection off (non-finite values are always caught).
+    global gradient norm), for mixture-of-experts models (idle on a dense model)
+    `router_logits` (the worst MoE layer's router z-loss), `router_spread` (the worst layer's
+    disagreement between the step's forwards: one rank's routers off) and, opt-in,
+    `router_collapse` (the worst layer's load-balancing loss: off by default, it rolled back a
+    healthy tiny MoE run in warm-up, see its key); [] turns spike detection off (non-finite
+    values are always caught).
     Per-tensor statistics never trigger: in healthy runs a single tensor's gradient norm jumps
     1000x when attention wakes up; they name the culprits in the anomaly event (docs/healing.md:
     the rules and the sweep that chose them)."""
@@ -79,6 +83,16 @@ class MonitorConfig:
     )
     """The runaway-logits rule (MoE): the router z-loss (mean squared log-sum-exp of the
     logits) at 4x its median: logits doubled in a step. Healthy runs let it fall steadily."""
+    router_spread: SpikeRuleConfig = field(
+        default_factory=lambda: SpikeRuleConfig(window=50, factor=8.0, sigmas=4.0)
+    )
+    """The one-rank router rule (MoE): the worst layer's spread over the step's forwards (every
+    micro-batch on every rank) of an expert's importance, its mean score, in units of the
+    score's spread over a forward's tokens (monitor/routers.py). Forwards of one step run the
+    same router on samples of the same data, so they agree up to sampling noise, and a rank
+    whose routers compute something else stands out however many ranks average it away.
+    Healthy micro MoE runs kept it within 4.8x of its median (0.15-0.29); the router-bias drill
+    on one of two ranks raised it 60-700x (docs/moe.md)."""
     tensor_window: int = 20
     """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
     event (`top_jumps`: norm / median of its window)."""

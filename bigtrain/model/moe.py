@@ -36,8 +36,9 @@ from bigtrain.config.model import MoEConfig
 from bigtrain.utils.tensors import autocast_off, local_tensor
 
 STATS_EXTRA = 4
-"""Per MoE layer, after its per-expert loads: aux loss, z-loss, dropped pairs, forwards (the sums
-over a step's micro-batches that `stats` holds)."""
+"""Per MoE layer, after its per-expert loads: aux loss, z-loss, dropped pairs, forwards, then per
+expert the standard deviation of its score over a forward's tokens (the sums over a step's
+micro-batches that `stats` holds: 2 x experts + STATS_EXTRA numbers)."""
 
 _aux_grad_scale = 1.0
 
@@ -73,6 +74,8 @@ class Routing(NamedTuple):
     load: torch.Tensor  # (experts,) token-expert pairs routed to each, before any capacity drop
     aux: torch.Tensor  # load-balancing loss (1.0 when balanced)
     z: torch.Tensor  # router z-loss
+    importance: torch.Tensor  # (experts,) FP32: the mean normalised score of each expert
+    score_std: torch.Tensor  # (experts,) FP32: the standard deviation of that score over tokens
 
 
 def route(logits: torch.Tensor, k: int, score: str, normalize: bool) -> Routing:
@@ -85,9 +88,11 @@ def route(logits: torch.Tensor, k: int, score: str, normalize: bool) -> Routing:
     load = torch.bincount(experts.flatten(), minlength=n_experts)
     # Switch Transformer: E x sum_e (share of pairs routed to e) x (mean probability of e).
     probs = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
-    aux = n_experts * (load.float() / experts.numel() * probs.mean(0)).sum()
+    importance = probs.mean(0)
+    aux = n_experts * (load.float() / experts.numel() * importance).sum()
     z = torch.logsumexp(logits, dim=-1).square().mean()
-    return Routing(weights, experts, load, aux, z)
+    spread = probs.detach().std(0, correction=0)
+    return Routing(weights, experts, load, aux, z, importance.detach(), spread)
 
 
 def dispatch_order(
@@ -180,8 +185,14 @@ class MoE(nn.Module):
         """Set by expert parallelism: the ranks this layer's experts are split over."""
         self.router_bias: torch.Tensor | None = None
         """Added to the router logits when set (the `fault.router_bias` drill)."""
-        self.register_buffer("stats", torch.zeros(cfg.experts + STATS_EXTRA), persistent=False)
-        """Sums over the step's training forwards: load per expert, aux, z, dropped, forwards."""
+        width = 2 * cfg.experts + STATS_EXTRA
+        self.register_buffer("stats", torch.zeros(width), persistent=False)
+        """Sums over the step's training forwards: load per expert, aux, z, dropped, forwards,
+        score standard deviation per expert."""
+        self.register_buffer("extremes", torch.zeros(2 * cfg.experts), persistent=False)
+        """Over the step's training forwards, per expert: the largest importance (mean score) of
+        one forward, then 1 - the smallest: a MAX over forwards and ranks keeps both, and zeros
+        (no forward) change neither (monitor/routers.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -227,7 +238,12 @@ class MoE(nn.Module):
         self.stats[:n] += r.load
         self.stats[n] += r.aux
         self.stats[n + 1] += r.z
-        self.stats[n + 2 :] += torch.as_tensor([float(dropped), 1.0], device=self.stats.device)
+        self.stats[n + 2 : n + 4] += torch.as_tensor(
+            [float(dropped), 1.0], device=self.stats.device
+        )
+        self.stats[n + 4 :] += r.score_std
+        both = torch.cat([r.importance, 1.0 - r.importance]).to(self.extremes.dtype)
+        torch.maximum(self.extremes, both, out=self.extremes)
 
 
 def expert_parallel(

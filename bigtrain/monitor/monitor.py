@@ -1,8 +1,8 @@
 """The gradient-magnitude monitor: statistics and their reduction over ranks, read once per step.
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
-with the local loss packed in (plus a MAX all-reduce on full steps), one host read of the reduced
-numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
+with the local loss packed in (plus a MAX all-reduce on full steps, and on every step of an MoE
+model: its routers' extremes), one host read of the reduced numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
 reach the same verdict on every rank. The global gradient norm for clipping is the square root of
 the summed squares: no second pass over the gradients.
 """
@@ -73,7 +73,7 @@ class GradMonitor:
         use_kernel: bool,
         replication: list[int] | None = None,
         layout: Layout | None = None,
-        across_groups: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        across_groups: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
         | None = None,
         routers: RouterStats | None = None,
     ) -> None:
@@ -82,10 +82,11 @@ class GradMonitor:
         SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
         its HSDP replicas are compared on full steps (one more small collective).
-        `across_groups`: the loss averaged and the HSDP probe's flags summed over fault-tolerant
-        replica groups (parallel/ft.py), whose gradients were averaged before the monitor reads
-        them; the preemption flag stays the group's. `routers`: an MoE model's router sums
-        (monitor/routers.py), summed over ranks (and groups) in the same all-reduce."""
+        `across_groups`: the loss averaged, the HSDP probe's flags summed and the router
+        extremes maxed over fault-tolerant replica groups (parallel/ft.py), whose gradients were
+        averaged before the monitor reads them; the preemption flag stays the group's.
+        `routers`: an MoE model's router sums (monitor/routers.py), summed over ranks (and
+        groups) in the same all-reduce, and their extremes in the MAX one."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group
@@ -117,24 +118,29 @@ class GradMonitor:
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
         flags = self._flags(stats, full, stop_requested)
-        routers = self.routers.size if self.routers is not None else 0
+        routers, extremes = self.routers.size if self.routers is not None else 0, None
         if self.routers is not None:
-            flags = torch.cat([flags, self.routers.take(self.device)])
+            sums, extremes = self.routers.take(self.device)
+            flags = torch.cat([flags, sums])
         stats = weighted_stats(stats, self.weights)
-        stats, loss, flags = reduce_grad_stats(stats, local_loss, flags, self.layout.loss_ranks)
+        stats, loss, flags, extremes = reduce_grad_stats(
+            stats, local_loss, flags, self.layout.loss_ranks, extremes
+        )
         if self.across_groups is not None:
-            loss, flags = self.across_groups(loss, flags)
+            loss, flags, extremes = self.across_groups(loss, flags, extremes)
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
+        host_vectors += [extremes] if extremes is not None else []
         # Expensive device-to-host synchronization: the step's decision, one read per step.
         host = torch.cat([loss.reshape(1), norm.reshape(1), flags, *host_vectors]).tolist()
         n, f = len(self.names), 2 + len(flags)
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
-        max_abs = host[f + 2 * n :] if full else None
+        max_abs = host[f + 2 * n : f + 3 * n] if full else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
-            telemetry.update(self.routers.read(host[f - routers : f]))
+            ends = host[len(host) - extremes.numel() :]
+            telemetry.update(self.routers.read(host[f - routers : f], ends))
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)

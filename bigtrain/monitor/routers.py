@@ -7,7 +7,17 @@ layout on every rank (zeros for the layers this rank does not hold: pipeline sta
 along the monitor's SUM all-reduce; `read` turns the reduced numbers into the step's router
 metrics, identical on every rank, which the detection rules read: `router_collapse` the worst
 layer's load-balancing loss (it grows when the router's probabilities pile onto the experts that
-get the tokens), `router_logits` the worst layer's z-loss (the squared log-sum-exp of the logits).
+get the tokens), `router_logits` the worst layer's z-loss (the squared log-sum-exp of the logits),
+`router_spread` the worst layer's spread of the experts' importance over the step's forwards.
+
+The spread compares the forwards of one step, which ran the same router weights on samples of
+the same data: each expert's importance (its mean score over a forward's tokens, the
+probabilities the balancing loss reads) agrees between them up to sampling noise. A rank whose
+routers compute something else (a faulty device, the `fault.router_bias` drill) stands out
+however many healthy ranks there are, where the averaged losses dilute it. Each layer keeps the
+largest importance per expert over its forwards and 1 - the smallest (`extremes`); they ride a
+MAX all-reduce (the monitor's max |g| one), and the spread is the widest max - min of an expert:
+a probability, 0 when every forward agrees.
 """
 
 from __future__ import annotations
@@ -27,12 +37,21 @@ def block_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def spread(
+    top: list[float], one_minus_low: list[float], std: list[float], forwards: float
+) -> float:
+    """The widest range of an expert's importance over the forwards, in units of the score's
+    mean standard deviation over a forward's tokens (at least 0.0)."""
+    ranges = [max(hi + lo - 1.0, 0.0) for hi, lo in zip(top, one_minus_low, strict=True)]
+    return max(r / (s / forwards) if s > 0 else 0.0 for r, s in zip(ranges, std, strict=True))
+
+
 class RouterStats:
     def __init__(self, layers: dict[str, nn.Module], names: list[str], experts: int) -> None:
         """`layers`: this rank's MoE layers by block name; `names`: every MoE block of the whole
         model, in order (the vector's layout)."""
         self.layers, self.names, self.experts = layers, names, experts
-        self.width = experts + STATS_EXTRA
+        self.width = 2 * experts + STATS_EXTRA
 
     @classmethod
     def of(cls, modules: list[nn.Module], names: list[str], experts: int) -> RouterStats | None:
@@ -51,34 +70,40 @@ class RouterStats:
     def size(self) -> int:
         return len(self.names) * self.width
 
-    def take(self, device: torch.device) -> torch.Tensor:
-        """The step's sums of every MoE layer held here (zeros elsewhere), and the layers' sums
-        cleared for the next step (or the step's replay)."""
-        rows = []
+    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's sums (for a SUM) and extremes (for a MAX) of every MoE layer held here
+        (zeros elsewhere: neutral in both), and the layers' records cleared for the next step
+        (or the step's replay)."""
+        sums, extremes = [], []
         for name in self.names:
             layer = self.layers.get(name)
             if layer is None:
-                rows.append(torch.zeros(self.width, device=device))
+                sums.append(torch.zeros(self.width, device=device))
+                extremes.append(torch.zeros(2 * self.experts, device=device))
             else:
-                rows.append(layer.stats.to(device, copy=True))
+                sums.append(layer.stats.to(device, copy=True))
+                extremes.append(layer.extremes.to(device, copy=True))
                 layer.stats.zero_()
-        return torch.cat(rows)
+                layer.extremes.zero_()
+        return torch.cat(sums), torch.cat(extremes)
 
-    def read(self, host: list[float]) -> dict[str, Any]:
+    def read(self, host: list[float], extremes: list[float]) -> dict[str, Any]:
         """The router metrics of the reduced sums (over every rank and micro-batch): per layer the
         busiest expert's load over the mean (1.0: balanced; experts / top_k: every token sends
         the same experts), the entropy of the load over log(experts) (1.0: balanced), the mean
         load-balancing and z-losses; the model's worst layer's ratio, entropy and losses, the
-        mean losses over layers and the dropped pairs."""
+        mean losses over layers and the dropped pairs; per layer and worst the importance's
+        spread over the forwards (module docstring) from the MAX-reduced `extremes`."""
         n = self.experts
         by_layer: dict[str, dict[str, float]] = {}
         dropped = 0.0
         for i, name in enumerate(self.names):
             row = host[i * self.width : (i + 1) * self.width]
-            load, (aux, z, drop, forwards) = row[:n], row[n:]
+            load, (aux, z, drop, forwards), std = row[:n], row[n : n + 4], row[n + 4 :]
             total = sum(load)
             if forwards <= 0 or total <= 0:
                 continue
+            ends = extremes[i * 2 * n : (i + 1) * 2 * n]  # max, 1 - min per expert
             shares = [x / total for x in load]
             entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(n)
             by_layer[name] = {
@@ -86,6 +111,7 @@ class RouterStats:
                 "entropy": entropy,
                 "aux": aux / forwards,
                 "z": z / forwards,
+                "spread": spread(ends[:n], ends[n:], std, forwards) if forwards > 1 else 0.0,
                 "load": [round(s, 4) for s in shares],
             }
             dropped += drop
@@ -99,9 +125,11 @@ class RouterStats:
             "moe_z_loss": sum(v["z"] for v in layers) / len(layers),
             "moe_aux_loss_max": max(v["aux"] for v in layers),
             "moe_z_loss_max": max(v["z"] for v in layers),
+            "moe_router_spread": max(v["spread"] for v in layers),
             "moe_dropped": dropped,
             "moe_layer_load_max_mean": {k: v["max_mean"] for k, v in by_layer.items()},
             "moe_layer_aux_loss": {k: v["aux"] for k, v in by_layer.items()},
             "moe_layer_z_loss": {k: v["z"] for k, v in by_layer.items()},
+            "moe_layer_router_spread": {k: v["spread"] for k, v in by_layer.items()},
             "moe_layer_load": {k: v["load"] for k, v in by_layer.items()},
         }

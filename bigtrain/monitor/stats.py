@@ -117,27 +117,35 @@ def local_grad_stats(
 
 
 def reduce_grad_stats(
-    stats: GradStats, local_loss: torch.Tensor, flags: torch.Tensor, loss_ranks: int
-) -> tuple[GradStats, torch.Tensor, torch.Tensor]:
+    stats: GradStats,
+    local_loss: torch.Tensor,
+    flags: torch.Tensor,
+    loss_ranks: int,
+    maxima: torch.Tensor | None = None,
+) -> tuple[GradStats, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
-    and `flags`, packed into one vector) and, when max |g| was computed, one MAX all-reduce.
-    Returns the reduced stats, the mean loss over the `loss_ranks` ranks that hold one (the
-    layout's), and the flags summed over ranks (a
-    preemption request, replica differences: they ride along at no extra cost); identical on
-    every rank."""
+    and `flags`, packed into one vector) and, when max |g| was computed or `maxima` are given
+    (an MoE model's router extremes), one MAX all-reduce of both. Returns the reduced stats, the
+    mean loss over the `loss_ranks` ranks that hold one (the layout's), the flags summed over
+    ranks (a preemption request, replica differences, router sums: they ride along at no extra
+    cost) and the maxima; identical on every rank."""
     flags = flags.float().reshape(-1)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return stats, local_loss.float().reshape(()), flags
+        return stats, local_loss.float().reshape(()), flags, maxima
     n = len(stats.names)
     packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1), flags])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     max_abs = stats.max_abs
-    if max_abs is not None:
+    if max_abs is not None or maxima is not None:
+        parts = [] if max_abs is None else [torch.where(max_abs.isnan(), float("inf"), max_abs)]
         # NaN does not survive a MAX all-reduce reliably; the kernel already reports it as inf.
-        max_abs = torch.where(max_abs.isnan(), float("inf"), max_abs)
-        dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+        both = torch.cat(parts + ([] if maxima is None else [maxima.float()]))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if max_abs is not None:
+            max_abs, both = both[:n], both[n:]
+        maxima = both if maxima is not None else None
     reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    return reduced, packed[2 * n] / loss_ranks, packed[2 * n + 1 :]
+    return reduced, packed[2 * n] / loss_ranks, packed[2 * n + 1 :], maxima
 
 
 def replica_differences(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -360,18 +360,22 @@ class ReplicaGroups:
                 offset += g.numel()
 
     def across_groups(
-        self, loss: torch.Tensor, flags: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss averaged over the live groups (the monitor's one number that differs between
-        groups: the gradients were averaged before it read them) and the HSDP probe's flags
-        summed (replicas that differ in one group make every group act). The first flag, a
-        preemption signal, stays the group's: it stops its own group only, which leaves like a
-        failed one and rejoins when relaunched."""
+        self, loss: torch.Tensor, flags: torch.Tensor, maxima: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The loss averaged over the live groups (the numbers that differ between groups: the
+        gradients were averaged before the monitor read them), the HSDP probe's flags and MoE
+        router sums summed (replicas that differ in one group make every group act), and the
+        router extremes (`maxima`, zeros neutral: a group that sits out sends zeros) maxed. The
+        first flag, a preemption signal, stays the group's: it stops its own group only, which
+        leaves like a failed one and rejoins when relaunched."""
         flags = flags.float().reshape(-1)
         packed = torch.cat([loss.float().reshape(1), flags[1:]])
         self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
+        if maxima is not None:
+            maxima = maxima.float().clone()
+            self.manager.allreduce(maxima, reduce_op=ReduceOp.MAX).wait()
         loss = packed[0] / max(self.manager.num_participants(), 1)
-        return loss, torch.cat([flags[:1], packed[1:]])
+        return loss, torch.cat([flags[:1], packed[1:]]), maxima
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""

@@ -56,8 +56,18 @@ class Verdict:
         return not self.overflow and not (self.anomaly and self.anomaly.kind == "nonfinite")
 
 
-ROUTER_SERIES = {"router_collapse": "moe_layer_aux_loss", "router_logits": "moe_layer_z_loss"}
+ROUTER_SERIES = {
+    "router_collapse": "moe_layer_aux_loss",
+    "router_logits": "moe_layer_z_loss",
+    "router_spread": "moe_layer_router_spread",
+}
 """Per MoE block, the series a router rule's worst-layer value comes from."""
+ROUTER_VALUES = {
+    "router_collapse": "moe_aux_loss_max",
+    "router_logits": "moe_z_loss_max",
+    "router_spread": "moe_router_spread",
+}
+"""The telemetry a router rule reads: its worst layer's value (monitor/routers.py)."""
 
 
 def _router_of(metric: str, telemetry: dict[str, Any]) -> str | None:
@@ -129,8 +139,7 @@ class Detector:
     def _values(health: Health) -> dict[str, float]:
         """The series the rules watch; the router ones only for an MoE model's steps."""
         values = {"loss": health.host_loss, "grad_norm": health.host_grad_norm}
-        routers = {"router_collapse": "moe_aux_loss_max", "router_logits": "moe_z_loss_max"}
-        for rule, key in routers.items():
+        for rule, key in ROUTER_VALUES.items():
             if key in health.telemetry:
                 values[rule] = health.telemetry[key]
         return values

@@ -234,7 +234,7 @@ def test_a_saved_config_of_the_old_spike_detection_still_loads(tmp_path):
     )
     cfg = load_saved_config(saved)
     assert cfg.monitor.every == 7
-    assert cfg.monitor.rules == ["loss", "grad_norm", "router_logits"]
+    assert cfg.monitor.rules == ["loss", "grad_norm", "router_logits", "router_spread"]
 
 
 @pytest.mark.unit

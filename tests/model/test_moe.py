@@ -182,6 +182,22 @@ def test_aux_losses_reach_the_router_as_terms_of_the_loss_scaled_like_it():
     torch.testing.assert_close(attached, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_two_forwards_record_the_importance_extremes_and_the_score_spread():
+    """What router_spread reads: per expert the largest mean softmax score of a forward, 1 - the
+    smallest, and the sum over forwards of the score's standard deviation over tokens."""
+    m = layer()
+    xs = [torch.randn(2, 8, 16, dtype=torch.float64) for _ in range(2)]
+    for x in xs:
+        m(x)
+    probs = [(x.reshape(-1, 16) @ m.router.weight.t()).softmax(-1) for x in xs]
+    means = torch.stack([p.mean(0) for p in probs])
+    expected = torch.cat([means.max(0).values, 1 - means.min(0).values])
+    torch.testing.assert_close(m.extremes, expected)
+    std = sum(p.std(0, correction=0) for p in probs)
+    torch.testing.assert_close(m.stats[4 + 4 :], std.to(m.stats.dtype))
+    assert m.stats[4 + 3].item() == 2
+
+
 def test_sigmoid_scores_without_renormalisation():
     logits = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
     r = route(logits, 2, "sigmoid", False)
@@ -228,7 +244,7 @@ def test_gpt_places_moe_blocks_from_first_every_nth_and_counts_stats_in_training
     model(idx).sum().backward()
     for m in moe_layers(model):
         assert m.stats[:4].sum().item() == 2 * 8 * 2  # pairs
-        assert m.stats[-1].item() == 1  # one forward
+        assert m.stats[4 + 3].item() == 1  # one forward
 
 
 def test_activation_checkpointing_recompute_is_not_counted_twice():
@@ -238,7 +254,7 @@ def test_activation_checkpointing_recompute_is_not_counted_twice():
     apply_activation_checkpointing(model, "full")
     model(torch.randint(0, 64, (2, 8))).sum().backward()
     for m in moe_layers(model):
-        assert m.stats[-1].item() == 1
+        assert m.stats[4 + 3].item() == 1
 
 
 @pytest.mark.parametrize(

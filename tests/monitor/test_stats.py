@@ -72,12 +72,23 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     full[1][5, 2] = float("nan")  # in the first half: rank 0's shard
     named = [(f"t{i}", t.flatten().chunk(2)[rank]) for i, t in enumerate(full[:2])]
     named.append(("t2", full[2] if rank == 1 else torch.empty(0)))  # held by rank 1 only
-    stats, loss, flags = reduce_grad_stats(
+    stats, loss, flags, maxima = reduce_grad_stats(
         local_grad_stats(named, torch.device("cpu"), use_kernel=False),
         torch.tensor(float(rank + 1)),
         torch.tensor([float(rank == 1)]),  # a preemption request on rank 1 only
         loss_ranks=2,
+        maxima=torch.tensor([float(rank), 1.0 - rank, 0.5]),  # MoE routers' extremes
     )
+    # A step without max |g|: the router extremes alone take the MAX all-reduce.
+    partial = reduce_grad_stats(
+        local_grad_stats(named, torch.device("cpu"), full=False, use_kernel=False),
+        torch.tensor(1.0),
+        torch.tensor([0.0]),
+        loss_ranks=2,
+        maxima=torch.tensor([0.25 * rank]),
+    )
+    assert partial[0].max_abs is None and partial[3].tolist() == [0.25]
+    assert maxima.tolist() == [1.0, 1.0, 0.5]
     dist.destroy_process_group()
     return (
         stats.max_abs.tolist(),

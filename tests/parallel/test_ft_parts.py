@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from torch.distributed import ReduceOp
 
 from bigtrain.build import BuiltParts, make_callbacks, writes_run_files
 from bigtrain.callbacks.costs import CostLedger
@@ -116,6 +117,44 @@ def test_no_replica_groups_leave_every_step_as_it_is():
     value = torch.tensor(2.0)
     assert none.average(value) is value and none.intact() and none.commit(None)
     assert none.across_groups is None and none.state_dict() == {} and none.leads
+
+
+class TwoGroups:
+    """torchft's Manager as across_groups uses it, with a second group's numbers: its allreduce
+    applies the reduce_op to this group's tensor and `other`'s (one per call, in order)."""
+
+    def __init__(self, *others: torch.Tensor) -> None:
+        self.others, self.ops = list(others), []
+
+    def allreduce(self, tensor, reduce_op):
+        other = self.others.pop(0)
+        self.ops.append(reduce_op)
+        if reduce_op == ReduceOp.SUM:
+            tensor.add_(other)
+        else:
+            torch.maximum(tensor, other, out=tensor)
+        return self
+
+    def wait(self) -> None:
+        return None
+
+    def num_participants(self) -> int:
+        return 2
+
+
+def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
+    groups = object.__new__(ft.ReplicaGroups)
+    # The other group: loss 3, flags [stop (not sent), 1 differing replica, router sum 5],
+    # router extremes [0.2, 0.9]; zeros would be a group sitting out.
+    groups.manager = TwoGroups(torch.tensor([3.0, 1.0, 5.0]), torch.tensor([0.2, 0.9]))
+    loss, flags, maxima = groups.across_groups(
+        torch.tensor(1.0), torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.1])
+    )
+    assert loss.item() == 2.0 and flags.tolist() == [1.0, 1.0, 7.0]
+    assert maxima.tolist() == pytest.approx([0.5, 0.9])
+    assert groups.manager.ops == [ReduceOp.SUM, ReduceOp.MAX]
+    groups.manager = TwoGroups(torch.tensor([3.0]))
+    assert groups.across_groups(torch.tensor(1.0), torch.tensor([0.0]))[2] is None  # dense
 
 
 @pytest.mark.parametrize("states", ["fp32", "bf16"])

@@ -62,7 +62,7 @@ from bigtrain.resilience.detect import ROUTER_VALUES  # noqa: E402
 ISSUE_KINDS = ("nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10")
 ROUTER_RULES = tuple(ROUTER_VALUES)  # the rules reading ROUTER_KEYS, in the same order
 ROUTER_DRILL = "router_bias"  # real runs only: a biased router changes the routing itself
-VALIDATED = tuple(k for k in KINDS if not k.startswith("grad_spike_x"))  # drills hit one tensor
+VALIDATED = tuple(k for k in KINDS if not k.startswith(("grad_spike_x", "bitflip")))  # one tensor
 FIXTURES = 6  # the matrix's first 6 runs cover both levels of every factor
 
 
@@ -246,6 +246,9 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
     )
     for alarm in result["false_alarm_events"]:
         print(f"    {alarm}")
+    print(
+        f"  suspicions (a replay each, simulated): {result['suspicions_per_1k']:.2f} per 1000 steps"
+    )
     d = result["healthy_dynamics"]
     shown_metrics = [("loss", "loss"), ("grad_norm", "grad norm"), ("tensor", "one tensor")]
     shown_metrics += [(m, m.replace("_", " ")) for m in ROUTER_RULES if m in d]
@@ -345,6 +348,7 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
         "false_alarms": len(alarms),
         "false_alarms_per_1000": round(1000 * len(alarms) / healthy_steps, 3),
         "false_alarms_simulated": sum(len(s.false_alarms) for s in sims),
+        "suspicions_per_1k": round(1000 * sum(len(s.suspicions) for s in sims) / healthy_steps, 3),
         "false_alarm_events": alarms,
         "detection_rate": rates(caught, order),
         "steps_to_detect": steps_to_detect(caught),

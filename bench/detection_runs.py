@@ -225,6 +225,13 @@ def healthy_run(spec: RunSpec, out_dir: str) -> Trace:
     return trace
 
 
+def caught(event: dict) -> bool:
+    """An event of a caught fault: an anomaly, or a replay that came out clean (a transient
+    fault: the replayed step goes on, no anomaly is left to report)."""
+    transient = event["kind"] in ("replay", "suspicion") and event["verdict"] == "transient"
+    return event["kind"] == "anomaly" or transient
+
+
 def read_events(out_dir: str) -> list[dict]:
     path = Path(out_dir) / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -281,7 +288,7 @@ def _rank_main(rank: int, port: str, trials: list[Trial], out_root: str) -> None
             trainer.fit(resumed=False)
         finally:
             trainer.callbacks.close()
-        found.append([e["step"] for e in read_events(out_dir) if e["kind"] == "anomaly"])
+        found.append([e["step"] for e in read_events(out_dir) if caught(e)])
     shutdown(clean=True)
     if rank == 0:
         (Path(out_root) / "results.json").write_text(json.dumps(found))

@@ -13,7 +13,15 @@ Kinds, as the drills of bigtrain/callbacks/fault_injection.py inject them on ran
     spike_xF             r's loss and all its gradient halves x F (a bad batch: fault.spike_step)
     loss_spike_xF        r's reported loss x F
     grad_spike_xF        one tensor's half on r x F, averaged over every tensor; grad_spike_first
-                         is the drill's default tensor (the first one r holds)
+                         is the drill's default tensor (the first one r holds); on the first
+                         execution only (silent data corruption, as fault.grad_spike)
+    bitflip              one exponent bit of the top four (FP32 bits 30-27) of one value of one
+                         tensor's half on r flips, first execution only; the value is taken as
+                         the half's root mean square, and only flips that raise it count (the
+                         others shrink one value, harmless)
+
+A step is caught by an anomaly, or, for the first-execution-only kinds, by a suspicion (the
+suspicion tier, bigtrain/resilience/suspect.py: its replay comes out clean, a transient).
 """
 
 from __future__ import annotations
@@ -26,12 +34,16 @@ import numpy as np
 from detection_runs import RANKS, Trace
 
 from bigtrain.config.schema import MonitorConfig
-from bigtrain.monitor.monitor import Health
+from bigtrain.monitor.monitor import EMPTY, Health
 from bigtrain.resilience.detect import Detector
 
 FACTORS = (10, 50)
 SCALED = ("spike", "loss_spike", "grad_spike", "grad_spike_first")
 KINDS = ("nan_grad", "inf_grad", "nan_loss") + tuple(f"{k}_x{f}" for k in SCALED for f in FACTORS)
+KINDS += ("bitflip",)
+FIRST_RUN_ONLY = ("grad_spike", "grad_spike_first", "bitflip")  # a replay comes out clean
+BITS = (30, 29, 28, 27)  # FP32's top exponent bits
+PER_TENSOR = ("grad_spike_x", "bitflip")
 FIRST_STEP = 2  # faults are drawn from [2, steps]: step 1 has no history, only the NaN check
 
 
@@ -44,8 +56,9 @@ class Faulty:
     nonfinite: np.ndarray  # [..., tensor] non-finite values
     telemetry: dict = field(default_factory=dict)  # an MoE step's router numbers (unchanged)
 
-    def health(self) -> Health:
-        """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size)."""
+    def health(self, sizes: np.ndarray | None = None) -> Health:
+        """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size; with
+        `sizes`, the shards' extremes of the suspicion tier)."""
         sum_sq = self.halves.sum(axis=1)
         num_nonfinite = int(self.nonfinite.sum())
         return Health(
@@ -60,7 +73,25 @@ class Faulty:
             host_max_abs=None,
             replicas=[],
             telemetry=dict(self.telemetry),
+            shards=None if sizes is None else shards_of(self.halves, sizes),
         )
+
+
+def shards_of(halves: np.ndarray, sizes: np.ndarray) -> list[float]:
+    """monitor.shard_extremes reduced over the ranks: per tensor the largest log mean square of
+    a half, then the negated smallest."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(np.maximum(halves / np.maximum(sizes, 1), 1e-38))
+    keep = (sizes > 0) & np.isfinite(logs)
+    high = np.where(keep, logs, EMPTY).max(axis=1)
+    low = np.where(keep, -logs, EMPTY).max(axis=1)
+    return np.concatenate([high, low]).tolist()
+
+
+def _flip(value: float, bit: int) -> float:
+    word = np.array([value], dtype=np.float32).view(np.int32)
+    word ^= np.int32(1 << bit)
+    return float(np.abs(word.view(np.float32)[0]))
 
 
 def inject(kind: str, step: Faulty, rank: int, sizes: np.ndarray, tensor: int = 0) -> Faulty:
@@ -122,6 +153,7 @@ class Simulated:
 
     caught: dict[str, np.ndarray] = field(default_factory=dict)  # kind -> [step, rank(, tensor)]
     false_alarms: list[int] = field(default_factory=list)  # healthy steps the Detector flagged
+    suspicions: list[int] = field(default_factory=list)  # healthy steps the suspicion tier replays
 
 
 def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
@@ -139,10 +171,12 @@ def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
                 caught[kind].append(
                     [_caught(detector, kind, healthy, r, trace.sizes) for r in ranks]
                 )
-        health = healthy.health()
+        health = healthy.health(trace.sizes)
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
             out.false_alarms.append(step)
         else:
+            if detector.suspects(health):  # replayed, reproduced, applied
+                out.suspicions.append(step)
             detector.add(health)
     out.caught = {k: np.asarray(v) for k, v in caught.items()}
     return out
@@ -152,10 +186,34 @@ def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, sizes: np
     """True if the fault is caught; for grad_spike, per tensor (a tensor the rank holds no part
     of cannot be poisoned on it: NaN, left out of the average)."""
 
-    def caught(tensor: int = 0) -> bool:
-        faulty = inject(kind, healthy, rank, sizes, tensor)
-        return detector.verdict(faulty.health(), loss_scaled=False).anomaly is not None
+    replay_clears = kind.partition("_x")[0] in FIRST_RUN_ONLY
 
+    def found(faulty: Faulty) -> bool:
+        health = faulty.health(sizes)
+        if detector.verdict(health, loss_scaled=False).anomaly is not None:
+            return True
+        return replay_clears and bool(detector.suspects(health))
+
+    def caught(tensor: int = 0) -> bool:
+        return found(inject(kind, healthy, rank, sizes, tensor))
+
+    def flips(tensor: int) -> float:
+        """The share of raising flips of the top exponent bits caught (NaN: none raises)."""
+        value = math.sqrt(healthy.halves[tensor, rank] / sizes[tensor, rank])
+        hits = []
+        for bit in BITS:
+            new = _flip(value, bit)
+            if not new > value:  # shrinks one value: harmless
+                continue
+            halves = healthy.halves.copy()
+            halves[tensor, rank] += new * new - value * value
+            hits.append(
+                found(Faulty(healthy.micro_loss, halves, healthy.nonfinite, healthy.telemetry))
+            )
+        return float(np.mean(hits)) if hits else math.nan
+
+    if kind == "bitflip":
+        return [flips(t) if sizes[t, rank] else math.nan for t in range(len(sizes))]
     if not kind.startswith("grad_spike_x"):
         return caught()
     return [caught(t) if sizes[t, rank] else math.nan for t in range(len(sizes))]

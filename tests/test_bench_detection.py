@@ -46,6 +46,11 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
     # the router rules are on by default and idle on a dense model
     assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits", "router_spread"]
     assert len(report["candidates"]) == 6
+    # the suspicion tier's keys (issue 40): replays per 1,000 healthy steps, one-tensor and bit-flip
+    # rates (first execution only: caught by an anomaly or a suspicion's replay)
+    assert report["suspicions_per_1k"] >= 0
+    assert {"grad_spike_x10", "grad_spike_x50", "bitflip"} <= set(report["detection_rate"])
+    assert 0.0 <= report["detection_rate"]["bitflip"] <= 1.0
 
 
 def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
@@ -67,5 +72,5 @@ def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
     assert report["moe"] is True and report["healthy_runs"] == 1
     assert report["rules"]["rules"] == ["loss", "grad_norm", "router_logits", "router_spread"]
     assert report["false_alarms"] == report["false_alarms_simulated"] == 0
-    assert "router_collapse" in report["healthy_dynamics"]
+    assert {"router_collapse", "router_spread"} <= set(report["healthy_dynamics"])
     assert report["router_bias"] == {"trials": 1, "caught_at_step": 1}

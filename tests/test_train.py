@@ -178,7 +178,7 @@ def test_a_gross_gradient_spike_is_skipped_and_names_the_tensor(micro):
     cfg = micro(
         "train.max_steps=30",
         "monitor.on_spike=skip",
-        "fault.grad_spike_step=[25]",
+        "fault.data_spike_step=[25]",  # in the replay too: not transient
         "fault.spike_factor=1e5",
         "fault.grad_tensor=blocks.1.mlp.up.weight",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -14,6 +15,26 @@ from bigtrain.errors import ConfigError
 from bigtrain.model.moe import moe_layers
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
+from bigtrain.utils.names import canonical_name
+
+FIRST_RUN_ONLY = ("transient_nan", "grad_spike", "bitflip")
+"""Drills of silent data corruption: a replay of their step comes out clean."""
+TOP_EXPONENT_BIT = {8: 62, 4: 30, 2: 14}  # by bytes per value: FP64, FP32, BF16/FP16
+INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
+    """Flip `bit` (-1: the highest exponent bit) of value `index` of a contiguous tensor, in
+    place; its value before and after."""
+    size = tensor.element_size()
+    bit = TOP_EXPONENT_BIT[size] if bit < 0 else bit
+    mask = 1 << bit
+    if mask >= 1 << (8 * size - 1):  # the sign bit: the signed integer's lowest value
+        mask -= 1 << (8 * size)
+    value = tensor.view(-1)[index : index + 1]
+    before = value.item()
+    value.view(INTS[size]).bitwise_xor_(mask)
+    return before, value.item()
 
 
 class FaultInjector(Callback):
@@ -74,7 +95,9 @@ class FaultInjector(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def on_before_forward(self, trainer, step: int) -> None:
-        """The router-bias drill: on for the forwards of its steps (first run and replay)."""
+        """The router-bias drill: on for the forwards of its steps (first run and replay); the
+        activation bit flip, armed for the first run's forward."""
+        self._arm_activation_flip(trainer, step)
         expert = self.cfg.router_bias
         if not self.active or expert < 0:
             return
@@ -95,6 +118,38 @@ class FaultInjector(Callback):
         if self.biased and not trainer.replaying:
             trainer.event("fault", type="router_bias", expert=expert)
 
+    def _arm_activation_flip(self, trainer, step: int) -> None:
+        """The activation bit-flip drill: one value of the named module's output in the step's
+        first forward (not in its replay)."""
+        name = self.cfg.bitflip_activation
+        if not (self.active and name) or trainer.replaying:
+            return
+        if not self._due("bitflip", self.cfg.bitflip_step, step):
+            return
+        modules = {canonical_name(n): m for n, m in trainer.backend.model.named_modules()}
+        if name not in modules:
+            raise ConfigError(
+                f"key 'fault.bitflip_activation' got {name!r}, expected a module name such as "
+                f"{next(n for n in modules if n)!r}"
+            )
+
+        def flip_output(module, inputs, output):
+            handle.remove()
+            out = (output[0] if isinstance(output, tuple) else output).clone()
+            with torch.no_grad():
+                index = self._index(out, step)
+                before, after = flip_bit(out, index, self.cfg.bitflip_bit)
+            trainer.event(
+                "fault", type="bitflip", module=name, index=index, before=before, after=after
+            )
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        handle = modules[name].register_forward_hook(flip_output)
+
+    def _index(self, tensor: torch.Tensor, step: int) -> int:
+        index = self.cfg.bitflip_index
+        return index if index >= 0 else random.Random(step).randrange(tensor.numel())
+
     @torch.no_grad()
     def on_after_backward(self, trainer, result: StepResult) -> None:
         if self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
@@ -106,7 +161,7 @@ class FaultInjector(Callback):
         step, cfg = result.step, self.cfg
         if trainer.replaying:
             # A replay of the step meets the same data faults again; a transient one is gone.
-            kinds = [k for k in self.this_step if k != "transient_nan"]
+            kinds = [k for k in self.this_step if k not in FIRST_RUN_ONLY]
         else:
             kinds = [k for k, steps in self._schedule() if self._due(k, steps, step)]
             self.this_step = kinds
@@ -123,6 +178,8 @@ class FaultInjector(Callback):
             ("nan_grad", cfg.nan_grad_step),
             ("inf_grad", cfg.inf_grad_step),
             ("grad_spike", cfg.grad_spike_step),
+            ("data_spike", cfg.data_spike_step),
+            ("bitflip", [] if cfg.bitflip_activation else cfg.bitflip_step),
             ("transient_nan", cfg.transient_nan_step),
             ("spike", cfg.spike_step),
             ("loss_spike", cfg.loss_spike_step),
@@ -131,9 +188,14 @@ class FaultInjector(Callback):
 
     def _apply(self, kind: str, trainer, result: StepResult, named) -> None:
         factor = self.cfg.spike_factor
-        if kind in ("nan_grad", "inf_grad", "grad_spike", "transient_nan"):
+        if kind == "bitflip":
             name, grad = self._target(named)
-            if kind == "grad_spike":
+            index = self._index(grad, result.step)
+            before, after = flip_bit(grad, index, self.cfg.bitflip_bit)
+            trainer.event("fault", type=kind, tensor=name, index=index, before=before, after=after)
+        elif kind in ("nan_grad", "inf_grad", "grad_spike", "data_spike", "transient_nan"):
+            name, grad = self._target(named)
+            if kind in ("grad_spike", "data_spike"):
                 grad.mul_(factor)
             else:
                 grad.view(-1)[0] = float("inf") if kind == "inf_grad" else float("nan")

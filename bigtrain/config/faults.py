@@ -26,7 +26,23 @@ class FaultConfig:
     inf_grad_step: list[int] = field(default_factory=list)
     """Steps at which one gradient of `rank` gets an Inf after backward (an FP16 overflow drill)."""
     grad_spike_step: list[int] = field(default_factory=list)
-    """Steps at which one gradient of `rank` is multiplied by `spike_factor` after backward."""
+    """Steps at which one gradient of `rank` (`grad_tensor`) is multiplied by `spike_factor`
+    after backward, on the step's first execution only: silent data corruption (a replay comes
+    out clean)."""
+    data_spike_step: list[int] = field(default_factory=list)
+    """As `grad_spike_step`, but the replay meets it again: a spike that belongs to the data
+    (must never be called transient)."""
+    bitflip_step: list[int] = field(default_factory=list)
+    """Steps at which one bit of one value of `rank` flips, on the step's first execution only
+    (silent data corruption): of the gradient `grad_tensor` after backward, or with
+    `bitflip_activation` of the output of the module of that name in the first forward."""
+    bitflip_bit: int = -1
+    """The bit that flips, counted from the least significant of the value's dtype; -1: the
+    highest exponent bit (30 in FP32, 14 in BF16 and FP16)."""
+    bitflip_index: int = -1
+    """The value whose bit flips (flat index into the tensor); -1: drawn from the step."""
+    bitflip_activation: str = ""
+    """A module name (e.g. `blocks.0.mlp`): flip a bit of its output instead of a gradient."""
     loss_spike_step: list[int] = field(default_factory=list)
     """Steps at which the loss `rank` reports is multiplied by `spike_factor` (gradients intact)."""
     spike_factor: float = 100.0

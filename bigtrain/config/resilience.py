@@ -31,6 +31,25 @@ class SpikeRuleConfig:
 
 
 @dataclass
+class SuspicionConfig:
+    """The suspicion tier (resilience/suspect.py): a gradient shard far from its own history or
+    from the other ranks' shards of the same tensor replays the step, nothing else."""
+
+    enabled: bool = True
+    """Watch every gradient tensor's shards each step (one more small MAX all-reduce) and replay
+    a suspicious step; needs resilience.replay."""
+    factor: float = 5.0
+    """The least jump, as a ratio of gradient norms, that is suspicious (> 1)."""
+    sigmas: float = 6.0
+    """Robust standard deviations (of the tensor's own log history) a jump must also exceed
+    once `min_values` values are known."""
+    window: int = 20
+    """Healthy steps of history per tensor."""
+    min_values: int = 10
+    """Values in the history before the spread counts; until then the factor alone."""
+
+
+@dataclass
 class MonitorConfig:
     every: int = 10
     """Full per-tensor statistics (max |g| per tensor: per-layer telemetry) every N steps and at
@@ -93,6 +112,9 @@ class MonitorConfig:
     whose routers compute something else stands out however many ranks average it away.
     Healthy micro MoE runs kept it within 4.8x of its median (0.15-0.29); the router-bias drill
     on one of two ranks raised it 60-700x (docs/moe.md)."""
+    suspicion: SuspicionConfig = field(default_factory=SuspicionConfig)
+    """The suspicion tier below the rules: per-tensor statistics that replay a step, which then
+    tells silent data corruption (the replay differs) from the data's own spikes."""
     tensor_window: int = 20
     """Healthy steps of per-tensor norms kept to name the tensors that jumped most in an anomaly
     event (`top_jumps`: norm / median of its window)."""
@@ -155,7 +177,7 @@ def check_rules(monitor: MonitorConfig) -> None:
             f"key 'monitor.rules' got unknown rule names {unknown}, expected a list of "
             f"{', '.join(SPIKE_RULES)}"
         )
-    for name in SPIKE_RULES:
+    for name in (*SPIKE_RULES, "suspicion"):  # the suspicion tier has the same four settings
         rule, key = getattr(monitor, name), f"monitor.{name}"
         if rule.window < 1:
             raise ConfigError(f"key '{key}.window' got {rule.window}, expected a value >= 1")

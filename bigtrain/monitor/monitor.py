@@ -46,7 +46,10 @@ class Health:
     host_max_abs: list[float] | None  # per tensor, on full steps
     replicas: list[int]  # HSDP replicas whose gradient shards differ from replica 0's (full steps)
     telemetry: dict[str, Any]
-    stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
+    stop_requested: bool = False
+    shards: list[float] | None = None
+    """With the suspicion tier: per tensor the largest log mean square of a rank's shard, then
+    the negated smallest (EMPTY where no rank or one holds it; resilience/suspect.py)."""  # some rank got a preemption signal: all checkpoint and stop
     grad_factor: float = 1.0  # the loss scale the gradients still carried
 
     @property
@@ -56,6 +59,20 @@ class Health:
     @property
     def grads_finite(self) -> bool:
         return self.num_nonfinite == 0 and self.host_grad_norm < float("inf")
+
+
+EMPTY = -1e30
+"""A shard statistic no rank has: neutral in a MAX all-reduce."""
+
+
+def shard_extremes(sum_sq: torch.Tensor, sizes: torch.Tensor, grad_factor: float) -> torch.Tensor:
+    """Per tensor the log mean square of this rank's shard, then its negation, for a MAX
+    all-reduce (max and -min over ranks); EMPTY for a shard this rank does not hold or a
+    non-finite one (the non-finite check has those)."""
+    mean_sq = sum_sq.float() / sizes.clamp_min(1) / grad_factor**2
+    logs = mean_sq.clamp_min(1e-38).log()
+    keep = (sizes > 0) & logs.isfinite()
+    return torch.cat([logs.where(keep, EMPTY), (-logs).where(keep, EMPTY)])
 
 
 def weighted_count(value: float) -> int:
@@ -98,6 +115,7 @@ class GradMonitor:
         self.last_local: torch.Tensor | None = None
         self.across_groups = across_groups
         self.routers = routers
+        self.sizes: torch.Tensor | None = None  # values per local shard, kept from the first step
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
@@ -122,21 +140,28 @@ class GradMonitor:
         if self.routers is not None:
             sums, extremes = self.routers.take(self.device)
             flags = torch.cat([flags, sums])
+        shards = self._shards(named_grads, stats.sum_sq, grad_factor)
+        parts = [t for t in (shards, extremes) if t is not None]
         stats = weighted_stats(stats, self.weights)
-        stats, loss, flags, extremes = reduce_grad_stats(
-            stats, local_loss, flags, self.layout.loss_ranks, extremes
+        stats, loss, flags, maxima = reduce_grad_stats(
+            stats, local_loss, flags, self.layout.loss_ranks, torch.cat(parts) if parts else None
         )
-        if self.across_groups is not None:
+        if shards is not None:
+            shards, maxima = maxima[: shards.numel()], maxima[shards.numel() :]
+        extremes = maxima if self.routers is not None else None
+        if self.across_groups is not None:  # shards need not cross: the groups' are equal
             loss, flags, extremes = self.across_groups(loss, flags, extremes)
         stats = scale_stats(stats, grad_factor)
         norm = stats.global_norm
         host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
-        host_vectors += [extremes] if extremes is not None else []
+        host_vectors += [t for t in (shards, extremes) if t is not None]
         # Expensive device-to-host synchronization: the step's decision, one read per step.
         host = torch.cat([loss.reshape(1), norm.reshape(1), flags, *host_vectors]).tolist()
         n, f = len(self.names), 2 + len(flags)
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n : f + 3 * n] if full else None
+        at = f + (3 if full else 2) * n
+        host_shards = host[at : at + 2 * n] if shards is not None else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
             ends = host[len(host) - extremes.numel() :]
@@ -158,6 +183,7 @@ class GradMonitor:
             telemetry=telemetry,
             stop_requested=host[2] > 0,
             grad_factor=grad_factor,
+            shards=host_shards,
         )
 
     def max_abs(
@@ -171,6 +197,17 @@ class GradMonitor:
             dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
         # Expensive device-to-host synchronization, on anomalous steps only.
         return (max_abs / grad_factor).tolist()
+
+    def _shards(
+        self, named_grads: list[tuple[str, torch.Tensor]], sum_sq: torch.Tensor, grad_factor: float
+    ) -> torch.Tensor | None:
+        """This rank's shard statistics for the suspicion tier (None when it is off)."""
+        if not self.cfg.suspicion.enabled:
+            return None
+        if self.sizes is None:  # shapes do not change within a run: one host-to-device copy
+            sizes = [g.numel() for _, g in named_grads]
+            self.sizes = torch.tensor(sizes, dtype=torch.float32, device=self.device)
+        return shard_extremes(sum_sq, self.sizes, grad_factor)
 
     def _flags(self, stats: GradStats, full: bool, stop_requested: bool) -> torch.Tensor:
         """What rides along the SUM all-reduce: the preemption request, then on full steps under

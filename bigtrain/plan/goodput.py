@@ -98,6 +98,8 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
         ("async_save", cfg.checkpoint.async_save, "checkpoint.async_save"),
     ):
         src.set(key, value, f"config: {name}")
+    if not (cfg.monitor.suspicion.enabled and cfg.resilience.replay):
+        src.set("suspicions_per_1k", 0.0, "config: monitor.suspicion.enabled / resilience.replay")
     if cfg.checkpoint.every <= 0:
         raise ConfigError("key 'checkpoint.every' must be > 0 for a goodput plan")
     return src

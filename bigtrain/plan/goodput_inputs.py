@@ -73,6 +73,9 @@ class GoodputInputs:
     """Without the watchdog a hang ends at the collective timeout (NCCL's default: 10 min)."""
     replay_steps: float = 1.0
     """Steps of time one replay costs (it runs the step's micro-batches once more)."""
+    suspicions_per_1k: float = 6.67
+    """Healthy steps per 1,000 that the suspicion tier replays (monitor.suspicion; 0 when off).
+    Default: bench/detection.py --quick's measured rate on the micro model."""
     ckpt_every_steps: int = 250
     snapshot_every: int = 25
     confirm_steps: int = 10
@@ -121,6 +124,7 @@ class GoodputInputs:
             confirm_work_s=self.confirm_steps * self.step_s,
             restore_s=per_gpu / (self.restore_gbps * GB) if self.snapshot_every else load_s,
             replay_s=self.replay_steps * self.step_s,
+            suspicion_overhead=self.suspicions_per_1k / 1000 * self.replay_steps,
             save_s=write_s,
             groups=groups,
             group_restart_s=self.ft_restart_s + per_gpu / (self.ft_transfer_gbps * GB),
@@ -163,6 +167,7 @@ SHORT = {
     "load_gbps_per_node": "checkpoint read GB/s per node",
     "plain_hang_timeout_s": "hang detection, plain (s)",
     "replay_steps": "steps one replay costs",
+    "suspicions_per_1k": "suspicion replays per 1000 steps",
     "replica_groups": "fault_tolerance.groups",
     "restart_s": "restart to first step (s)",
     "restore_gbps": "snapshot restore GB/s per GPU",

@@ -53,6 +53,7 @@ KINDS = ("hardware", "numeric", "transient", "hang", "preemption")
 CAUSES = (
     "checkpoint_stall",
     "snapshots",
+    "suspicions",
     "lost_work",
     "restart",
     "hang_detection",
@@ -99,6 +100,8 @@ class SimParams:
     """A group's absence after its hardware failure: its restart and the state from a peer."""
     survivor_stall_s: float = 0.0
     """What a group's failure stops the other groups for: the heartbeat timeout and the step."""
+    suspicion_overhead: float = 0.0
+    """Replays of suspicious healthy steps, seconds per second of work (healing only)."""
 
 
 @dataclass
@@ -144,7 +147,8 @@ class _Schedule:
     an optional leading checkpoint (`lead`: its stall), then cycles of work and checkpoint."""
 
     def __init__(self, p: SimParams, intervals: np.ndarray, healing: bool) -> None:
-        self.o = p.snapshot_overhead if healing else 0.0
+        self.o_snap = p.snapshot_overhead if healing else 0.0
+        self.o = self.o_snap + (p.suspicion_overhead if healing else 0.0)
         self.work = intervals[:, None]  # (I, 1) work per cycle
         self.work_wall = self.work * (1 + self.o)
         written = p.write_s if p.async_save else 0.0
@@ -192,7 +196,8 @@ def simulate(p: SimParams, intervals: np.ndarray, healing: bool, trials: int, se
     # term gives its overhang back, as at a restart).
     running = s["t0"] <= end
     lost[_CAUSE["checkpoint_stall"]] += np.where(running, x - work * (1 + sched.o), 0.0)
-    lost[_CAUSE["snapshots"]] += work * sched.o
+    lost[_CAUSE["snapshots"]] += work * sched.o_snap
+    lost[_CAUSE["suspicions"]] += work * (sched.o - sched.o_snap)
     useful = s["p0"] + work
     return Outcome(intervals, useful / p.horizon_s, lost, p.horizon_s)
 
@@ -236,7 +241,8 @@ def _event(p, sched, healing, s, lost, te, kind, group) -> None:
     # The closing segment: its stalls and snapshot copies, then its dead time up to now.
     running = closing & ~dead
     lost[_CAUSE["checkpoint_stall"]] += np.where(running, x - work * (1 + sched.o), 0.0)
-    lost[_CAUSE["snapshots"]] += np.where(running, work * sched.o, 0.0)
+    lost[_CAUSE["snapshots"]] += np.where(running, work * sched.o_snap, 0.0)
+    lost[_CAUSE["suspicions"]] += np.where(running, work * (sched.o - sched.o_snap), 0.0)
     _close_dead_where(s, lost, te, closing)
     target = _rollback_target(p, now, s["p0"], kept)
     preempted = restart & ~dead & (kind == KINDS.index("preemption"))

@@ -3,6 +3,7 @@
     detect.py   the verdict on the monitor's reduced numbers: non-finite values, disagreeing HSDP
                 replicas, spikes by the rules of rules.py (loss, gradient norm)
     replay.py   one more run of an anomalous step: a transient fault or a reproduced one
+    suspect.py  the suspicion tier: a gradient shard that jumped replays the step, nothing else
     targets.py  the states a rollback may return to, the same whether or not the run restarted
     recover.py  restoring a target: from memory, from its checkpoint, or rebuilt by training forward
     healer.py   the state machine below, and its calls from the loop
@@ -13,7 +14,12 @@ numbers, so every rank takes the same transitions in the same step, with no extr
     HEALTHY   the step is applied; its values join the rules' windows; targets count it towards
               their confirmation; at cadence steps a new target is taken (held in memory when
               snapshots are on).
+      -- a gradient shard jumped (suspect.py) -->  SUSPICIOUS
       -- a spike, a non-finite value or disagreeing replicas -->  SUSPECT
+    SUSPICIOUS  the step is run once more from the same state and RNG (resilience.replay):
+      -- some rank's statistics differ -->  HEALTHY, the replayed step applied: silent data
+                           corruption; its host is counted as for a transient fault
+      -- reproduced -->  HEALTHY, the step applied: the data's (the rules judge the replay)
     SUSPECT   the step is run once more from the same state and RNG (resilience.replay):
       -- clean replay -->  HEALTHY, the replayed step applied: a transient fault; its host is
                            counted (exit 6 after max_transient_per_rank on one host)

@@ -16,6 +16,7 @@ from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor.monitor import Health, weighted_count
 from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
+from bigtrain.resilience.suspect import Suspicion
 
 
 @dataclass
@@ -86,6 +87,11 @@ class Detector:
             for r in [getattr(cfg, metric)]
         }
         self.tensors = TensorHistory(names, cfg.tensor_window)
+        self.suspicion = Suspicion(cfg.suspicion, names)
+
+    def suspects(self, health: Health) -> list[list]:
+        """The suspicion tier (suspect.py): [name, jump] of the tensors whose shards jumped."""
+        return self.suspicion.check(health.shards)
 
     def verdict(self, health: Health, loss_scaled: bool) -> Verdict:
         """`loss_scaled`: FP16 dynamic loss scaling is on, so non-finite gradients under a finite
@@ -134,6 +140,7 @@ class Detector:
             if metric in values:
                 rule.add(values[metric])
         self.tensors.add(health.host_sum_sq)
+        self.suspicion.add(health.shards)
 
     @staticmethod
     def _values(health: Health) -> dict[str, float]:
@@ -164,6 +171,7 @@ class Detector:
         return {
             "rules": {m: rule.state_dict() for m, rule in self.rules.items()},
             "tensors": self.tensors.state_dict(),
+            "suspicion": self.suspicion.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -172,3 +180,4 @@ class Detector:
         for metric, rule in self.rules.items():
             rule.load_state_dict(state.get("rules", {}).get(metric, {"values": []}))
         self.tensors.load_state_dict(state.get("tensors", {}))
+        self.suspicion.load_state_dict(state.get("suspicion", {}))

@@ -110,16 +110,22 @@ class Healer:
     def judge(
         self, trainer, result: R, health: Health, rng: dict | None, rerun: Callable
     ) -> tuple[R, Health, Verdict]:
-        """The step's verdict; an anomaly the ladder would act on is replayed once first."""
+        """The step's verdict; an anomaly the ladder would act on, or a suspicion (suspect.py),
+        is replayed once first."""
         loss_scaled = trainer.backend.loss_scale() is not None
         verdict = self.detector.verdict(health, loss_scaled)
-        if self.replay.wanted(verdict):
+        clean = verdict.anomaly is None and not verdict.overflow
+        suspects = self.detector.suspects(health) if clean and self.cfg.replay else []
+        if self.replay.wanted(verdict) or suspects:
             first = verdict.anomaly
             started = time.perf_counter()
             result, health, moved = self.replay.run(trainer, rng, rerun)
             seconds = time.perf_counter() - started
             verdict = self.detector.verdict(health, loss_scaled)
-            self.replay.report(trainer, first, verdict.anomaly, moved, seconds)
+            if first is None:
+                self.replay.report_suspicion(trainer, suspects, moved, seconds)
+            else:
+                self.replay.report(trainer, first, verdict.anomaly, moved, seconds)
         if verdict.anomaly is not None:
             max_abs = health.host_max_abs
             if max_abs is None:  # a step without max |g|: the report names tensors by it

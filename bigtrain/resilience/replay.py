@@ -102,6 +102,25 @@ class Replay:
         if second is None and rank is not None:
             self._count(trainer, rank)
 
+    def report_suspicion(
+        self, trainer, suspects: list[list], moved: list[int], seconds: float
+    ) -> None:
+        """The `suspicion` event of a replayed suspicious step: `transient` when some rank's
+        local statistics moved (silent data corruption: the replayed step goes on, the host is
+        counted as for any transient fault), else `reproduced` (the data's: the step goes on,
+        and the rules judged the replay as any step)."""
+        rank = moved[0] if moved else None
+        trainer.event(
+            "suspicion",
+            verdict="transient" if moved else "reproduced",
+            rank=rank,
+            ranks=sorted(moved),
+            tensors=suspects[:5],
+            seconds=round(seconds, 4),
+        )
+        if rank is not None:
+            self._count(trainer, rank)
+
     def _count(self, trainer, rank: int) -> None:
         if self.hosts is None:
             self.hosts = all_gather_objects(socket.gethostname())

@@ -10,6 +10,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bigtrain.callbacks import fault_injection
 from bigtrain.callbacks.fault_injection import FaultInjector
@@ -127,6 +128,48 @@ def test_a_replay_meets_the_data_faults_again_but_not_a_transient_one(tmp_path):
     trainer.replaying = True
     trainer.after_backward()
     assert len(trainer.events()) == 3 and grads(trainer) == CLEAN
+
+
+def test_silent_corruption_drills_fire_on_the_first_run_only_a_data_spike_again(tmp_path):
+    """grad_spike and bitflip are silent data corruption: the replay comes out clean; the same
+    spike from the data (data_spike) is met again."""
+    for switch, replayed in (("grad_spike_step", CLEAN[HEAD]), ("data_spike_step", [30.0] * 4)):
+        trainer = make(tmp_path, **{switch: [1]}, spike_factor=10.0, grad_tensor=HEAD)
+        trainer.after_backward()
+        assert grads(trainer)[HEAD] == [30.0] * 4
+        trainer.backend.grads[HEAD].fill_(3.0)  # the replay's backward
+        trainer.replaying = True
+        trainer.after_backward()
+        assert grads(trainer)[HEAD] == replayed, switch
+    trainer = make(tmp_path, bitflip_step=[1], bitflip_index=2, grad_tensor=HEAD)
+    trainer.after_backward()
+    flipped = grads(trainer)[HEAD]
+    # 3.0 = 1.5 x 2^1 (exponent field 128): the highest exponent bit is set, so the flip takes
+    # the field to 0, a subnormal 0.5 x 2^-126; a value below 2 would go up by 2^128
+    assert flipped[:2] == [3.0, 3.0] and flipped[3:] == [3.0] and flipped[2] == 2.0**-127
+    (event,) = trainer.events()
+    assert (event["type"], event["index"], event["before"]) == ("bitflip", 2, 3.0)
+    trainer.backend.grads[HEAD].fill_(3.0)
+    trainer.replaying = True
+    trainer.after_backward()
+    assert grads(trainer)[HEAD] == CLEAN[HEAD] and len(trainer.events()) == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bit", "expected"),
+    [
+        (torch.float32, -1, 0.5 * 2.0**128),  # exponent 126 -> 254
+        (torch.float32, 23, 1.0),  # the lowest exponent bit: 0.5 -> 1.0
+        (torch.float32, 31, -0.5),  # the sign
+        (torch.bfloat16, -1, 0.5 * 2.0**128),  # bit 14
+        (torch.float16, -1, 32768.0),  # bit 14: exponent field 14 -> 30, 2^-1 -> 2^15
+    ],
+)
+def test_flip_bit_flips_the_chosen_bit_of_the_dtype(dtype, bit, expected):
+    t = torch.full((3,), 0.5, dtype=dtype)
+    before, after = fault_injection.flip_bit(t, 1, bit)
+    assert before == 0.5 and after == expected and t[1].item() == expected
+    assert t[0].item() == t[2].item() == 0.5
 
 
 def test_an_unknown_grad_tensor_is_a_config_error_naming_a_real_one(tmp_path):

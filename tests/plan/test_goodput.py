@@ -99,6 +99,18 @@ def test_the_simulation_is_deterministic_for_a_seed_and_accounts_for_every_secon
     assert set(first.lost_fractions(0)) == set(CAUSES)
 
 
+def test_suspicion_replays_cost_their_share_of_the_work():
+    """10 replayed steps per 1,000: about 1% of the work's time, under `suspicions`."""
+    inputs = GoodputInputs(gpus=4096, step_s=3.0, ckpt_gb_per_gpu=0.5)
+    grid = np.array([900.0])
+    off = simulate(dataclasses.replace(inputs, suspicions_per_1k=0).sim_params(), grid, True, 20, 7)
+    on = simulate(dataclasses.replace(inputs, suspicions_per_1k=10).sim_params(), grid, True, 20, 7)
+    assert off.lost_fractions(0)["suspicions"] == 0.0
+    share = on.lost_fractions(0)["suspicions"]
+    assert share == pytest.approx(0.01 * on.goodput.mean(), rel=0.05)
+    assert on.goodput.mean() < off.goodput.mean()
+
+
 def llama3_405b() -> GoodputInputs:
     """Llama 3 405B as its report describes it: 16,384 H100s, 54 days, 16M-token batches at
     38-43% MFU, FP32 master weights and Adam moments (12 B/param), sharded."""

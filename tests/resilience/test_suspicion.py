@@ -1,0 +1,135 @@
+"""The suspicion tier (resilience/suspect.py): the shard statistics it reads, its verdicts, and the
+replays it asks for: silent data corruption comes out transient and leaves no trace, a spike of
+the data's is reproduced and never called transient, and replaying healthy steps changes
+nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigtrain.config.resilience import SuspicionConfig
+from bigtrain.monitor.monitor import EMPTY, shard_extremes
+from bigtrain.parallel.env import DistEnv
+from bigtrain.resilience.suspect import Suspicion, series
+from bigtrain.runner import run
+from bigtrain.store.rundir import read_jsonl
+from tests.distributed import run_distributed, train_run
+
+TENSOR = "blocks.1.mlp.up.weight"
+
+
+def shards(high: list[float], low: list[float]) -> list[float]:
+    return high + [-v for v in low]
+
+
+@pytest.mark.unit
+def test_shard_extremes_are_log_mean_squares_without_the_loss_scale():
+    out = shard_extremes(torch.tensor([16.0, 0.0, float("inf")]), torch.tensor([4.0, 0, 2]), 2.0)
+    assert out[0].item() == pytest.approx(0.0)  # 16 / 4 / 2^2 = 1
+    assert [out[i].item() for i in (1, 2, 4, 5)] == pytest.approx([EMPTY] * 4)  # FP32
+    assert out[3].item() == pytest.approx(0.0)
+
+
+@pytest.mark.unit
+def test_series_is_the_split_between_ranks_or_a_lone_holders_level():
+    values = series(shards([1.0, 2.0, EMPTY], [-1.0, 2.0, -EMPTY]))
+    assert values[0] == 2.0  # two ranks: 1 - (-1)
+    assert values[1] == 2.0  # one holder (or equal shards): its level
+    assert math.isnan(values[2])  # no holder
+
+
+@pytest.mark.unit
+def test_a_tensor_that_jumps_past_factor_and_sigmas_is_suspected_and_named():
+    cfg = SuspicionConfig(factor=5.0, sigmas=6.0, window=20, min_values=10)
+    watch = Suspicion(cfg, ["a", "b"])
+    rng = np.random.default_rng(0)
+    assert watch.check(shards([0.0, 0.0], [0.0, 0.0])) == []  # no history yet
+    for _ in range(20):
+        watch.add(shards(list(rng.normal(0, 0.1, 2)), [-3.0, -3.0]))
+    split = 3.0 + 2 * math.log(5.0)  # the split's median is about 3: x5 in norm on top
+    assert watch.check(shards([0.0, split - 3.0 - 0.2], [-3.0, -3.0])) == []
+    (hit,) = watch.check(shards([0.0, split - 3.0 + 0.5], [-3.0, -3.0]))
+    assert hit[0] == "b" and 5.0 < hit[1] < 8.0
+    again = Suspicion(cfg, ["a", "b"])
+    again.load_state_dict(watch.state_dict())
+    assert again.check(shards([0.0, split + 0.5 - 3.0], [-3.0, -3.0]))[0][0] == "b"
+    off = Suspicion(SuspicionConfig(enabled=False), ["a", "b"])
+    off.values = watch.values
+    assert off.check(shards([0.0, 99.0], [-3.0, -3.0])) == []
+
+
+def local_run(micro, name: str, *extra: str) -> tuple[dict, list[dict]]:
+    cfg = micro("train.max_steps=24", "train.eval_every=0", "checkpoint.every=-1", *extra, out=name)
+    final = run(cfg, DistEnv())
+    return final, read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+
+
+def of_kind(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.e2e
+def test_replaying_every_healthy_step_changes_nothing(micro):
+    """A tier that suspects every step (factor ~1, no sigmas) replays them all, reproduced: the
+    run ends where the run without the tier does."""
+    off, _ = local_run(micro, "off", "monitor.suspicion.enabled=false")
+    always = ["monitor.suspicion.factor=1.000001", "monitor.suspicion.sigmas=0"]
+    on, events = local_run(micro, "on", *always)
+    suspicions = of_kind(events, "suspicion")
+    assert len(suspicions) >= 20 and {e["verdict"] for e in suspicions} == {"reproduced"}
+    assert on["fingerprint"] == off["fingerprint"] and on["loss"] == off["loss"]
+
+
+@pytest.mark.e2e
+def test_corruption_is_transient_and_leaves_no_trace_a_data_spike_is_reproduced(micro):
+    clean, _ = local_run(micro, "clean")
+    drill = [f"fault.grad_tensor={TENSOR}", "fault.spike_factor=1000"]
+    sdc, events = local_run(micro, "sdc", "fault.grad_spike_step=[18]", *drill)
+    (suspicion,) = of_kind(events, "suspicion")
+    assert (suspicion["step"], suspicion["verdict"], suspicion["rank"]) == (18, "transient", 0)
+    assert suspicion["tensors"][0][0] == TENSOR and suspicion["tensors"][0][1] > 100
+    assert sdc["fingerprint"] == clean["fingerprint"] and sdc["anomalies"] == 0
+    data, events = local_run(micro, "data", "fault.data_spike_step=[18]", *drill)
+    (suspicion,) = of_kind(events, "suspicion")
+    assert (suspicion["step"], suspicion["verdict"], suspicion["rank"]) == (18, "reproduced", None)
+    assert data["fingerprint"] != clean["fingerprint"]  # the data's spike was applied
+    flip, events = local_run(
+        micro, "flip", "fault.bitflip_step=[18]", f"fault.grad_tensor={TENSOR}"
+    )
+    (replay,) = of_kind(events, "replay")  # x2^128: the anomaly tier's, replayed: clean
+    assert (replay["step"], replay["verdict"]) == (18, "transient")
+    assert flip["fingerprint"] == clean["fingerprint"]
+    # The same flip in an activation: x2^128 in one value of an MLP's output overflows the next
+    # layer norm's FP32 variance, which zeroes that token's vector: masked, not caught.
+    masked, events = local_run(
+        micro, "act", "fault.bitflip_step=[18]", "fault.bitflip_activation=blocks.0.mlp"
+    )
+    (fault,) = of_kind(events, "fault")
+    assert fault["module"] == "blocks.0.mlp" and abs(fault["after"]) > 1e30 * abs(fault["before"])
+    assert masked["anomalies"] == 0 and masked["fingerprint"] != clean["fingerprint"]
+
+
+@pytest.mark.distributed
+def test_on_two_fsdp_ranks_the_corrupted_rank_is_named_and_the_data_spike_is_not_transient(
+    micro_args,
+):
+    common = ["parallel.backend=fsdp", "train.max_steps=24", "train.eval_every=0"]
+    common += ["checkpoint.every=-1", "fault.rank=1", f"fault.grad_tensor={TENSOR}"]
+    common += ["fault.spike_factor=1000"]
+    faults = ["fault.grad_spike_step=[14]", "fault.data_spike_step=[18]"]
+    faults += ["fault.bitflip_step=[22]"]  # the highest exponent bit of one gradient value
+    result = run_distributed(train_run, 2, micro_args(*common, *faults))[0]
+    by_step = {e["step"]: e for e in result["events"] if e["kind"] in ("suspicion", "replay")}
+    assert (by_step[14]["kind"], by_step[14]["verdict"], by_step[14]["rank"]) == (
+        "suspicion",
+        "transient",
+        1,
+    )
+    assert (by_step[18]["verdict"], by_step[18]["rank"]) == ("reproduced", None)
+    assert (by_step[22]["verdict"], by_step[22]["rank"]) == ("transient", 1)
+    assert result["final"]["anomalies"] == 0 and result["final"]["rollbacks"] == 0

@@ -35,16 +35,26 @@ from bigtrain.resilience.detect import Anomaly, Verdict
 from bigtrain.utils.dist import all_gather_objects
 
 MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed
+NOISE = 1e-6
+"""A tensor's sum of squares is compared relative to at least this share of the rank's total:
+a gradient that is rounding noise (attention's key bias, whose exact gradient is 0) may differ
+between two runs of a kernel with atomics (CUDA) by more than MOVED of itself, never by this
+much of the whole; a corruption that matters moves far more."""
 
 
-def local_distance(first: torch.Tensor, second: torch.Tensor) -> float:
+def local_distance(first: torch.Tensor, second: torch.Tensor, tensors: int = 0) -> float:
     """How far a rank's local statistics moved between two runs of a step: the largest relative
-    change; inf where a value turned non-finite or finite."""
+    change; inf where a value turned non-finite or finite. The first `tensors` values are sums
+    of squares, each relative to at least NOISE of their total."""
     a, b = first.double(), second.double()
     finite = torch.isfinite(a)
     if not torch.equal(finite, torch.isfinite(b)):
         return math.inf
-    change = ((a - b).abs() / a.abs().clamp_min(1e-30)).masked_fill(~finite, 0.0)
+    scale = a.abs()
+    if tensors:
+        total = a[:tensors].masked_fill(~finite[:tensors], 0.0).sum()
+        scale[:tensors] = scale[:tensors].clamp_min(NOISE * total)
+    change = ((a - b).abs() / scale.clamp_min(1e-30)).masked_fill(~finite, 0.0)
     return float(change.max()) if change.numel() else 0.0  # host sync: replays only
 
 
@@ -72,7 +82,10 @@ class Replay:
             result, health = execute()
         finally:
             trainer.replaying = False
-        distances = all_gather_objects(local_distance(first_local, trainer.monitor.last_local))
+        tensors = len(trainer.monitor.names)
+        distances = all_gather_objects(
+            local_distance(first_local, trainer.monitor.last_local, tensors)
+        )
         moved = sorted(
             (r for r, d in enumerate(distances) if d > MOVED), key=lambda r: -distances[r]
         )

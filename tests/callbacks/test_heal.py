@@ -187,6 +187,13 @@ def test_local_distance_tells_a_changed_rank_from_an_unchanged_one():
     assert local_distance(a, torch.tensor([1.0, 4.0, 2.0])) == float("inf")  # turned finite
     assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 4.0])) == 0.0
     assert local_distance(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 5.0])) == 0.25
+    # A tensor whose sum of squares is rounding noise (1e-12 of the total) may double between
+    # two runs on CUDA: measured against 1e-6 of the total it has not moved; a x10 corruption of
+    # a tensor holding 1e-4 of it has.
+    noise = torch.tensor([1e-12, 1.0, 0.0, 0.0, 3.0])  # 2 sums of squares, 2 counts, the loss
+    assert local_distance(noise, torch.tensor([2e-12, 1.0, 0.0, 0.0, 3.0]), 2) < 1e-5
+    spike = torch.tensor([1e-4, 1.0, 0.0, 0.0, 3.0])
+    assert local_distance(spike, torch.tensor([1e-2, 1.0, 0.0, 0.0, 3.0]), 2) == pytest.approx(99)
 
 
 @pytest.mark.e2e

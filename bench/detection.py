@@ -247,7 +247,10 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
     for alarm in result["false_alarm_events"]:
         print(f"    {alarm}")
     print(
-        f"  suspicions (a replay each, simulated): {result['suspicions_per_1k']:.2f} per 1000 steps"
+        f"  suspicions (a replay each) on 2 emulated ranks (simulated): "
+        f"{result['suspicions_per_1k']:.2f} per 1000 steps; in the runs (one process: each "
+        f"tensor by its level) {result['suspicions_real_per_1k']:.2f}; transient verdicts: "
+        f"{result['transient_verdicts']}"
     )
     d = result["healthy_dynamics"]
     shown_metrics = [("loss", "loss"), ("grad_norm", "grad norm"), ("tensor", "one tensor")]
@@ -349,6 +352,12 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
         "false_alarms_per_1000": round(1000 * len(alarms) / healthy_steps, 3),
         "false_alarms_simulated": sum(len(s.false_alarms) for s in sims),
         "suspicions_per_1k": round(1000 * sum(len(s.suspicions) for s in sims) / healthy_steps, 3),
+        "suspicions_real_per_1k": round(
+            1000 * sum(len(t.suspicions) for t in traces) / healthy_steps, 3
+        ),
+        "transient_verdicts": sum(  # on healthy runs: each would be a false one
+            e["verdict"] == "transient" for t in traces for e in t.suspicions
+        ),
         "false_alarm_events": alarms,
         "detection_rate": rates(caught, order),
         "steps_to_detect": steps_to_detect(caught),

@@ -140,6 +140,7 @@ class Trace:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)  # the run's detection settings
     routers: list[dict[str, float]] = field(default_factory=list)  # [step] MoE router telemetry
     anomalies: list[dict] = field(default_factory=list)  # the run's anomaly events
+    suspicions: list[dict] = field(default_factory=list)  # its suspicion events (replays)
     seconds: float = 0.0
 
     @property
@@ -220,7 +221,9 @@ def healthy_run(spec: RunSpec, out_dir: str) -> Trace:
     finally:
         trainer.callbacks.close()
     trace = recorder.finish()
-    trace.anomalies = [e for e in read_events(out_dir) if e["kind"] == "anomaly"]
+    events = read_events(out_dir)
+    trace.anomalies = [e for e in events if e["kind"] == "anomaly"]
+    trace.suspicions = [e for e in events if e["kind"] == "suspicion"]
     trace.seconds = time.perf_counter() - started
     return trace
 

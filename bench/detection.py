@@ -13,8 +13,13 @@
    (detection_runs.py: 2 micro-batches = 2 ranks, row halves = FSDP2's shards).
 2. Fault sweep, simulated exactly on those traces with bigtrain's own Detector
    (detection_sim.py): NaN/Inf gradient, NaN loss, spikes of x10 and x50 of loss and gradients
-   (a bad batch), of the reported loss only and of one gradient tensor, on either rank, at every
-   step of [2, 300], warm-up included: the detection rate per kind at the faulty step.
+   (a bad batch), of the reported loss only and of one gradient tensor (first execution only:
+   silent data corruption), bit flips of one gradient value, on either rank, at every step of
+   [2, 300], warm-up included: the detection rate per kind at the faulty step. A first-execution
+   fault counts as caught by an anomaly or by a suspicion (bigtrain/resilience/suspect.py), whose
+   replay comes out clean; `suspicions_per_1k` is the healthy steps the suspicion tier replays
+   (simulated on the 2 emulated ranks; the runs' own, one process each, beside it, and their
+   transient verdicts, each of which would be false).
 3. Validation: K real FSDP2 runs on 2 gloo ranks (full 12, --quick 4) with one injected fault
    each (kind, run, step and rank drawn with a fixed seed); their anomaly steps against the
    simulated verdicts, and their steps from fault to detection.

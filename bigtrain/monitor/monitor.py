@@ -1,8 +1,9 @@
 """The gradient-magnitude monitor: statistics and their reduction over ranks, read once per step.
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
-with the local loss packed in (plus a MAX all-reduce on full steps, and on every step of an MoE
-model: its routers' extremes), one host read of the reduced numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
+with the local loss packed in, one MAX all-reduce (max |g| on full steps; every step, the
+suspicion tier's shard extremes and an MoE model's router extremes), one host read of the reduced
+numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
 reach the same verdict on every rank. The global gradient norm for clipping is the square root of
 the summed squares: no second pass over the gradients.
 """
@@ -46,10 +47,10 @@ class Health:
     host_max_abs: list[float] | None  # per tensor, on full steps
     replicas: list[int]  # HSDP replicas whose gradient shards differ from replica 0's (full steps)
     telemetry: dict[str, Any]
-    stop_requested: bool = False
+    stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
     shards: list[float] | None = None
     """With the suspicion tier: per tensor the largest log mean square of a rank's shard, then
-    the negated smallest (EMPTY where no rank or one holds it; resilience/suspect.py)."""  # some rank got a preemption signal: all checkpoint and stop
+    the negated smallest (EMPTY where no rank holds it; resilience/suspect.py)."""
     grad_factor: float = 1.0  # the loss scale the gradients still carried
 
     @property

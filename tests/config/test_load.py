@@ -112,6 +112,10 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'monitor.grad_norm.factor' got 0.5, expected a value > 1",
         ),
         (["monitor.loss.sigmas=-1"], "key 'monitor.loss.sigmas' got -1.0, expected a value >= 0"),
+        (
+            ["monitor.suspicion.factor=1"],
+            "key 'monitor.suspicion.factor' got 1.0, expected a value > 1",
+        ),
         (["monitor.loss.window=0"], "key 'monitor.loss.window' got 0, expected a value >= 1"),
         (["monitor.tensor_window=0"], "key 'monitor.tensor_window' got 0, expected a value > 0"),
         (

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bigtrain.config.resilience import SuspicionConfig
+from bigtrain.errors import ConfigError
 from bigtrain.monitor.monitor import EMPTY, shard_extremes
 from bigtrain.parallel.env import DistEnv
 from bigtrain.resilience.suspect import Suspicion, series
@@ -121,6 +122,8 @@ def test_corruption_is_transient_and_leaves_no_trace_a_data_spike_is_reproduced(
     (fault,) = of_kind(events, "fault")
     assert fault["module"] == "blocks.0.mlp" and abs(fault["after"]) > 1e30 * abs(fault["before"])
     assert masked["anomalies"] == 0 and masked["fingerprint"] != clean["fingerprint"]
+    with pytest.raises(ConfigError, match=r"'fault\.bitflip_activation' got 'blocks\.0\.mlpx'"):
+        local_run(micro, "bad", "fault.bitflip_step=[3]", "fault.bitflip_activation=blocks.0.mlpx")
 
 
 @pytest.mark.distributed

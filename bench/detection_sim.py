@@ -27,6 +27,7 @@ suspicion tier, bigtrain/resilience/suspect.py: its replay comes out clean, a tr
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +35,8 @@ import numpy as np
 from detection_runs import RANKS, Trace
 
 from bigtrain.config.schema import MonitorConfig
-from bigtrain.monitor.monitor import EMPTY, Health
+from bigtrain.monitor.monitor import Health
+from bigtrain.monitor.shards import EMPTY
 from bigtrain.resilience.detect import Detector
 
 FACTORS = (10, 50)
@@ -56,9 +58,9 @@ class Faulty:
     nonfinite: np.ndarray  # [..., tensor] non-finite values
     telemetry: dict = field(default_factory=dict)  # an MoE step's router numbers (unchanged)
 
-    def health(self, sizes: np.ndarray | None = None) -> Health:
+    def health(self, ranks: RankShards | None = None) -> Health:
         """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size; with
-        `sizes`, the shards' extremes of the suspicion tier)."""
+        the emulated ranks' shard histories, the suspicion tier's statistics)."""
         sum_sq = self.halves.sum(axis=1)
         num_nonfinite = int(self.nonfinite.sum())
         return Health(
@@ -73,19 +75,47 @@ class Faulty:
             host_max_abs=None,
             replicas=[],
             telemetry=dict(self.telemetry),
-            shards=None if sizes is None else shards_of(self.halves, sizes),
+            shards=None if ranks is None else ranks.shards(self.halves),
         )
 
 
-def shards_of(halves: np.ndarray, sizes: np.ndarray) -> list[float]:
-    """monitor.shard_extremes reduced over the ranks: per tensor the largest log mean square of
-    a half, then the negated smallest."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logs = np.log(np.maximum(halves / np.maximum(sizes, 1), 1e-38))
-    keep = (sizes > 0) & np.isfinite(logs)
-    high = np.where(keep, logs, EMPTY).max(axis=1)
-    low = np.where(keep, -logs, EMPTY).max(axis=1)
-    return np.concatenate([high, low]).tolist()
+def lower_median(values: np.ndarray, axis: int) -> np.ndarray:
+    """torch's nanmedian in NumPy: the lower middle value for an even count, NaN ignored (NaN
+    where all are)."""
+    ordered = np.sort(values, axis=axis)  # NaN last
+    count = np.sum(~np.isnan(values), axis=axis, keepdims=True)
+    picked = np.take_along_axis(ordered, np.maximum(count - 1, 0) // 2, axis=axis)
+    return np.squeeze(np.where(count > 0, picked, np.nan), axis=axis)
+
+
+class RankShards:
+    """The emulated ranks' side of the suspicion tier (bigtrain/monitor/shards.py in NumPy, the
+    same medians): each rank's history of accepted shard levels, and its statistics of a step
+    reduced over the ranks as the MAX all-reduce does."""
+
+    def __init__(self, sizes: np.ndarray, window: int) -> None:
+        self.sizes = sizes  # [tensor, rank]
+        self.history: deque[np.ndarray] = deque(maxlen=window)
+        self.center = np.full(sizes.shape, np.nan)
+
+    def levels(self, halves: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log(np.maximum(halves / np.maximum(self.sizes, 1), 1e-38))
+        return np.where((self.sizes > 0) & np.isfinite(logs), logs, np.nan)
+
+    def shards(self, halves: np.ndarray) -> list[float]:
+        """Health.shards of a step with these halves."""
+        rise = self.levels(halves) - self.center
+        alone = rise - lower_median(rise, axis=0)[None, :]
+
+        def most(values: np.ndarray) -> np.ndarray:
+            return np.where(np.isnan(values), EMPTY, values).max(axis=1)
+
+        return np.concatenate([most(rise), most(-rise), most(alone)]).tolist()
+
+    def accept(self, halves: np.ndarray) -> None:
+        self.history.append(self.levels(halves))
+        self.center = lower_median(np.stack(self.history), axis=0)
 
 
 def _flip(value: float, bit: int) -> float:
@@ -162,34 +192,35 @@ def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
     detector = Detector(cfg, trace.names)
     cache_thresholds(detector)
     steps, ranks = healthy_steps(trace), range(RANKS)
+    shards = RankShards(trace.sizes, cfg.suspicion.window)
     out = Simulated()
     caught = {k: [] for k in KINDS}
     for index, healthy in enumerate(steps):
         step = index + 1
         if step >= FIRST_STEP:
             for kind in KINDS:
-                caught[kind].append(
-                    [_caught(detector, kind, healthy, r, trace.sizes) for r in ranks]
-                )
-        health = healthy.health(trace.sizes)
+                caught[kind].append([_caught(detector, kind, healthy, r, shards) for r in ranks])
+        health = healthy.health(shards)
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
             out.false_alarms.append(step)
         else:
             if detector.suspects(health):  # replayed, reproduced, applied
                 out.suspicions.append(step)
             detector.add(health)
+            shards.accept(healthy.halves)
     out.caught = {k: np.asarray(v) for k, v in caught.items()}
     return out
 
 
-def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, sizes: np.ndarray):
+def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, shards: RankShards):
     """True if the fault is caught; for grad_spike, per tensor (a tensor the rank holds no part
     of cannot be poisoned on it: NaN, left out of the average)."""
 
     replay_clears = kind.partition("_x")[0] in FIRST_RUN_ONLY
+    sizes = shards.sizes
 
     def found(faulty: Faulty) -> bool:
-        health = faulty.health(sizes)
+        health = faulty.health(shards)
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
             return True
         return replay_clears and bool(detector.suspects(health))

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
+from bigtrain.monitor.shards import ShardHistory, shard_levels, shard_statistics
 from tests.conftest import ROOT
-
-pytestmark = pytest.mark.e2e
 
 ISSUE_KINDS = {"nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10"}
 
@@ -31,6 +32,31 @@ def detection_bench(cache_dir, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.unit
+def test_the_simulated_ranks_shard_statistics_are_the_monitors(monkeypatch):
+    """bench/detection_sim.py's NumPy mirror of monitor/shards.py, MAX-reduced over two emulated
+    ranks, gives the numbers the monitor's two ranks would (FP32 there, FP64 here)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from detection_sim import RankShards
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([[4, 4], [3, 0], [2, 2], [5, 5]])  # rank 0 holds tensor 1 whole
+    mirror = RankShards(sizes, window=3)
+    ranks = [ShardHistory(3, len(sizes), torch.device("cpu")) for _ in range(2)]
+    for _ in range(6):
+        halves = rng.uniform(0.01, 100.0, sizes.shape) * sizes
+        levels = [
+            shard_levels(torch.tensor(halves[:, r]), torch.tensor(sizes[:, r]), 1.0) for r in (0, 1)
+        ]
+        packed = [shard_statistics(levels[r], ranks[r].center()) for r in (0, 1)]
+        reduced = torch.stack(packed).max(dim=0).values.double().numpy()
+        np.testing.assert_allclose(mirror.shards(halves), reduced, rtol=1e-5, atol=1e-5)
+        mirror.accept(halves)
+        for r in (0, 1):
+            ranks[r].add(levels[r])
+
+
+@pytest.mark.e2e
 def test_detection_bench_reports_the_issues_keys(cache_dir):
     report = detection_bench(cache_dir, "--runs", "2", "--steps", "40", "--validate", "0")
     assert report["bench"] == "detection" and report["mode"] == "quick"
@@ -54,6 +80,7 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
     assert 0.0 <= report["detection_rate"]["bitflip"] <= 1.0
 
 
+@pytest.mark.e2e
 def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
     """--moe: a healthy MoE micro run with all four rules on, and one real 2-rank run of the
     router-bias drill, caught at its step."""

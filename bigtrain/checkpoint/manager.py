@@ -101,10 +101,12 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # left by a crash mid-write: never committed, never loaded
             tmp.mkdir(parents=True)
         barrier()
-        own = [f"rng_rank{self.rank}.pt"]
+        own = [f"rng_rank{self.rank}.pt", f"local_rank{self.rank}.pt"]
         torch.save(rng_state(), tmp / own[0])
+        torch.save(trainer_state.get("local", {}), tmp / own[1])  # this rank's own state
         if self.rank == 0:
-            (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+            shared = {k: v for k, v in trainer_state.items() if k != "local"}
+            (tmp / "trainer.json").write_text(json.dumps(shared, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
             saved = {"backend": backend.name, "loss_scale": backend.loss_scale()}
             (tmp / "backend.json").write_text(json.dumps(saved | backend.extra_state(), indent=1))
@@ -237,7 +239,8 @@ class CheckpointManager:
     def load(self, path: Path, backend) -> dict[str, Any]:
         """Load a verified checkpoint into `backend`; returns the trainer state. Any backend,
         world size and mesh loads any checkpoint (DCP reshards, checkpoint/state.py). Each rank
-        gets its own RNG state back, or rank 0's when the world grew. What a backend keeps
+        gets its own RNG state back, or rank 0's when the world grew, and its own local state
+        (the suspicion tier's shard history, monitor/shards.py) on the same world size. What a backend keeps
         beside its tensors (`backend.json`) goes back to the same backend; another takes over
         its loss scale."""
         manifest = read_manifest(path)
@@ -255,6 +258,9 @@ class CheckpointManager:
         )
         if not rng_file.exists():
             backend.borrowed_rng(int(manifest["step"]))
+        local = path / f"local_rank{self.rank}.pt"  # another world size shards otherwise
+        if local.exists() and manifest["world_size"] == self.world_size:
+            trainer_state["local"] = torch.load(local, weights_only=True, map_location="cpu")
         return trainer_state
 
     def load_weights(self, path: Path, backend) -> None:

@@ -32,19 +32,26 @@ class SpikeRuleConfig:
 
 @dataclass
 class SuspicionConfig:
-    """The suspicion tier (resilience/suspect.py): a gradient shard far from its own history or
-    from the other ranks' shards of the same tensor replays the step, nothing else."""
+    """The suspicion tier (resilience/suspect.py): a gradient shard that rose over its own
+    history beyond the other ranks' shards of the same tensor and beyond its rank's other
+    shards replays the step, nothing else."""
 
     enabled: bool = True
     """Watch every gradient tensor's shards each step (one more small MAX all-reduce) and replay
     a suspicious step; needs resilience.replay."""
-    factor: float = 5.0
-    """The least jump, as a ratio of gradient norms, that is suspicious (> 1)."""
+    factor: float = 6.0
+    """The least jump of a tensor's split (its shards' largest rise over their own history
+    minus the smallest; a lone holder's rise), as a ratio of gradient norms (> 1)."""
     sigmas: float = 6.0
-    """Robust standard deviations (of the tensor's own log history) a jump must also exceed
+    """Robust standard deviations (of the split's own log history) a jump must also exceed
     once `min_values` values are known."""
+    alone_factor: float = 4.0
+    """The least jump of a shard's rise beyond the median rise of its rank's shards, as a
+    ratio of gradient norms (> 1); a tensor must pass both."""
+    alone_sigmas: float = 2.0
+    """Robust standard deviations of that series' history it must also exceed."""
     window: int = 20
-    """Healthy steps of history per tensor."""
+    """Healthy steps of history per tensor (and of each rank's shard levels)."""
     min_values: int = 10
     """Values in the history before the spread counts; until then the factor alone."""
 
@@ -176,6 +183,17 @@ def check_rules(monitor: MonitorConfig) -> None:
         raise ConfigError(
             f"key 'monitor.rules' got unknown rule names {unknown}, expected a list of "
             f"{', '.join(SPIKE_RULES)}"
+        )
+    suspicion = monitor.suspicion
+    if not suspicion.alone_factor > 1.0:
+        raise ConfigError(
+            f"key 'monitor.suspicion.alone_factor' got {suspicion.alone_factor}, expected a "
+            "value > 1"
+        )
+    if not suspicion.alone_sigmas >= 0.0:
+        raise ConfigError(
+            f"key 'monitor.suspicion.alone_sigmas' got {suspicion.alone_sigmas}, expected a "
+            "value >= 0"
         )
     for name in (*SPIKE_RULES, "suspicion"):  # the suspicion tier has the same four settings
         rule, key = getattr(monitor, name), f"monitor.{name}"

@@ -2,7 +2,7 @@
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
 with the local loss packed in, one MAX all-reduce (max |g| on full steps; every step, the
-suspicion tier's shard extremes and an MoE model's router extremes), one host read of the reduced
+suspicion tier's shard statistics (shards.py) and an MoE model's router extremes), one host read of the reduced
 numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
 reach the same verdict on every rank. The global gradient norm for clipping is the square root of
 the summed squares: no second pass over the gradients.
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
 from bigtrain.monitor.routers import RouterStats
+from bigtrain.monitor.shards import ShardHistory, shard_levels, shard_statistics
 from bigtrain.monitor.stats import (
     GradStats,
     layer_stats,
@@ -49,9 +50,11 @@ class Health:
     telemetry: dict[str, Any]
     stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
     shards: list[float] | None = None
-    """With the suspicion tier: per tensor the largest log mean square of a rank's shard, then
-    the negated smallest (EMPTY where no rank holds it; resilience/suspect.py)."""
+    """With the suspicion tier, per tensor over the ranks (shards.py): the largest rise of a
+    shard, the negated smallest, the largest rise beyond its rank's median (EMPTY: unknown)."""
     grad_factor: float = 1.0  # the loss scale the gradients still carried
+    levels: torch.Tensor | None = None
+    """With the suspicion tier: this rank's shard levels, kept in its history if the step is."""
 
     @property
     def loss_finite(self) -> bool:
@@ -60,20 +63,6 @@ class Health:
     @property
     def grads_finite(self) -> bool:
         return self.num_nonfinite == 0 and self.host_grad_norm < float("inf")
-
-
-EMPTY = -1e30
-"""A shard statistic no rank has: neutral in a MAX all-reduce."""
-
-
-def shard_extremes(sum_sq: torch.Tensor, sizes: torch.Tensor, grad_factor: float) -> torch.Tensor:
-    """Per tensor the log mean square of this rank's shard, then its negation, for a MAX
-    all-reduce (max and -min over ranks); EMPTY for a shard this rank does not hold or a
-    non-finite one (the non-finite check has those)."""
-    mean_sq = sum_sq.float() / sizes.clamp_min(1) / grad_factor**2
-    logs = mean_sq.clamp_min(1e-38).log()
-    keep = (sizes > 0) & logs.isfinite()
-    return torch.cat([logs.where(keep, EMPTY), (-logs).where(keep, EMPTY)])
 
 
 def weighted_count(value: float) -> int:
@@ -117,6 +106,7 @@ class GradMonitor:
         self.across_groups = across_groups
         self.routers = routers
         self.sizes: torch.Tensor | None = None  # values per local shard, kept from the first step
+        self.history = ShardHistory(cfg.suspicion.window, len(names), device)
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
@@ -141,7 +131,8 @@ class GradMonitor:
         if self.routers is not None:
             sums, extremes = self.routers.take(self.device)
             flags = torch.cat([flags, sums])
-        shards = self._shards(named_grads, stats.sum_sq, grad_factor)
+        levels = self._levels(named_grads, stats.sum_sq, grad_factor)
+        shards = None if levels is None else shard_statistics(levels, self.history.center())
         parts = [t for t in (shards, extremes) if t is not None]
         stats = weighted_stats(stats, self.weights)
         stats, loss, flags, maxima = reduce_grad_stats(
@@ -162,7 +153,7 @@ class GradMonitor:
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n : f + 3 * n] if full else None
         at = f + (3 if full else 2) * n
-        host_shards = host[at : at + 2 * n] if shards is not None else None
+        host_shards = host[at : at + 3 * n] if shards is not None else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
             ends = host[len(host) - extremes.numel() :]
@@ -185,6 +176,7 @@ class GradMonitor:
             stop_requested=host[2] > 0,
             grad_factor=grad_factor,
             shards=host_shards,
+            levels=levels,
         )
 
     def max_abs(
@@ -199,16 +191,28 @@ class GradMonitor:
         # Expensive device-to-host synchronization, on anomalous steps only.
         return (max_abs / grad_factor).tolist()
 
-    def _shards(
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own state (a device copy): its shard history."""
+        return {"shards": self.history.state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.load_state_dict(state.get("shards", {}))
+
+    def accept(self, health: Health) -> None:
+        """The step is kept: its shard levels join this rank's history (shards.py)."""
+        if health.levels is not None:
+            self.history.add(health.levels)
+
+    def _levels(
         self, named_grads: list[tuple[str, torch.Tensor]], sum_sq: torch.Tensor, grad_factor: float
     ) -> torch.Tensor | None:
-        """This rank's shard statistics for the suspicion tier (None when it is off)."""
+        """This rank's shard levels for the suspicion tier (None when it is off)."""
         if not self.cfg.suspicion.enabled:
             return None
         if self.sizes is None:  # shapes do not change within a run: one host-to-device copy
             sizes = [g.numel() for _, g in named_grads]
             self.sizes = torch.tensor(sizes, dtype=torch.float32, device=self.device)
-        return shard_extremes(sum_sq, self.sizes, grad_factor)
+        return shard_levels(sum_sq, self.sizes, grad_factor)
 
     def _flags(self, stats: GradStats, full: bool, stop_requested: bool) -> torch.Tensor:
         """What rides along the SUM all-reduce: the preemption request, then on full steps under

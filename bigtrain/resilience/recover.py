@@ -34,10 +34,9 @@ def hold(trainer) -> Held:
 def origin_record(trainer) -> dict[str, Any]:
     """What rebuilding the start needs besides its weights: the trainer state and RNG at step 0
     (JSON: it travels in checkpoints)."""
-    return {
-        "trainer_state": trainer.trainer_state(resilience=False),
-        "rng": rng_to_json(rng_state()),
-    }
+    state = trainer.trainer_state(resilience=False)
+    state.pop("local", None)  # a rank's own state, empty at the start: a rebuild starts it empty
+    return {"trainer_state": state, "rng": rng_to_json(rng_state())}
 
 
 class Recovery:

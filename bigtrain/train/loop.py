@@ -311,6 +311,7 @@ class Trainer:
             "loss_scaler": scaler.state_dict() if scaler else None,
             "callbacks": self.callbacks.state_dict(),
             "replicas": self.replicas.state_dict(),
+            "local": self.monitor.local_state_dict(),  # this rank's own: a file per rank
         }
         if resilience:
             out["resilience"] = self.healer.state_dict()
@@ -321,6 +322,7 @@ class Trainer:
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.healer.detector.load_state_dict(saved.get("monitor", {}))
+        self.monitor.load_local_state_dict(saved.get("local", {}))
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
         if resilience:  # torchft's step only grows: a rollback does not take it back
             self.replicas.load_state_dict(saved.get("replicas", {}))

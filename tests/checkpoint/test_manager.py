@@ -2,7 +2,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from bigtrain.build import build_trainer
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.checkpoint.manifest import CheckpointError, verify
 from bigtrain.checkpoint.state_io import StateIO
@@ -31,6 +33,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
         "backend.json",
         "trainer.json",
         "rng_rank0.pt",
+        "local_rank0.pt",  # this rank's own state: its suspicion tier's shard history
         "config.yaml",
         "tokenizer/tokenizer.json",  # the run's tokenizer travels with each checkpoint
         "tokenizer/tokenizer_config.json",
@@ -41,6 +44,28 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
     assert len(manifest["config_hash"]) == 16
     for name, meta in manifest["files"].items():
         assert (path / name).stat().st_size == meta["size"]
+
+
+def test_a_ranks_local_state_comes_back_only_at_the_same_world_size(micro):
+    """Rank r's shard history describes rank r's shards: another world size shards the tensors
+    otherwise, so its file is left alone and the history starts empty."""
+    cfg = micro("train.max_steps=10")
+    run(cfg, ENV)
+    path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000010"
+    trainer = build_trainer(cfg, ENV)  # resumed at step 10 from `path`
+    try:
+        history = trainer.monitor.history
+        assert history.count == 10 and torch.isfinite(history.values[:10]).any(dim=1).all()
+        same = trainer.healer.manager.load(path, trainer.backend)
+        assert torch.equal(
+            same["local"]["shards"]["levels"].nan_to_num(), history.values.nan_to_num()
+        )
+        grown = CheckpointManager(path.parent, keep=3, rank=0, world_size=2)
+        assert "local" not in grown.load(path, trainer.backend)
+        trainer.load_trainer_state(grown.load(path, trainer.backend))
+        assert history.count == 0 and torch.isnan(history.values).all()
+    finally:
+        trainer.callbacks.close()
 
 
 def test_keep_prunes_old_checkpoints(micro):

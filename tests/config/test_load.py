@@ -116,6 +116,14 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             ["monitor.suspicion.factor=1"],
             "key 'monitor.suspicion.factor' got 1.0, expected a value > 1",
         ),
+        (
+            ["monitor.suspicion.alone_factor=0.5"],
+            "key 'monitor.suspicion.alone_factor' got 0.5, expected a value > 1",
+        ),
+        (
+            ["monitor.suspicion.alone_sigmas=-2"],
+            "key 'monitor.suspicion.alone_sigmas' got -2.0, expected a value >= 0",
+        ),
         (["monitor.loss.window=0"], "key 'monitor.loss.window' got 0, expected a value >= 1"),
         (["monitor.tensor_window=0"], "key 'monitor.tensor_window' got 0, expected a value > 0"),
         (

@@ -173,7 +173,7 @@ def test_fsdp_resume_is_bit_exact(tmp_path, corpus_files, cache_dir):
 def check_manifest(checkpoint: Path, backend: str) -> None:
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["backend"] == backend and manifest["world_size"] == 2
-    assert "rng_rank1.pt" in manifest["files"]
+    assert {"rng_rank1.pt", "local_rank1.pt"} <= set(manifest["files"])
 
 
 def losses(result: dict) -> dict[int, float]:

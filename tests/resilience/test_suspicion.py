@@ -14,7 +14,7 @@ import torch
 
 from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.errors import ConfigError
-from bigtrain.monitor.monitor import EMPTY, shard_extremes
+from bigtrain.monitor.shards import EMPTY, ShardHistory, shard_levels, shard_statistics
 from bigtrain.parallel.env import DistEnv
 from bigtrain.resilience.suspect import Suspicion, series
 from bigtrain.runner import run
@@ -24,44 +24,75 @@ from tests.distributed import run_distributed, train_run
 TENSOR = "blocks.1.mlp.up.weight"
 
 
-def shards(high: list[float], low: list[float]) -> list[float]:
-    return high + [-v for v in low]
+def shards(high: list[float], low: list[float], alone: list[float]) -> list[float]:
+    """Health.shards: the largest and smallest rise over the ranks, the largest rise beyond a
+    rank's median."""
+    return high + [-v for v in low] + alone
 
 
 @pytest.mark.unit
-def test_shard_extremes_are_log_mean_squares_without_the_loss_scale():
-    out = shard_extremes(torch.tensor([16.0, 0.0, float("inf")]), torch.tensor([4.0, 0, 2]), 2.0)
+def test_shard_levels_are_log_mean_squares_without_the_loss_scale():
+    out = shard_levels(torch.tensor([16.0, 0.0, float("inf")]), torch.tensor([4.0, 0, 2]), 2.0)
     assert out[0].item() == pytest.approx(0.0)  # 16 / 4 / 2^2 = 1
-    assert [out[i].item() for i in (1, 2, 4, 5)] == pytest.approx([EMPTY] * 4)  # FP32
-    assert out[3].item() == pytest.approx(0.0)
+    assert math.isnan(out[1].item()) and math.isnan(out[2].item())  # not held; non-finite
 
 
 @pytest.mark.unit
-def test_series_is_the_split_between_ranks_or_a_lone_holders_level():
-    values = series(shards([1.0, 2.0, EMPTY], [-1.0, 2.0, -EMPTY]))
-    assert values[0] == 2.0  # two ranks: 1 - (-1)
-    assert values[1] == 2.0  # one holder (or equal shards): its level
-    assert math.isnan(values[2])  # no holder
+def test_a_shard_rises_over_its_own_median_and_beyond_its_ranks_median_rise():
+    history = ShardHistory(window=3, num_tensors=3, device=torch.device("cpu"))
+    nan = math.nan
+    assert torch.isnan(history.center()).all()  # no accepted step yet
+    for row in ([1.0, 5.0, nan], [2.0, 7.0, nan], [9.0, 6.0, nan], [3.0, 4.0, nan]):
+        history.add(torch.tensor(row))  # the window keeps the last 3: [2, 7], [9, 6], [3, 4]
+    assert history.center()[:2].tolist() == [3.0, 6.0] and math.isnan(history.center()[2])
+    packed = shard_statistics(torch.tensor([4.0, 5.0, nan]), history.center())
+    rise, neg, alone = packed.reshape(3, 3).tolist()
+    assert rise[:2] == [1.0, -1.0] and neg[:2] == [-1.0, 1.0]
+    assert alone[:2] == [2.0, 0.0]  # minus the lower median of the rises (1, -1): -1
+    assert [rise[2], neg[2], alone[2]] == pytest.approx([EMPTY] * 3)  # not held (FP32)
+    saved = history.state_dict()
+    again = ShardHistory(window=3, num_tensors=3, device=torch.device("cpu"))
+    again.load_state_dict(saved)
+    assert again.center()[:2].tolist() == [3.0, 6.0] and again.count == 4
+    again.add(torch.tensor([8.0, 8.0, nan]))  # the ring goes on where it was: [9, 6] [3, 4] [8, 8]
+    assert again.center()[:2].tolist() == [8.0, 6.0]
+    other = ShardHistory(window=3, num_tensors=2, device=torch.device("cpu"))
+    other.load_state_dict(saved)  # another model (or world size): starts empty
+    assert torch.isnan(other.center()).all() and other.count == 0
 
 
 @pytest.mark.unit
-def test_a_tensor_that_jumps_past_factor_and_sigmas_is_suspected_and_named():
-    cfg = SuspicionConfig(factor=5.0, sigmas=6.0, window=20, min_values=10)
+def test_series_is_the_split_of_the_rises_or_a_lone_holders_rise_and_the_rise_alone():
+    values = series(shards([1.0, 2.0, EMPTY], [-1.0, 2.0, -EMPTY], [0.5, 3.0, EMPTY]))
+    assert values[0, 0] == 2.0  # two ranks: 1 - (-1)
+    assert values[0, 1] == 2.0  # one holder (or equal rises): its rise
+    assert values[1, :2].tolist() == [0.5, 3.0]
+    assert np.isnan(values[:, 2]).all()  # no holder
+
+
+@pytest.mark.unit
+def test_a_tensor_is_suspected_only_when_it_jumps_past_both_series_limits():
+    cfg = SuspicionConfig(factor=5.0, sigmas=6.0, alone_factor=3.0, window=20, min_values=10)
     watch = Suspicion(cfg, ["a", "b"])
     rng = np.random.default_rng(0)
-    assert watch.check(shards([0.0, 0.0], [0.0, 0.0])) == []  # no history yet
+    assert watch.check(shards([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])) == []  # no history yet
     for _ in range(20):
-        watch.add(shards(list(rng.normal(0, 0.1, 2)), [-3.0, -3.0]))
-    split = 3.0 + 2 * math.log(5.0)  # the split's median is about 3: x5 in norm on top
-    assert watch.check(shards([0.0, split - 3.0 - 0.2], [-3.0, -3.0])) == []
-    (hit,) = watch.check(shards([0.0, split - 3.0 + 0.5], [-3.0, -3.0]))
+        watch.add(shards(list(rng.normal(0, 0.1, 2)), [-3.0, -3.0], list(rng.normal(0, 0.1, 2))))
+    split = 2 * math.log(5.0)  # the split's median is about 3: x5 in norm on top
+    alone = 2 * math.log(3.0) + 0.3
+    assert watch.check(shards([0.0, split - 0.2], [-3.0, -3.0], [0.0, alone])) == []
+    assert watch.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone - 0.6])) == []
+    (hit,) = watch.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone]))
     assert hit[0] == "b" and 5.0 < hit[1] < 8.0
     again = Suspicion(cfg, ["a", "b"])
     again.load_state_dict(watch.state_dict())
-    assert again.check(shards([0.0, split + 0.5 - 3.0], [-3.0, -3.0]))[0][0] == "b"
+    assert again.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone]))[0][0] == "b"
+    earlier = Suspicion(cfg, ["a", "b"])  # an earlier bigtrain's history: one series
+    earlier.load_state_dict({"values": [[0.0, 0.0]] * 20})
+    assert not earlier.values
     off = Suspicion(SuspicionConfig(enabled=False), ["a", "b"])
     off.values = watch.values
-    assert off.check(shards([0.0, 99.0], [-3.0, -3.0])) == []
+    assert off.check(shards([0.0, 99.0], [-3.0, -3.0], [0.0, 99.0])) == []
 
 
 def local_run(micro, name: str, *extra: str) -> tuple[dict, list[dict]]:
@@ -88,10 +119,33 @@ def test_replaying_every_healthy_step_changes_nothing(micro):
     run ends where the run without the tier does."""
     off, _ = local_run(micro, "off", "monitor.suspicion.enabled=false")
     always = ["monitor.suspicion.factor=1.000001", "monitor.suspicion.sigmas=0"]
+    always += ["monitor.suspicion.alone_factor=1.000001", "monitor.suspicion.alone_sigmas=0"]
     on, events = local_run(micro, "on", *always)
     suspicions = of_kind(events, "suspicion")
     assert len(suspicions) >= 20 and {e["verdict"] for e in suspicions} == {"reproduced"}
     assert on["fingerprint"] == off["fingerprint"] and on["loss"] == off["loss"]
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_suspects_what_the_straight_run_does(micro):
+    """Each rank's shard history travels in its own checkpoint file (local_rank0.pt): after a
+    resume the tier judges every step from the same history, naming the same tensors with the
+    same jumps (without it, the step after the resume would have no rises at all)."""
+    always = ["monitor.suspicion.factor=1.000001", "monitor.suspicion.sigmas=0"]
+    always += ["monitor.suspicion.alone_factor=1.000001", "monitor.suspicion.alone_sigmas=0"]
+    _, straight = local_run(micro, "straight", *always)
+    stopped = micro("train.max_steps=24", "train.stop_at_step=12", *always, out="resumed")
+    run(stopped, DistEnv())
+    saved = Path(stopped.train.out_dir) / "checkpoints/step_00000012/local_rank0.pt"
+    history = torch.load(saved, weights_only=True)["shards"]
+    assert history["count"] == 12 and history["levels"].shape[0] == 20
+    assert torch.isfinite(history["levels"][:12]).any(dim=1).all()  # 12 accepted steps
+    _, resumed = local_run(micro, "resumed", *always)
+
+    def judged(events: list[dict]) -> list[tuple]:
+        return [(e["step"], e["tensors"]) for e in of_kind(events, "suspicion") if e["step"] > 12]
+
+    assert judged(straight) and judged(resumed) == judged(straight)
 
 
 @pytest.mark.e2e

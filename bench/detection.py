@@ -254,7 +254,7 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
     print(
         f"  suspicions (a replay each) on 2 emulated ranks (simulated): "
         f"{result['suspicions_per_1k']:.2f} per 1000 steps; in the runs (one process: each "
-        f"tensor by its level) {result['suspicions_real_per_1k']:.2f}; transient verdicts: "
+        f"tensor by its own rise) {result['suspicions_real_per_1k']:.2f}; transient verdicts: "
         f"{result['transient_verdicts']}"
     )
     d = result["healthy_dynamics"]

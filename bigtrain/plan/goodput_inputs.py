@@ -73,7 +73,7 @@ class GoodputInputs:
     """Without the watchdog a hang ends at the collective timeout (NCCL's default: 10 min)."""
     replay_steps: float = 1.0
     """Steps of time one replay costs (it runs the step's micro-batches once more)."""
-    suspicions_per_1k: float = 6.67
+    suspicions_per_1k: float = 0.83
     """Healthy steps per 1,000 that the suspicion tier replays (monitor.suspicion; 0 when off).
     Default: bench/detection.py --quick's measured rate on the micro model."""
     ckpt_every_steps: int = 250

@@ -3,7 +3,7 @@
     detect.py   the verdict on the monitor's reduced numbers: non-finite values, disagreeing HSDP
                 replicas, spikes by the rules of rules.py (loss, gradient norm)
     replay.py   one more run of an anomalous step: a transient fault or a reproduced one
-    suspect.py  the suspicion tier: a gradient shard that jumped replays the step, nothing else
+    suspect.py  the suspicion tier: a gradient shard that rose alone replays the step, nothing else
     targets.py  the states a rollback may return to, the same whether or not the run restarted
     recover.py  restoring a target: from memory, from its checkpoint, or rebuilt by training forward
     healer.py   the state machine below, and its calls from the loop
@@ -11,10 +11,10 @@
 States of the run and what moves it between them (one step at a time; every rank holds the same
 numbers, so every rank takes the same transitions in the same step, with no extra agreement):
 
-    HEALTHY   the step is applied; its values join the rules' windows; targets count it towards
-              their confirmation; at cadence steps a new target is taken (held in memory when
+    HEALTHY   the step is applied; its values join the rules' windows (each rank's shard levels
+              its own ring, monitor/shards.py); targets count it towards their confirmation; at cadence steps a new target is taken (held in memory when
               snapshots are on).
-      -- a gradient shard jumped (suspect.py) -->  SUSPICIOUS
+      -- a gradient shard rose alone (suspect.py) -->  SUSPICIOUS
       -- a spike, a non-finite value or disagreeing replicas -->  SUSPECT
     SUSPICIOUS  the step is run once more from the same state and RNG (resilience.replay):
       -- some rank's statistics differ -->  HEALTHY, the replayed step applied: silent data

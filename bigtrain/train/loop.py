@@ -322,7 +322,12 @@ class Trainer:
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.healer.detector.load_state_dict(saved.get("monitor", {}))
-        self.monitor.load_local_state_dict(saved.get("local", {}))
+        local = saved.get(
+            "local"
+        )  # None: written at another world size (or before bigtrain had it)
+        self.monitor.load_local_state_dict(local or {})
+        if local is None:  # other shards: the suspicion tier's history starts again with them
+            self.healer.detector.suspicion.load_state_dict({})
         self.callbacks.load_state_dict(saved.get("callbacks", {}))
         if resilience:  # torchft's step only grows: a rollback does not take it back
             self.replicas.load_state_dict(saved.get("replicas", {}))

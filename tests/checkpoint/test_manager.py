@@ -48,13 +48,15 @@ def test_manifest_lists_every_file_with_size_and_sha256(micro):
 
 def test_a_ranks_local_state_comes_back_only_at_the_same_world_size(micro):
     """Rank r's shard history describes rank r's shards: another world size shards the tensors
-    otherwise, so its file is left alone and the history starts empty."""
+    otherwise, so its file is left alone and the history starts empty, with the suspicion tier's
+    own series of those shards (trainer.json's)."""
     cfg = micro("train.max_steps=10")
     run(cfg, ENV)
     path = Path(cfg.train.out_dir) / "checkpoints" / "step_00000010"
     trainer = build_trainer(cfg, ENV)  # resumed at step 10 from `path`
     try:
-        history = trainer.monitor.history
+        history, series = trainer.monitor.history, trainer.healer.detector.suspicion.values
+        assert len(series) >= 8  # steps 3-10 had rises (the first needs a history)
         assert history.count == 10 and torch.isfinite(history.values[:10]).any(dim=1).all()
         same = trainer.healer.manager.load(path, trainer.backend)
         assert torch.equal(
@@ -63,7 +65,9 @@ def test_a_ranks_local_state_comes_back_only_at_the_same_world_size(micro):
         grown = CheckpointManager(path.parent, keep=3, rank=0, world_size=2)
         assert "local" not in grown.load(path, trainer.backend)
         trainer.load_trainer_state(grown.load(path, trainer.backend))
-        assert history.count == 0 and torch.isnan(history.values).all()
+        assert history.count == 0 and torch.isnan(history.values).all() and len(series) == 0
+        trainer.load_trainer_state(same)
+        assert history.count == 10 and len(series) >= 8
     finally:
         trainer.callbacks.close()
 

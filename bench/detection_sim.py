@@ -35,8 +35,8 @@ import numpy as np
 from detection_runs import RANKS, Trace
 
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor.levels import EMPTY
 from bigtrain.monitor.monitor import Health
-from bigtrain.monitor.shards import EMPTY
 from bigtrain.resilience.detect import Detector
 
 FACTORS = (10, 50)
@@ -89,7 +89,7 @@ def lower_median(values: np.ndarray, axis: int) -> np.ndarray:
 
 
 class RankShards:
-    """The emulated ranks' side of the suspicion tier (bigtrain/monitor/shards.py in NumPy, the
+    """The emulated ranks' side of the suspicion tier (bigtrain/monitor/levels.py in NumPy, the
     same medians): each rank's history of accepted shard levels, and its statistics of a step
     reduced over the ranks as the MAX all-reduce does."""
 

@@ -12,8 +12,8 @@ States of the run and what moves it between them (one step at a time; every rank
 numbers, so every rank takes the same transitions in the same step, with no extra agreement):
 
     HEALTHY   the step is applied; its values join the rules' windows (each rank's shard levels
-              its own ring, monitor/shards.py); targets count it towards their confirmation; at cadence steps a new target is taken (held in memory when
-              snapshots are on).
+              its own ring, monitor/levels.py); targets count it towards their confirmation;
+              at cadence steps a new target is taken (held in memory when snapshots are on).
       -- a gradient shard rose alone (suspect.py) -->  SUSPICIOUS
       -- a spike, a non-finite value or disagreeing replicas -->  SUSPECT
     SUSPICIOUS  the step is run once more from the same state and RNG (resilience.replay):

@@ -160,7 +160,7 @@ class Healer:
     def _healthy(self, trainer, result: StepOutcome) -> None:
         if not result.overflow and self.health is not None:
             self.detector.add(self.health)
-            trainer.monitor.accept(self.health)  # this rank's shard levels (monitor/shards.py)
+            trainer.monitor.accept(self.health)  # this rank's shard levels (monitor/levels.py)
         if self.arrival is None:  # a rebuild replays counted steps: they count once
             self.targets.healthy_step()
         step = trainer.step

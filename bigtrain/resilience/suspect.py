@@ -5,7 +5,7 @@ gradient tensor; so do a few healthy steps (a head waking up), which is why a su
 replays the step (replay.py): corruption does not come back, the data's own spikes do. Nothing is
 skipped and no LR is cut.
 
-Each rank measures its shards against their own history (monitor/shards.py: a shard's rise over
+Each rank measures its shards against their own history (monitor/levels.py: a shard's rise over
 the median of its last `window` levels) and the monitor's MAX all-reduce gives every rank, per
 tensor, the largest and the smallest rise over the ranks that hold it and the largest rise beyond
 its rank's median rise. Two series per tensor follow, identical on every rank:
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from bigtrain.config.resilience import SuspicionConfig
-from bigtrain.monitor.shards import EMPTY
+from bigtrain.monitor.levels import EMPTY
 from bigtrain.resilience.rules import MAD_TO_SIGMA
 
 

@@ -14,7 +14,7 @@ import torch
 
 from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.errors import ConfigError
-from bigtrain.monitor.shards import EMPTY, ShardHistory, shard_levels, shard_statistics
+from bigtrain.monitor.levels import EMPTY, ShardHistory, shard_levels, shard_statistics
 from bigtrain.parallel.env import DistEnv
 from bigtrain.resilience.suspect import Suspicion, series
 from bigtrain.runner import run

@@ -240,9 +240,9 @@ class CheckpointManager:
         """Load a verified checkpoint into `backend`; returns the trainer state. Any backend,
         world size and mesh loads any checkpoint (DCP reshards, checkpoint/state.py). Each rank
         gets its own RNG state back, or rank 0's when the world grew, and its own local state
-        (the suspicion tier's shard history, monitor/levels.py) on the same world size. What a backend keeps
-        beside its tensors (`backend.json`) goes back to the same backend; another takes over
-        its loss scale."""
+        (the suspicion tier's shard history, monitor/levels.py) at the same world size. What a
+        backend keeps beside its tensors (`backend.json`) goes back to the same backend; another
+        takes over its loss scale."""
         manifest = read_manifest(path)
         refuse_legacy(path, manifest)
         trainer_state = json.loads((path / "trainer.json").read_text())

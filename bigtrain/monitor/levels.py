@@ -74,9 +74,10 @@ class ShardHistory:
         self.center_cache = None
 
     def state_dict(self) -> dict[str, Any]:
-        """A device copy (no synchronization: rollback snapshots hold it; a checkpoint writes
-        it to this rank's own file)."""
-        return {"levels": self.values.clone(), "count": self.count}
+        """A host copy, as the backend's state is: rollback snapshots and a joining fault-tolerant
+        group's transfer hold it, a checkpoint writes it to this rank's own file. Taken only
+        where those copy the weights to the host anyway (never on a plain step)."""
+        return {"levels": self.values.to("cpu", copy=True), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A saved history of the same tensors and window; anything else (another world size or

@@ -2,9 +2,9 @@
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
 with the local loss packed in, one MAX all-reduce (max |g| on full steps; every step, the
-suspicion tier's shard statistics (levels.py) and an MoE model's router extremes), one host read of the reduced
-numbers. Every rank then holds the same numbers, so the detection rules (bigtrain/resilience)
-reach the same verdict on every rank. The global gradient norm for clipping is the square root of
+suspicion tier's shard statistics (levels.py) and an MoE model's router extremes), one host read
+of the reduced numbers. Every rank then holds the same numbers, so the detection rules
+(bigtrain/resilience) reach the same verdict on every rank. The global gradient norm for clipping is the square root of
 the summed squares: no second pass over the gradients.
 """
 
@@ -192,7 +192,7 @@ class GradMonitor:
         return (max_abs / grad_factor).tolist()
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's own state (a device copy): its shard history."""
+        """This rank's own state (a host copy): its shard history."""
         return {"shards": self.history.state_dict()}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:

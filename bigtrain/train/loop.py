@@ -322,9 +322,7 @@ class Trainer:
         self.loader.stream.load_state_dict(saved["data"])
         self.clip.load_state_dict(saved.get("clip", {"history": []}))
         self.healer.detector.load_state_dict(saved.get("monitor", {}))
-        local = saved.get(
-            "local"
-        )  # None: written at another world size (or before bigtrain had it)
+        local = saved.get("local")  # None: another world size wrote it, or an earlier bigtrain
         self.monitor.load_local_state_dict(local or {})
         if local is None:  # other shards: the suspicion tier's history starts again with them
             self.healer.detector.suspicion.load_state_dict({})

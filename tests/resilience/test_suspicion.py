@@ -51,6 +51,8 @@ def test_a_shard_rises_over_its_own_median_and_beyond_its_ranks_median_rise():
     assert alone[:2] == [2.0, 0.0]  # minus the lower median of the rises (1, -1): -1
     assert [rise[2], neg[2], alone[2]] == pytest.approx([EMPTY] * 3)  # not held (FP32)
     saved = history.state_dict()
+    history.add(torch.tensor([0.0, 0.0, nan]))  # a copy: the saved ring does not move with it
+    assert saved["levels"].device.type == "cpu" and 0.0 not in saved["levels"][:, :2]
     again = ShardHistory(window=3, num_tensors=3, device=torch.device("cpu"))
     again.load_state_dict(saved)
     assert again.center()[:2].tolist() == [3.0, 6.0] and again.count == 4

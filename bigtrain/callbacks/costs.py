@@ -10,7 +10,7 @@
   the same under `costs`.
 
 Checkpoints (`checkpoint_started`, `checkpoint`: stall, write time, bytes per rank) and replays
-(`replay`: seconds) are written where they happen; this callback only adds them up. What only a
+(`replay` and `suspicion`: seconds) are written where they happen; this callback only adds them up. What only a
 dead process could tell (a hang's detection, `hang`: `waited_s`) is in its own event.
 """
 
@@ -76,7 +76,7 @@ class CostLedger(Callback):
                 "anomaly_time": self.anomaly_time,
             }
             self.anomaly_time = None  # an anomaly that is only skipped must not date a later one
-        elif kind == "replay":
+        elif kind in ("replay", "suspicion"):  # an anomaly's replay, or a suspicion's
             self.replays.add(record.get("seconds", 0.0))
         elif kind == "checkpoint_started":  # an asynchronous save's stall
             self.stalls.add(record["stall_s"])

@@ -24,7 +24,7 @@ LOSSES = (
     ("restart_gap", "between a process's last event and the next one's start"),
     ("checkpoint_stall", "training waiting for checkpoints"),
     ("snapshots", "in-memory snapshots for rollbacks"),
-    ("replays", "replayed steps (transient faults told apart)"),
+    ("replays", "replayed steps (anomalies' and suspicions')"),
     ("rollback_restore", "rollbacks putting the good state back"),
     ("rollback_redone", "steps done again after rollbacks"),
     ("restart_redone", "steps done again after restarts"),

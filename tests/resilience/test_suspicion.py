@@ -126,6 +126,9 @@ def test_replaying_every_healthy_step_changes_nothing(micro):
     suspicions = of_kind(events, "suspicion")
     assert len(suspicions) >= 20 and {e["verdict"] for e in suspicions} == {"reproduced"}
     assert on["fingerprint"] == off["fingerprint"] and on["loss"] == off["loss"]
+    replays = on["costs"]["replays"]  # their time is counted as replays, not as work
+    assert replays["count"] == len(suspicions) and off["costs"]["replays"]["count"] == 0
+    assert replays["seconds"] == pytest.approx(sum(e["seconds"] for e in suspicions), abs=1e-3)
 
 
 @pytest.mark.e2e

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bigtrain.errors import ConfigError
+
 
 @dataclass
 class FaultConfig:
@@ -79,3 +81,28 @@ class FaultConfig:
     """Rank that sleeps `slow_s` seconds in every step's forward+backward (a straggler drill)."""
     slow_s: float = 0.0
     """Seconds `slow_rank` sleeps per step; 0: no straggler drill."""
+
+
+def check_fault_groups(f: FaultConfig, groups: int) -> None:
+    """The drills' replica groups against fault_tolerance.groups (called by config/load.py's
+    `validate`): a group that does not exist would never fire, and the drill would pass unseen."""
+    if groups == 1 and f.group != 0:
+        raise ConfigError(
+            f"key 'fault.group' got {f.group}, but fault_tolerance.groups is 1 (no replica "
+            "groups): use 0"
+        )
+    if not 0 <= f.group < groups:
+        raise ConfigError(
+            f"key 'fault.group' got {f.group}, expected a replica group 0..{groups - 1} "
+            f"(fault_tolerance.groups is {groups})"
+        )
+    if groups == 1 and f.kill_group != -1:
+        raise ConfigError(
+            f"key 'fault.kill_group' got {f.kill_group}, but fault_tolerance.groups is 1 (no "
+            "replica groups): use -1, and fault.kill_step alone to kill fault.rank"
+        )
+    if f.kill_group != -1 and not 0 <= f.kill_group < groups:
+        raise ConfigError(
+            f"key 'fault.kill_group' got {f.kill_group}, expected -1 (off) or a replica group "
+            f"0..{groups - 1} (fault_tolerance.groups is {groups})"
+        )

@@ -8,6 +8,8 @@ one line on stderr and exit code 2.
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from bigtrain.config.data import MixtureSource, check_data
 from bigtrain.config.eval import check_eval
 from bigtrain.config.fault_tolerance import check_fault_tolerance
+from bigtrain.config.faults import check_fault_groups
 from bigtrain.config.model import check_model
 from bigtrain.config.parallel import check_parallel, check_pipeline_batch
 from bigtrain.config.resilience import check_rules
@@ -224,8 +227,55 @@ def _paths_as_sources(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _shape(hint: Any) -> str:
+    """What a field holds: `section` (a dataclass), `mapping`, `list`, `value` or `any`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hints = [h for h in typing.get_args(hint) if h is not type(None)]
+        return _shape(hints[0]) if len(hints) == 1 else "any"
+    origin = typing.get_origin(hint) or hint
+    if is_dataclass(origin):
+        return "section"
+    if origin is dict:
+        return "mapping"
+    if origin in (list, tuple):
+        return "list"
+    return "any" if origin is Any else "value"
+
+
+def _check_shapes(schema: Any, given: dict, origin: str, prefix: str = "") -> None:
+    """A section given a value, or a value or list given a mapping: OmegaConf's merge error says
+    neither key (`int is not a subclass of MoEConfig`) nor, for a list, anything a user can read."""
+    hints = typing.get_type_hints(schema)
+    for name, value in given.items():
+        if name not in hints:  # an unknown key: the merge names it with the closest one
+            continue
+        key, shape = f"{prefix}{name}", _shape(hints[name])
+        if shape == "section" and isinstance(value, dict):
+            _check_shapes(_section_type(hints[name]), value, origin, key + ".")
+        elif shape == "section" and value is not None:
+            inner = [f"{key}.{f.name}" for f in fields(_section_type(hints[name]))]
+            listed = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+            raise ConfigError(
+                f"{origin}: key '{key}' is a section, got {value!r}: set its keys instead "
+                f"({listed})"
+            )
+        elif shape in ("value", "list") and isinstance(value, dict):
+            expected = "a list" if shape == "list" else _expected_type(key)
+            raise ConfigError(f"{origin}: key '{key}' got a mapping {value!r}, expected {expected}")
+        elif shape == "mapping" and isinstance(value, list):
+            raise ConfigError(f"{origin}: key '{key}' got a list {value!r}, expected a mapping")
+
+
+def _section_type(hint: Any) -> Any:
+    """The dataclass of a section field's type hint (`MoEConfig`, or `X | None`)."""
+    if is_dataclass(hint):
+        return hint
+    return next(h for h in typing.get_args(hint) if is_dataclass(h))
+
+
 def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
     other = _paths_as_sources(_steps_as_lists(other))
+    _check_shapes(Config, OmegaConf.to_container(other, resolve=False), origin)  # type: ignore[arg-type]
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except ConfigKeyError as e:
@@ -241,8 +291,10 @@ def _merge_one(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
             types = {f.name: f.type for f in fields(MixtureSource)}
             where = f"key '{e.key}' of a data.mixture/val_mixture entry"
             expected = f"a value of type {types[e.key]}"
-        else:
+        elif e.full_key:
             where, expected = f"key '{e.full_key}'", _expected_type(e.full_key)
+        else:  # no key known (the shapes were checked above): OmegaConf's own words
+            raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
         raise ConfigError(f"{origin}: {where} got {e.value!r}, expected {expected}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
@@ -256,7 +308,7 @@ def _merge_overrides(cfg: DictConfig, items: list[str]) -> DictConfig:
         return cfg
     try:
         return OmegaConf.merge(cfg, *[other for _, other in parsed])  # type: ignore[return-value]
-    except OmegaConfBaseException:
+    except (OmegaConfBaseException, TypeError):  # TypeError: a list and a mapping met
         for item, other in parsed:
             cfg = _merge_one(cfg, other, f"override '{item}'")
         return cfg
@@ -331,6 +383,7 @@ def validate(config: Config) -> None:
         config.parallel.timeout_s,
         config.resilience.hang_timeout_s,
     )
+    check_fault_groups(config.fault, config.fault_tolerance.groups)
     _check_train(config.train, config.model)
 
 

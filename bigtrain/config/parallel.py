@@ -125,12 +125,20 @@ def check_experts(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"key 'parallel.expert_parallel' got {ep}, expected a positive integer")
     if ep == 1:
         return
+    if not experts:
+        model = "an MoE model (model.moe.experts > 0)"
+        if m.kind != "gpt":
+            model = "bigtrain's GPT with MoE blocks (model.kind=gpt, model.moe.experts > 0)"
+        raise ConfigError(
+            f"key 'parallel.expert_parallel' ({ep}) needs {model}: this model has no experts to "
+            "split; use 1"
+        )
     if p.backend != "fsdp":
         raise ConfigError(
             f"key 'parallel.expert_parallel' ({ep}) needs parallel.backend=fsdp, got "
             f"parallel.backend={p.backend}"
         )
-    if not experts or experts % ep:
+    if experts % ep:
         raise ConfigError(
             f"key 'parallel.expert_parallel' ({ep}) must divide model.moe.experts ({experts}): "
             "each rank of an expert-parallel group holds as many experts"
@@ -234,6 +242,11 @@ def check_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
             f"key 'parallel.pp_stages_per_rank' got {chunks}, expected a positive integer"
         )
     if p.pipeline_parallel == 1:
+        if p.pp_split:
+            raise ConfigError(
+                f"key 'parallel.pp_split' got {p.pp_split}, but parallel.pipeline_parallel is 1: "
+                "one stage has no split; set parallel.pipeline_parallel, or leave pp_split empty"
+            )
         return
     if p.backend == "zero":
         raise ConfigError(

@@ -162,6 +162,43 @@ def test_bad_overrides_name_the_key(overrides, message):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.moe=5",
+            "override 'model.moe=5': key 'model.moe' is a section, got 5: set its keys instead "
+            "(model.moe.experts, model.moe.top_k, model.moe.every, ...)",
+        ),
+        ("model=5", "key 'model' is a section, got 5: set its keys instead (model.kind, "),
+        ("model.moe=[1,2]", "key 'model.moe' is a section, got [1, 2]"),
+        ("train={max_steps: 3, seed: {a: 1}}", "key 'train.seed' got a mapping {'a': 1}"),
+        (
+            "model.dropout={a: 1}",
+            "key 'model.dropout' got a mapping {'a': 1}, expected a value of type float",
+        ),
+        ("data.mixture={a: 1}", "key 'data.mixture' got a mapping {'a': 1}, expected a list"),
+        ("parallel.tp_plan=[1]", "key 'parallel.tp_plan' got a list [1], expected a mapping"),
+    ],
+)
+def test_a_section_given_a_value_and_a_value_given_a_mapping_name_the_key(override, message):
+    """OmegaConf's own errors name no key for these (`int is not a subclass of MoEConfig`) or
+    are no ValueError at all (`TypeError: Cannot merge incompatible container types`)."""
+    with pytest.raises(ConfigError) as err:
+        load_config([str(ROOT / "configs" / "moe-tiny.yaml")], ["train.seed=3", override])
+    assert message in str(err.value)
+
+
+@pytest.mark.unit
+def test_a_section_given_a_value_in_yaml_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layers: 2\n  moe: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([str(bad)])
+    assert str(err.value).startswith(f"config file '{bad}': key 'model.moe' is a section, got 5")
+
+
+@pytest.mark.unit
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  learning_rate: 0.1\n")
@@ -180,6 +217,10 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
         (
             ["train", "configs/tiny.yaml", "train.seed=abc"],
             "key 'train.seed' got 'abc', expected a value of type int",
+        ),
+        (
+            ["config", "show", "configs/moe-tiny.yaml", "model.moe=5"],
+            "key 'model.moe' is a section, got 5",
         ),
     ],
 )

@@ -287,7 +287,7 @@ def test_impossible_moe_settings_name_their_key(micro, key, value, expected):
         ),
         (
             ["parallel.backend=fsdp", "parallel.expert_parallel=2"],
-            "'parallel.expert_parallel' (2) must divide model.moe.experts (0)",
+            "'parallel.expert_parallel' (2) needs an MoE model (model.moe.experts > 0)",
         ),
         (
             ["model.moe.experts=4", "parallel.backend=fsdp", "parallel.tensor_parallel=2"],

@@ -70,7 +70,7 @@ from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.train.setup import RunSetup, StartPoint
 from bigtrain.utils.clock import StartupClock, last_event_time
 from bigtrain.utils.dist import barrier
-from bigtrain.utils.logs import add_rank_file, remove_handler
+from bigtrain.utils.logs import add_rank_file, rank_log_file, remove_handler
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,13 @@ def make_callbacks(
         # Ends the run (exit 4) once this step's checkpoint and metrics are written.
         PreemptionHandler(),
         # The beat marks the step's end: after the step's checkpoint and evaluation.
-        HangWatchdog(cfg.resilience, cfg.parallel.timeout_s, env.rank, run_dir.per_group("hang")),
+        HangWatchdog(
+            cfg.resilience,
+            cfg.parallel.timeout_s,
+            env.rank,
+            run_dir.per_group("hang"),
+            rank_log_file(run_dir.per_group("logs"), env.rank),
+        ),
         # Last: the step's other callbacks are inside the step's trace.
         ProfilerCallback(cfg.profile, env.rank)
         if (cfg.profile.steps or cfg.profile.memory) and env.rank in cfg.profile.ranks

@@ -13,13 +13,14 @@ peer breaks their collectives; and an error in a process whose watchdog has fire
 exit 5 as well (`hang_declared`), not as a crash.
 
 A thread needs the GIL to run: where the stuck code holds it (C code that never releases it),
-faulthandler's own C thread dumps the stacks 30 s later and ends the process (exit 1), so a hang
-never outlives its timeout by more than a minute either way.
+faulthandler's own C thread dumps the stacks 30 s later into the rank's log file (RUN_DIR/logs/
+rank_<r>.log, after its last lines) and ends the process (exit 1), so a hang never outlives its
+timeout by more than a minute either way. That file is open from the start (the C thread can
+make no directory), so RUN_DIR/hang/ exists only where a hang wrote its stacks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import statistics
@@ -58,14 +59,17 @@ def enable_nccl_flight_recorder(entries: int = 2000) -> None:
 
 class HangWatchdog(Callback):
     def __init__(
-        self, cfg: ResilienceConfig, startup_timeout_s: float, rank: int, hang_dir: Path
+        self,
+        cfg: ResilienceConfig,
+        startup_timeout_s: float,
+        rank: int,
+        hang_dir: Path,
+        log_path: Path,
     ) -> None:
-        self.cfg, self.startup_timeout_s, self.rank, self.hang_dir = (
-            cfg,
-            startup_timeout_s,
-            rank,
-            hang_dir,
-        )
+        """`hang_dir`: where a hang's stacks go (made then); `log_path`: the rank's log file,
+        which faulthandler's backstop appends its stacks to."""
+        self.cfg, self.startup_timeout_s, self.rank = cfg, startup_timeout_s, rank
+        self.hang_dir, self.log_path = hang_dir, log_path
         self.step_times: deque[float] = deque(maxlen=200)
         self.last_beat = time.monotonic()
         self.step = 0
@@ -100,8 +104,7 @@ class HangWatchdog(Callback):
         self.last_beat = time.monotonic()
         timeout = self.timeout_s()
         if self._backstop_file is None:
-            self.hang_dir.mkdir(parents=True, exist_ok=True)
-            self._backstop_file = open(self.hang_dir / f"rank_{self.rank}.backstop.txt", "w")  # noqa: SIM115
+            self._backstop_file = open(self.log_path, "a")  # noqa: SIM115
         faulthandler.dump_traceback_later(
             timeout + BACKSTOP_S, repeat=False, file=self._backstop_file, exit=True
         )
@@ -114,6 +117,7 @@ class HangWatchdog(Callback):
 
     def _fire(self, waited: float) -> None:
         FIRING.set()
+        self.hang_dir.mkdir(parents=True, exist_ok=True)
         path = self.hang_dir / f"rank_{self.rank}.txt"
         with open(path, "w") as f:
             f.write(f"rank {self.rank}: no step ended for {waited:.0f} s after step {self.step}\n")
@@ -136,11 +140,6 @@ class HangWatchdog(Callback):
         if self._backstop_file is not None:
             self._backstop_file.close()
             self._backstop_file = None
-            backstop = self.hang_dir / f"rank_{self.rank}.backstop.txt"
-            with contextlib.suppress(OSError):  # no hang: leave no trace
-                if backstop.stat().st_size == 0:
-                    backstop.unlink()
-                    self.hang_dir.rmdir()  # only if empty
 
 
 def dump_nccl_trace(path: Path) -> str | None:

@@ -34,11 +34,15 @@ def setup_console(rank: int, stream: TextIO | None = None) -> None:
     logger.addHandler(handler)
 
 
+def rank_log_file(logs: Path, rank: int) -> Path:
+    """LOGS/rank_<rank>.log (LOGS: RUN_DIR/logs, with replica groups RUN_DIR/logs/group<g>)."""
+    return logs / f"rank_{rank}.log"
+
+
 def add_rank_file(logs: Path, rank: int) -> logging.Handler:
-    """Every record of this rank from now on to LOGS/rank_<rank>.log (LOGS: RUN_DIR/logs, with
-    replica groups RUN_DIR/logs/group<g>)."""
+    """Every record of this rank from now on to its rank_log_file."""
     logs.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(logs / f"rank_{rank}.log")
+    handler = logging.FileHandler(rank_log_file(logs, rank))
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
     )

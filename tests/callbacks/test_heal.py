@@ -13,12 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from bigtrain.callbacks.watchdog import HangWatchdog
+from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import SuspectHost
 from bigtrain.parallel.env import DistEnv, free_port
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.train.step import StepResult
 from tests.conftest import ROOT, micro_overrides
 from tests.distributed import run_distributed, train_run
+from tests.stubs import StubTrainer
 
 
 def kinds(events: list[dict], kind: str) -> list[dict]:
@@ -119,7 +123,11 @@ def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path
 @pytest.mark.e2e
 def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
     """A Python thread cannot run while C code holds the GIL: faulthandler's C watchdog dumps the
-    stacks and ends the process BACKSTOP_S after the timeout."""
+    stacks into the rank's log, after its lines, and ends the process BACKSTOP_S after the
+    timeout."""
+    log = tmp_path / "logs" / "rank_0.log"
+    log.parent.mkdir()
+    log.write_text("the rank's last line\n")
     script = textwrap.dedent(
         f"""
         import ctypes
@@ -127,7 +135,8 @@ def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
         from bigtrain.config.schema import ResilienceConfig
         from bigtrain.callbacks import watchdog
         watchdog.BACKSTOP_S = 2.0
-        dog = watchdog.HangWatchdog(ResilienceConfig(hang_timeout_s=1.0), 600, 0, Path("{tmp_path}"))
+        cfg = ResilienceConfig(hang_timeout_s=1.0)
+        dog = watchdog.HangWatchdog(cfg, 600, 0, Path("{tmp_path}/hang"), Path("{log}"))
         dog.beat()
         ctypes.PyDLL(None).sleep(60)  # PyDLL keeps the GIL for the call
         """
@@ -138,8 +147,28 @@ def test_a_hang_holding_the_gil_is_ended_by_faulthandlers_backstop(tmp_path):
     )
     assert result.returncode == 1, result.stderr[-1000:]
     assert time.monotonic() - started < 20
-    dump = (tmp_path / "rank_0.backstop.txt").read_text()
+    dump = log.read_text()
+    assert dump.startswith("the rank's last line\nTimeout (")
     assert "most recent call first" in dump and "<string>" in dump
+
+
+@pytest.mark.unit
+def test_a_run_without_a_hang_leaves_no_hang_directory(tmp_path):
+    """The watchdog's files exist only where a hang wrote its stacks: a run whose steps all end
+    (with replica groups too: hang/group<g> below) leaves no hang/, and its log as it was."""
+    log = tmp_path / "run" / "logs" / "group1" / "rank_0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("line\n")
+    dog = HangWatchdog(ResilienceConfig(), 600, 0, tmp_path / "run" / "hang" / "group1", log)
+    trainer = StubTrainer(tmp_path / "run", [dog])
+    dog.on_start(trainer)
+    for step in range(1, 4):
+        trainer.state.step = step
+        dog.on_step_end(trainer, StepResult(step, 1e-3, step_time=0.01))
+    assert dog._backstop_file is not None and not dog._backstop_file.closed  # armed
+    dog.on_finish(trainer)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["logs"]
+    assert log.read_text() == "line\n" and dog._backstop_file is None
 
 
 @pytest.mark.distributed

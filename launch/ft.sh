@@ -12,21 +12,38 @@
 # Exits 0 when every group finished; otherwise 1 and the groups that failed. Logs of the
 # lighthouse and of each group go to FT_LOG_DIR (default: a new directory under /tmp).
 set -uo pipefail
+usage="usage: bash launch/ft.sh --groups G [--nproc-per-group R] [--max-restarts N] [--port P]"
+usage+=" CONFIG [KEY=VALUE ...]"
+# A bad option ends the script here, before a lighthouse or a group starts: one line, exit 2.
+fail() { echo "launch/ft.sh: $*" >&2; exit 2; }
+needs_value() { [[ $# -ge 2 ]] || fail "$1 needs a value ($usage)"; }
+# integer OPTION VALUE MIN MAX EXPECTED: VALUE is a whole number in MIN..MAX.
+integer() {
+  [[ "$2" =~ ^[0-9]{1,9}$ ]] && (( 10#$2 >= $3 && 10#$2 <= $4 )) \
+    || fail "$1 got '$2', expected $5"
+}
 groups="" nproc=1 restarts=3 port=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --groups) groups="$2"; shift 2 ;;
-    --nproc-per-group) nproc="$2"; shift 2 ;;
-    --max-restarts) restarts="$2"; shift 2 ;;
-    --port) port="$2"; shift 2 ;;
+    --groups) needs_value "$@"; groups=$2; shift 2 ;;
+    --nproc-per-group) needs_value "$@"; nproc=$2; shift 2 ;;
+    --max-restarts) needs_value "$@"; restarts=$2; shift 2 ;;
+    --port) needs_value "$@"; port=$2; shift 2 ;;
     -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) fail "unknown option '$1' ($usage)" ;;
     *) break ;;
   esac
 done
 if [[ -z "$groups" || $# -eq 0 ]]; then
-  echo "usage: bash launch/ft.sh --groups G [--nproc-per-group R] CONFIG [KEY=VALUE ...]" >&2
+  echo "$usage" >&2
   exit 2
 fi
+integer --groups "$groups" 2 999999999 \
+  "a number of replica groups >= 2 (one group needs no lighthouse: use torchrun)"
+integer --nproc-per-group "$nproc" 1 999999999 "a number of ranks per group >= 1"
+integer --max-restarts "$restarts" 0 999999999 "a number of restarts per group >= 0"
+integer --port "$port" 0 65535 "a TCP port 0..65535 (0: any free one)"
+groups=$((10#$groups)) nproc=$((10#$nproc)) restarts=$((10#$restarts)) port=$((10#$port))
 python=${PYTHON:-python}
 logs=${FT_LOG_DIR:-$(mktemp -d /tmp/bigtrain-ft.XXXXXX)}
 mkdir -p "$logs"
@@ -49,7 +66,9 @@ for _ in $(seq 300); do
   address=$(grep -o '^lighthouse http[^ ]*' "$logs/lighthouse.log" | head -1 | cut -d' ' -f2)
   [[ -n "$address" ]] && break
   if ! kill -0 "$lighthouse" 2>/dev/null; then
-    echo "launch/ft.sh: the lighthouse did not start:" >&2
+    wait "$lighthouse"
+    # exit 2: the config is wrong, and the log's one line names the key
+    [[ $? -eq 2 ]] || echo "launch/ft.sh: the lighthouse did not start:" >&2
     cat "$logs/lighthouse.log" >&2
     exit 2
   fi

@@ -172,3 +172,127 @@ def test_ft_launcher_has_help_and_refuses_a_missing_group_count():
         ["bash", "launch/ft.sh", "configs/tiny.yaml"], cwd=ROOT, capture_output=True, text=True
     )
     assert bare.returncode == 2 and "usage: bash launch/ft.sh --groups G" in bare.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--groups"], "launch/ft.sh: --groups needs a value (usage: bash launch/ft.sh"),
+        (["--groups", "2", "--port"], "launch/ft.sh: --port needs a value"),
+        (
+            ["--groups", "2", "--port", "99999", "configs/tiny.yaml"],
+            "launch/ft.sh: --port got '99999', expected a TCP port 0..65535 (0: any free one)",
+        ),
+        (
+            ["--groups", "2", "--nproc-per-group", "0", "configs/tiny.yaml"],
+            "launch/ft.sh: --nproc-per-group got '0', expected a number of ranks per group >= 1",
+        ),
+        (
+            ["--groups", "1", "configs/tiny.yaml"],
+            "launch/ft.sh: --groups got '1', expected a number of replica groups >= 2",
+        ),
+        (["--groups", "two", "configs/tiny.yaml"], "launch/ft.sh: --groups got 'two'"),
+        (
+            ["--groups", "2", "--max-restarts", "-1", "configs/tiny.yaml"],
+            "launch/ft.sh: --max-restarts got '-1', expected a number of restarts per group >= 0",
+        ),
+        (["--groups", "2", "--port", "1e3", "configs/tiny.yaml"], "launch/ft.sh: --port got '1e3'"),
+        (["--gruops", "2", "configs/tiny.yaml"], "launch/ft.sh: unknown option '--gruops'"),
+    ],
+)
+def test_ft_launcher_refuses_bad_options_before_starting_anything(tmp_path, args, message):
+    """One line, exit 2, and neither the lighthouse nor a group started (no log directory)."""
+    logs = tmp_path / "logs"
+    result = subprocess.run(
+        ["bash", "launch/ft.sh", *args],
+        cwd=ROOT,
+        env={**os.environ, "FT_LOG_DIR": str(logs)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+    assert not logs.exists()
+
+
+@pytest.mark.e2e
+def test_ft_launcher_shows_a_config_error_as_its_one_line(tmp_path):
+    """The lighthouse reads the config first: its one line is what the launcher shows."""
+    result = subprocess.run(
+        ["bash", "launch/ft.sh", "--groups", "3", "configs/tiny.yaml", "fault.kill_group=5"],
+        cwd=ROOT,
+        env={**os.environ, "FT_LOG_DIR": str(tmp_path / "logs")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "bigtrain: error: key 'fault.kill_group' got 5, expected -1 (off) or a replica group "
+        "0..2 (fault_tolerance.groups is 3)\n"
+    )
+    assert not (tmp_path / "logs" / "group0.log").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FT_GROUPS": "1"}, "bigtrain-ft: FT_GROUPS got '1', expected a number of replica groups"),
+        ({"FT_GROUPS": "x"}, "bigtrain-ft: FT_GROUPS got 'x'"),
+        ({"FT_NPROC_PER_GROUP": "0"}, "bigtrain-ft: FT_NPROC_PER_GROUP got '0', expected"),
+        ({"FT_GROUP_RESTARTS": "-1"}, "bigtrain-ft: FT_GROUP_RESTARTS got '-1', expected"),
+        (
+            {"FT_GROUPS": "2", "FT_NPROC_PER_GROUP": "2", "SLURM_NTASKS": "2"},
+            "bigtrain-ft: FT_GROUPS x FT_NPROC_PER_GROUP = 4 tasks, but the allocation has 2",
+        ),
+    ],
+)
+def test_ft_sbatch_refuses_bad_settings_before_starting_anything(tmp_path, env, message):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["bash", "slurm/ft.sbatch"],
+        cwd=ROOT,
+        env={**os.environ, "OUT_DIR": str(out), "SLURM_JOB_NAME": "t", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+    assert not out.exists()  # no lighthouse, no job step
+
+
+@pytest.mark.distributed
+def test_torchrun_launcher_passes_the_workers_exit_code_through(tmp_path):
+    """torchrun itself exits 1 with its own traceback for any failed worker; launch/torchrun.sh
+    exits 2 for a bad config key, with bigtrain's one line and none of torchrun's traceback."""
+    env = {
+        **os.environ,
+        "NPROC_PER_NODE": "1",
+        "RDZV_ENDPOINT": f"localhost:{free_port()}",
+        "OMP_NUM_THREADS": "1",
+    }
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    result = subprocess.run(
+        [
+            "bash",
+            "launch/torchrun.sh",
+            "configs/tiny.yaml",
+            f"train.out_dir={tmp_path}",
+            "trian.seed=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert "bigtrain: error: unknown config key 'trian.seed' (did you mean 'train.seed'?)" in lines
+    assert lines[-1].startswith("launch/torchrun.sh: rank 0 failed first (exit code 2: bad config")
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr

@@ -11,6 +11,7 @@ import torch
 from bigtrain.model import build_model, model_flops_per_token
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run
+from bigtrain.telemetry import mfu as mfu_module
 from bigtrain.telemetry.mfu import gpu_peak_flops, mfu, resolve_peak_flops
 
 
@@ -53,6 +54,43 @@ def test_mfu_formula_and_sources():
     )
     measured, source = resolve_peak_flops(torch.device("cpu"), "fp32", False, None)
     assert measured > 1e9 and source.startswith("measured")
+
+
+class MatmulClock:
+    """time.perf_counter for the peak's matmuls: the first `slow` of them take `slow_s` (the
+    process descheduled beside another), every later one `fast_s`."""
+
+    def __init__(self, slow: int, slow_s: float, fast_s: float) -> None:
+        self.slow, self.slow_s, self.fast_s = slow, slow_s, fast_s
+        self.now, self.calls, self.durations = 0.0, 0, []
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the end of a matmul
+            took = self.slow_s if len(self.durations) < self.slow else self.fast_s
+            self.durations.append(took)
+            self.now += took
+        return self.now
+
+
+@pytest.mark.unit
+def test_a_cpu_peak_measured_beside_a_busy_process_is_its_fastest_matmuls(monkeypatch):
+    """Three matmuls descheduled for 60 ms at 256^2 once ended the measurement there (the best
+    of 3 over 50 ms reads as an emulated dtype): a peak 30x too low, an MFU 30x too high."""
+    clock = MatmulClock(slow=3, slow_s=0.06, fast_s=0.001)
+    monkeypatch.setattr(mfu_module, "time", clock)
+    peak = mfu_module._time_matmul(torch.device("cpu"), torch.float32, 1024)
+    assert peak == pytest.approx(2 * 1024**3 / 0.001)
+    assert len(clock.durations) <= 3 * mfu_module.MAX_REPEATS
+
+
+@pytest.mark.unit
+def test_an_emulated_dtype_stops_at_the_first_slow_size(monkeypatch):
+    clock = MatmulClock(slow=1000, slow_s=0.1, fast_s=0.1)
+    monkeypatch.setattr(mfu_module, "time", clock)
+    peak = mfu_module._time_matmul(torch.device("cpu"), torch.float32, 1024)
+    assert peak == pytest.approx(2 * 256**3 / 0.1)
+    assert len(clock.durations) == mfu_module.MIN_REPEATS  # 0.3 s, not seconds
 
 
 @pytest.mark.e2e

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from bigtrain.data.mixture import MixtureStream
-from bigtrain.telemetry.console import event_line, step_line
+from bigtrain.telemetry.console import eta, event_line, step_line
 from bigtrain.telemetry.memory import peak_memory_bytes
 from bigtrain.telemetry.mfu import mfu
 from bigtrain.train.hooks import Callback
@@ -62,11 +62,12 @@ class MetricsLogger(Callback):
             record["tokens_by_source"] = {name: n * seq_len for name, n in by_source}
         setup = trainer.setup
         if setup.flops_per_token and setup.peak_flops:
+            # tokens_per_s counts the global batch, every replica group's slice of it: the
+            # devices are every group's, not this job's alone (3 groups read 3x too high).
+            layout = setup.layout
+            num_devices = layout.world_size * layout.ft
             record["mfu"] = mfu(
-                record["tokens_per_s"],
-                setup.flops_per_token,
-                setup.peak_flops,
-                trainer.env.world_size,
+                record["tokens_per_s"], setup.flops_per_token, setup.peak_flops, num_devices
             )
         self.interval_time, self.interval_tokens = 0.0, 0
         trainer.run_dir.metrics(record)
@@ -82,11 +83,12 @@ class ConsoleProgress(Callback):
         self.enabled = enabled
         self.bar: tqdm | None = None
         self.started = time.monotonic()
-        self.first_step = 0
+        # Steps this process ran: the ETA's rate (a resumed or rejoined process starts late).
+        self.steps_run = 0
         self.held: list[str] | None = None  # events of a step, printed after its step line
 
     def on_start(self, trainer) -> None:
-        self.started, self.first_step = time.monotonic(), trainer.step
+        self.started, self.steps_run = time.monotonic(), 0
         self.held = []
         if self.enabled:
             bar = tqdm(
@@ -102,16 +104,18 @@ class ConsoleProgress(Callback):
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         record = result.record
+        self.steps_run += 1
         if self.bar is None:
             if self.enabled and record:
                 elapsed = time.monotonic() - self.started
-                done = trainer.step - self.first_step
-                left = trainer.cfg.train.max_steps - trainer.step
-                eta = elapsed / done * left if done > 0 else None
-                line = step_line(record, trainer.cfg.train.max_steps, elapsed, eta)
+                left = trainer.end_step - trainer.step
+                left_s = eta(elapsed, self.steps_run, left)
+                line = step_line(record, trainer.cfg.train.max_steps, elapsed, left_s)
                 print(line, file=sys.stderr, flush=True)
             self._flush()
             return
+        if self.bar.n != trainer.step - 1:  # a peer's state or a rollback moved the step: no rate
+            self.bar.n = self.bar.last_print_n = trainer.step - 1
         self.bar.update(1)
         if record:
             postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}

@@ -138,6 +138,13 @@ def event_line(record: Record) -> str | None:
     return fmt(record) if fmt is not None else None
 
 
+def eta(elapsed_s: float, steps_run: int, steps_left: int) -> float | None:
+    """Seconds to the last step at the rate of the steps this process ran in `elapsed_s`: not
+    the step number it reached, since a resumed process, or a replica group that took a peer's
+    state at step 29, reached it mostly without running those steps. None before a step ran."""
+    return elapsed_s / steps_run * max(steps_left, 0) if steps_run > 0 else None
+
+
 def step_line(record: Record, max_steps: int, elapsed_s: float, eta_s: float | None = None) -> str:
     """A logged step: loss, validation loss, LR, throughput, MFU where known, elapsed, ETA."""
     parts = [f"step {record['step']}/{max_steps}", f"loss {record['loss']:.4f}"]

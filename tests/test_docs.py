@@ -29,6 +29,35 @@ def anchors(page: Path) -> set[str]:
     return found
 
 
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")
+
+
+def fence_problems(page: Path) -> list[str]:
+    """Code fences that do not pair up: one left open at the end of the page, or a closing
+    fence with text after it (Markdown then keeps the fence open, and the rest of the page
+    renders as code)."""
+    problems, opened = [], None  # opened: (fence, line number)
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        m = FENCE.match(line)
+        if m is None:
+            continue
+        fence, rest = m.groups()
+        if opened is None:
+            opened = (fence, number)
+        elif fence[0] == opened[0][0] and len(fence) >= len(opened[0]):
+            if rest.strip():
+                problems.append(f"{page.name}:{number}: text after a closing fence")
+            opened = None
+    if opened is not None:
+        problems.append(f"{page.name}:{opened[1]}: a fence never closed")
+    return problems
+
+
+def test_every_code_fence_is_closed():
+    problems = [p for page in PAGES for p in fence_problems(page)]
+    assert not problems, "\n".join(problems)
+
+
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 

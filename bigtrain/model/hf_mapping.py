@@ -385,8 +385,9 @@ def _mixtral_config(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     ]
     if wrong:
         raise ConfigError(
-            "no transformers mapping for this MoE model: MixtralForCausalLM needs "
-            + ", ".join(wrong)
+            "no transformers mapping for this MoE model: MixtralForCausalLM, the Hub's MoE "
+            "layout, has no dense block (every block MoE), no shared expert and no capacity, "
+            "and routes by softmax with renormalised weights; it needs " + ", ".join(wrong)
         )
     return MixtralConfig(
         **_llama_kwargs(cfg, vocab_size, cfg.moe.d_expert or _widths(cfg)[2]),

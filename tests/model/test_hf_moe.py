@@ -91,6 +91,7 @@ def test_a_mixtral_of_other_expert_counts_is_refused_naming_the_key(mixtral_dir)
     [
         ({"shared_experts": 1}, "model.moe.shared_experts=0"),
         ({"every": 2}, "model.moe.every=1"),
+        ({"first": 1}, r"no dense block .*model.moe.first=0 \(have 1\)"),
         ({"score": "sigmoid"}, "model.moe.score=softmax"),
     ],
 )

@@ -119,8 +119,8 @@ def _plan(items: list[str], world_size: int, gpu_memory: str | None, propose: bo
         hardware = Hardware("cuda", "an sm90 GPU (planned)", cuda_capability=(9, 0))
     if propose and memory is None:
         raise ConfigError("--propose needs --gpu-memory: the memory a layout must fit in")
-    # A proposal keeps the per-rank batch for the table: the config's own layout may not divide
-    # the global batch at this size, which is what the proposal answers.
+    # A proposal's table holds the per-rank batch where the config's own layout does not divide
+    # the global batch at this size (what the proposal answers), as the goodput plan does.
     run = planned(cfg, world_size, hardware, global_batch=not propose)
     print(plan_text(run, memory, propose))
     return 0

@@ -137,3 +137,27 @@ def fsdp_traffic(
             )
         )
     return out
+
+
+def zero_traffic(
+    stage: int,
+    grad_accum_steps: int,
+    dp: int,
+    num_params: int,
+    compute_itemsize: int,
+    reduce_itemsize: int,
+) -> list[AxisTraffic]:
+    """DeepSpeed ZeRO's volumes per rank and step (the ZeRO paper, section 7): stages 1 and 2
+    reduce-scatter the gradients and all-gather the updated compute copies (a data-parallel
+    all-reduce's volume); stage 3 gathers the compute copies in every micro-batch's forward and
+    backward, then reduce-scatters the gradients (1.5 times that with one micro-batch)."""
+    gathers = 2 * grad_accum_steps if stage == 3 else 1
+    return [
+        AxisTraffic(
+            "shard",
+            dp,
+            f"all-gather x {gathers}",
+            gathers * ring_bytes(num_params, dp, compute_itemsize),
+        ),
+        AxisTraffic("shard", dp, "reduce-scatter x 1", ring_bytes(num_params, dp, reduce_itemsize)),
+    ]

@@ -100,6 +100,9 @@ class PlannedRun:
     policy: PrecisionPolicy
     shape: Shape
     hardware: Hardware  # what the policy was resolved for
+    held_batch: bool = False
+    """True where train.global_batch_size does not divide at this size and the config's
+    micro_batch_size x grad_accum_steps per data-parallel rank is held (`planned`)."""
 
     @property
     def backend(self) -> str:
@@ -130,19 +133,27 @@ class PlannedRun:
 def planned(
     cfg: Config, world_size: int, hardware: Hardware, global_batch: bool = True
 ) -> PlannedRun:
-    """`cfg` planned at `world_size` ranks on `hardware`; ConfigError (exit 2) with the keys and
-    numbers when the layout or the global batch does not divide. `global_batch`: derive the
-    accumulation from train.global_batch_size as a run would (else the per-rank batch is held,
-    as the goodput plan does at sizes the recipe's batch does not divide)."""
+    """`cfg` planned at `world_size` ranks on `hardware`, with the accumulation a run derives
+    from train.global_batch_size; ConfigError (exit 2) with the keys and numbers when the layout
+    does not divide, or the global batch does and `global_batch` is True. With `global_batch`
+    False a batch that does not divide at this size is left for the config's per-rank batch
+    (`held_batch`): the layout proposal and the goodput plan, which plan sizes the recipe's batch
+    may not fit."""
     layout = Layout.of(cfg.parallel, world_size)
-    if global_batch:  # tp ranks share a batch
-        cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
+    t = cfg.train
+    per_step = t.micro_batch_size * layout.dp_size  # tp ranks and stages share a batch
+    divides = t.global_batch_size is None or (
+        t.global_batch_size >= per_step and t.global_batch_size % per_step == 0
+    )
+    held = not (divides or global_batch)  # else Layout.batch says what does not divide
+    if not held:
+        cfg = dataclasses.replace(cfg, train=layout.batch(t))
     model = meta_model(cfg.model, cfg.data)
     n, block = count_params(model, layout.ep)
     tp = tp_split(model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
     policy = resolve_policy(cfg.precision, hardware, n)
     shape = model_shape(cfg.model, cfg.data)
-    return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware)
+    return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware, held)
 
 
 def replanned(run: PlannedRun, cfg: Config, world_size: int) -> PlannedRun:
@@ -237,21 +248,3 @@ def residual_bytes(backend: str, policy: PrecisionPolicy) -> int:
 
     casts = backend == "zero" or (backend == "fsdp" and gathers_in_compute_dtype(policy))
     return policy.compute_dtype.itemsize if casts else 4
-
-
-def predicted_memory(run: PlannedRun) -> dict[str, int]:
-    """`bigtrain plan`'s memory per rank for a planned run as numbers (the `oom` event reports
-    them): the states (weights, gradients, optimizer), the transient weights and gradients, and
-    the activations of one micro-batch under the configured checkpointing."""
-    cfg, policy, split = run.cfg, run.policy, run.tp_split_ways
-    states = sum(run.states().per_rank_bytes_per_param(run.degree).values()) * run.num_params
-    weights = transient_weight_bytes(cfg.parallel, policy, run.num_params, run.block_params) / split
-    c, mode = policy.compute_dtype.itemsize, cfg.parallel.activation_checkpointing
-    residual = residual_bytes(run.backend, policy)
-    a = activation_bytes_per_token(run.shape, mode, c, residual, policy.fp32_softmax)
-    per_sequence = (a["layers"] + a["head"] + a["transient"]) * cfg.model.seq_len / split
-    activations = per_sequence * run.cfg.train.micro_batch_size
-    sizes = {"states": states, "transient_weights": weights, "activations": activations}
-    sizes["total"] = states + weights + activations
-    world_size = run.layout.world_size
-    return {"world_size": world_size} | {f"{k}_bytes": int(v) for k, v in sizes.items()}

@@ -1,15 +1,17 @@
 """`bigtrain plan CONFIG --goodput --gpus N [--from RUN_DIR] [--set key=value ...] [--json]`.
 
-The inputs of the simulation (goodput_inputs.py) come from, in order: defaults (the Llama
-3 report's failure rates, public cost figures), the config (checkpoint size per GPU from `plan`'s
-memory model, the step time, the snapshot and checkpoint cadence), costs measured in a run
-directory (telemetry/run_costs.py), and the user's `--set`. A measured fixed cost (the restart, a
-small checkpoint's write and stall) is taken only from a run at least as large as the plan: a
-2-rank restart says nothing of a 16,384-GPU one; bandwidths, steps and timeouts carry over.
+The inputs of the simulation (goodput_inputs.py) come from, in order: defaults (the Llama 3
+report's failure rates, public cost figures), the config (the checkpoint bytes per GPU and the
+step time of `bigtrain plan`'s model, stages.checkpoint_bytes_per_gpu and step_time.step_time:
+the numbers its memory table, per-stage table, step line and `--propose` print; the snapshot and
+checkpoint cadence), costs measured in a run directory (telemetry/run_costs.py), and the user's
+`--set`. A measured fixed cost (the restart, a small checkpoint's write and stall) is taken only
+from a run at least as large as the plan: a 2-rank restart says nothing of a 16,384-GPU one;
+bandwidths, steps and timeouts carry over.
 
-The step time is the config's work per GPU (micro_batch_size x grad_accum_steps sequences, split
-over tensor parallelism) at the model's FLOPs per token, on H100/H200 BF16 (989 TFLOP/s dense)
-at 40% MFU (Llama 3 405B ran at 38-43%): the per-GPU work is held as the GPUs grow.
+The run is planned as a run of the config at --gpus would be (the accumulation from
+train.global_batch_size); where that batch does not divide over the GPUs' data-parallel ranks,
+the config's per-rank batch is held (a note says so).
 
 With fault-tolerant replica groups (`fault_tolerance.groups` or `--set replica_groups=N`, > 1) a
 third mode, `ft`, is simulated beside healing and plain checkpoint/restart: healing, and a
@@ -27,7 +29,6 @@ import numpy as np
 
 from bigtrain.config.schema import Config
 from bigtrain.errors import ConfigError
-from bigtrain.model import model_flops_per_token
 from bigtrain.parallel.layout import Layout
 from bigtrain.plan.footprint import PlannedRun, planned
 from bigtrain.plan.goodput_inputs import KEYS, GoodputInputs, Sourced, doc
@@ -38,11 +39,12 @@ from bigtrain.plan.simulation import (
     simulate,
     young_interval,
 )
+from bigtrain.plan.stages import checkpoint_bytes_per_gpu, most_states
+from bigtrain.plan.step_time import step_time
 from bigtrain.precision.policy import Hardware
 from bigtrain.telemetry.run_costs import measured_costs
 from bigtrain.utils.sizes import count_text
 
-PEAK_FLOPS, MFU = 989e12, 0.40
 SMALL_STEP_S = 0.01  # a step shorter than this: a model far too small for the planned GPUs
 # Measured fixed costs: only from a run at least as large (a commit's barrier and gathers, a
 # restart, grow with the ranks); a group's restart from a run at least as large as one group
@@ -62,23 +64,34 @@ def config_inputs(run: PlannedRun, gpus: int) -> Sourced:
     """Defaults, then what the planned run's config says: checkpoint bytes per GPU, step time,
     cadence."""
     cfg = run.cfg
-    n, degree, states = run.num_params, run.degree, run.states().bytes_per_param
-    saved = states["master weights"] + states["optimizer states"]
+    n, load = run.num_params, most_states(run)
+    where = "the largest pipeline rank's " if run.layout.pp > 1 else ""
     src = Sourced(gpus)
+    full = run.states().bytes_per_param
+    saved = full["master weights"] + full["optimizer states"]
+    ckpt = checkpoint_bytes_per_gpu(run)
     src.set(
         "ckpt_gb_per_gpu",
-        n * saved / degree / 1e9,
-        f"plan: {count_text(n)} params x {saved:g} B (master + optimizer states) / {degree:.4g}",
+        ckpt / 1e9,
+        f"plan: {where}{count_text(load.params)} params x {saved:g} B (master + optimizer "
+        f"states) / {saved * load.params / ckpt:.4g}",
     )
+    step = step_time(run)
+    step_s = step.total
     t = cfg.train
-    tokens = t.micro_batch_size * t.grad_accum_steps * cfg.model.seq_len / run.layout.tp
-    flops = model_flops_per_token(run.model, cfg.model)
-    step_s = flops * tokens / (PEAK_FLOPS * MFU)
     src.set(
         "step_s",
         step_s,
-        f"config: {tokens:.0f} tokens/GPU x {flops / 1e9:.3g} GFLOP/token at 40% of 989 TFLOP/s",
+        f"plan: {t.micro_batch_size} x {t.grad_accum_steps} sequences per data-parallel rank: "
+        f"{step.parts_text()}",
     )
+    if run.held_batch:
+        src.notes.append(
+            f"train.global_batch_size ({t.global_batch_size}) does not divide over the "
+            f"{run.layout.dp_size} data-parallel ranks of {gpus} GPUs: the plan holds the "
+            f"config's micro_batch_size x grad_accum_steps ({t.micro_batch_size} x "
+            f"{t.grad_accum_steps}) per rank"
+        )
     if step_s < SMALL_STEP_S:
         src.notes.append(
             f"the config's model ({count_text(n)} parameters) takes {step_s:.2g} s a step at "
@@ -130,8 +143,8 @@ def add_measured(src: Sourced, run_dir: Path) -> None:
         device = starts[-1].get("device", "?") if starts else "?"
         src.notes.append(
             f"step time measured {costs[-1]['median_step_s']:.3g} s on {world} rank(s) ({device}) "
-            f"in {run_dir}: not used (the plan's step time is the config's work at 40% of an "
-            "H100's 989 TFLOP/s)"
+            f"in {run_dir}: not used (the plan's step time is `bigtrain plan`'s model of the "
+            "config at --gpus on H100-class GPUs)"
         )
     src.notes.append(
         f"from {run_dir}: " + (", ".join(used) if used else "no measurement carries over")
@@ -288,7 +301,7 @@ def plan_goodput(
         raise ConfigError(f"--gpus got {gpus}, expected a positive integer")
     try:
         sm90 = Hardware("cuda", "sm90", cuda_capability=(9, 0))
-        run = planned(cfg, gpus, sm90, global_batch=False)  # the per-GPU work is held
+        run = planned(cfg, gpus, sm90, global_batch=False)
     except ConfigError as e:
         raise ConfigError(f"--gpus {gpus} is not a multiple of the config's mesh: {e}") from None
     src = config_inputs(run, gpus)

@@ -11,6 +11,7 @@ from bigtrain.config.data import DataConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.data.prepared import PreparedData
 from bigtrain.model import build_model, num_params
+from bigtrain.model.moe import Experts
 from bigtrain.parallel.apply import transformer_blocks
 
 
@@ -32,11 +33,9 @@ def meta_model(model: ModelConfig, data: DataConfig) -> torch.nn.Module:
         return build_model(model, vocab_size_for_plan(model, data))
 
 
-def count_params(model: torch.nn.Module, ep: int = 1) -> tuple[int, int]:
-    """(parameters, largest transformer block's parameters as one rank gathers it) of a
-    meta-device model: under expert parallelism `ep` an MoE block's routed experts are
-    gathered over its rank's 1/ep of them."""
-    from bigtrain.model.moe import Experts
+def gathered_block_params(model: torch.nn.Module, ep: int = 1) -> list[float]:
+    """Each transformer block's parameters as one rank gathers it: under expert parallelism `ep`
+    an MoE block's routed experts are gathered over its rank's 1/ep of them."""
 
     def gathered(block: torch.nn.Module) -> float:
         experts = sum(
@@ -44,8 +43,13 @@ def count_params(model: torch.nn.Module, ep: int = 1) -> tuple[int, int]:
         )
         return num_params(block) - experts + experts / ep
 
-    block = max(gathered(b) for b in transformer_blocks(model))
-    return num_params(model), int(block)
+    return [gathered(b) for b in transformer_blocks(model)]
+
+
+def count_params(model: torch.nn.Module, ep: int = 1) -> tuple[int, int]:
+    """(parameters, largest transformer block's parameters as one rank gathers it) of a
+    meta-device model (gathered_block_params)."""
+    return num_params(model), int(max(gathered_block_params(model, ep)))
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,26 @@
 """`bigtrain plan`'s table: the precision policy, memory per rank by component for every backend,
-the traffic per mesh axis (fsdp), activations and the largest micro-batch that fits."""
+the traffic per mesh axis (fsdp, zero), the modelled step time, activations and the largest
+micro-batch that fits. Every GPU's bytes come from stages.rank_loads and the step from
+step_time.step_time: the numbers `--propose` and `--goodput` use."""
 
 from __future__ import annotations
 
-from bigtrain.config.parallel import reshards_after_forward
-from bigtrain.plan.comm import fsdp_traffic
-from bigtrain.plan.experts import count_experts, expert_lines, expert_traffic
+from bigtrain.config.parallel import pp_microbatches, reshards_after_forward
+from bigtrain.plan.experts import count_experts, expert_lines
 from bigtrain.plan.footprint import (
     CHECKPOINTING,
     COMPONENTS,
     PlannedRun,
     activation_bytes_per_token,
     gathered_dtype_bytes,
-    largest_micro_batch,
     reserve_bytes,
     residual_bytes,
     state_bytes,
-    transient_weight_bytes,
     zero_paper_bytes,
 )
-from bigtrain.plan.stages import pipeline_lines, proposal_lines, rank_loads
+from bigtrain.plan.proposal import proposal_lines
+from bigtrain.plan.stages import micro_batch_fit, most_states, pipeline_lines, with_checkpointing
+from bigtrain.plan.step_time import assumptions, rank_traffic, step_time
 from bigtrain.precision.policy import dtype_name
 from bigtrain.utils.sizes import parse_size
 
@@ -55,87 +56,83 @@ def activation_lines(run: PlannedRun, gpu_memory: int | None) -> list[str]:
         f"activations per sequence of {shape.seq_len} tokens ({dtype_name(policy.compute_dtype)}, "
         f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}"
         + (f"; per tp rank, split {tp_split} ways" if tp_split > 1 else "")
+        + ("; all blocks: a pipeline rank's are in the table above" if run.layout.pp > 1 else "")
         + "):",
         f"  {'checkpointing':<14} {'kept':>10} {'transient':>10} {'per sequence':>13}",
     ]
-    per_sequence = {}
     for mode in CHECKPOINTING:
         a = activation_bytes_per_token(shape, mode, c, residual, policy.fp32_softmax)
         kept = (a["layers"] + a["head"]) * shape.seq_len / tp_split
         transient = a["transient"] * shape.seq_len / tp_split
-        per_sequence[mode] = kept + transient
         lines.append(
             f"  {mode:<14} {fmt_bytes(kept):>10} {fmt_bytes(transient):>10} "
             f"{fmt_bytes(kept + transient):>13}"
         )
     if gpu_memory is None:
         return lines
-    return lines + _fit_lines(run, gpu_memory, per_sequence)
+    return lines + _fit_lines(run, gpu_memory)
 
 
-def _fit_lines(run: PlannedRun, gpu_memory: int, per_sequence: dict[str, float]) -> list[str]:
-    cfg, n = run.cfg, run.num_params
-    persistent = sum(run.states().per_rank_bytes_per_param(run.degree).values()) * n
-    weights = transient_weight_bytes(cfg.parallel, run.policy, n, run.block_params)
-    weights /= run.tp_split_ways
-    fits = {
-        mode: largest_micro_batch(gpu_memory, persistent, weights, per_sequence[mode])
-        for mode in CHECKPOINTING
-    }
+def _fit_lines(run: PlannedRun, gpu_memory: int) -> list[str]:
+    """The largest micro-batch per checkpointing mode, from the per-rank loads (the per-stage
+    table's rows): with stages, sequences per pipeline micro-batch, their number held."""
+    cfg = run.cfg
     chosen = cfg.parallel.activation_checkpointing
-    lines = [
-        "",
-        f"largest micro-batch on {fmt_bytes(gpu_memory)} per GPU (states {fmt_bytes(persistent)}, "
-        f"transient weights and gradients {fmt_bytes(weights)}, reserve "
-        f"{fmt_bytes(reserve_bytes(gpu_memory))}):",
-    ]
+    fits = {
+        mode: micro_batch_fit(with_checkpointing(run, mode), gpu_memory) for mode in CHECKPOINTING
+    }
+    limit = fits[chosen][1]
+    sizes = (
+        f"states {fmt_bytes(limit.states_bytes)}, transient weights and gradients "
+        f"{fmt_bytes(limit.transient_bytes)}, reserve {fmt_bytes(reserve_bytes(gpu_memory))}"
+    )
+    if run.layout.pp == 1:
+        head = f"largest micro-batch on {fmt_bytes(gpu_memory)} per GPU ({sizes}):"
+    else:
+        m = pp_microbatches(cfg.parallel, cfg.train.micro_batch_size)
+        head = (
+            f"largest pipeline micro-batch (sequences each, {m} per step) on "
+            f"{fmt_bytes(gpu_memory)} per GPU, set by pipeline rank {limit.pp_rank} ({sizes}):"
+        )
+    lines = ["", head]
     for mode in CHECKPOINTING:
         mark = "  <- parallel.activation_checkpointing" if mode == chosen else ""
-        note = " (does not fit)" if fits[mode] == 0 else ""
-        lines.append(f"  {mode:<14} {fits[mode]:>5}{note}{mark}")
-    configured = cfg.train.micro_batch_size
-    if configured > fits[chosen]:
-        lines.append(
-            f"  train.micro_batch_size={configured} exceeds {fits[chosen]} with "
-            f"activation_checkpointing={chosen}"
+        note = " (does not fit)" if fits[mode][0] == 0 else ""
+        lines.append(f"  {mode:<14} {fits[mode][0]:>5}{note}{mark}")
+    configured = limit.sequences
+    if configured > fits[chosen][0]:
+        what = (
+            f"train.micro_batch_size={cfg.train.micro_batch_size}"
+            if run.layout.pp == 1
+            else f"{configured:g} sequences per pipeline micro-batch (train.micro_batch_size="
+            f"{cfg.train.micro_batch_size} in {m})"
         )
+        lines.append(f"  {what} exceeds {fits[chosen][0]} with activation_checkpointing={chosen}")
     return lines
 
 
 def comm_lines(run: PlannedRun) -> list[str]:
-    """fsdp: bytes each rank receives per optimizer step, by mesh axis and collective."""
-    cfg, policy, layout = run.cfg, run.policy, run.layout
-    lines = ["", f"communication per rank and optimizer step, mesh {layout.describe()}:"]
-    activations = cfg.train.micro_batch_size * run.shape.seq_len * run.shape.d_model
-    gathers = cfg.train.grad_accum_steps * (2 if reshards_after_forward(cfg.parallel) else 1)
-    gathered, reduced = gathered_dtype_bytes(policy), policy.reduce_dtype.itemsize
-    experts = count_experts(run.model, cfg.model)
-    sharded, expert_axis = expert_traffic(experts, layout, gathers, gathered, reduced)
-    traffic = fsdp_traffic(
-        cfg.parallel,
-        cfg.train.grad_accum_steps,
-        layout,
-        sharded or run.num_params,
-        gathered,
-        reduced,
-        run.tp,
-        activations * policy.compute_dtype.itemsize,
-    )
-    traffic += expert_axis
-    share = {"tp": 1.0, "shard": 1.0, "replicate": 1.0, "edp": 1.0}
-    if layout.pp > 1:  # a pipeline rank's part: its blocks' tp traffic, its parameters' FSDP2
-        params = max(load.params for load in rank_loads(run)) / run.num_params
-        share = {"tp": 1 / layout.pp, "shard": params, "replicate": params}
+    """fsdp and zero: bytes each rank receives per optimizer step, by mesh axis and collective."""
+    lines = ["", f"communication per rank and optimizer step, mesh {run.layout.describe()}:"]
+    if run.layout.pp > 1:
         lines[-1] += " (the largest pipeline rank's part)"
-    for t in traffic:
-        moved = t.bytes_per_step * share[t.axis]
-        lines.append(f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(moved):>10}")
+    for t in rank_traffic(run):
+        lines.append(
+            f"  {t.axis:<9} ({t.size:>4}) {t.collective:<18} {fmt_bytes(t.bytes_per_step):>10}"
+        )
     return lines
+
+
+def step_lines(run: PlannedRun) -> list[str]:
+    """The modelled step time (step_time.step_time: the proposal's and the goodput plan's)."""
+    step = step_time(run)
+    where = "of the largest pipeline rank " if run.layout.pp > 1 else ""
+    return ["", f"step time {where}modelled at {assumptions()}:", f"  {step.describe()}"]
 
 
 def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = False) -> str:
     """The table for a planned run (footprint.py `planned`); with `gpu_memory`, what fits, and
-    with `propose` too, the layout proposed for its world size (plan/stages.py)."""
+    with `propose` too, the layout proposed for its world size (plan/proposal.py)."""
     cfg, n, policy = run.cfg, run.num_params, run.policy
     world_size, hardware = run.layout.world_size, run.hardware
     backend, stage = run.backend, cfg.parallel.zero_stage
@@ -145,36 +142,36 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = Fa
         + (f" stage {stage}" if backend == "zero" else ""),
         f"precision policy ({hardware.name}):",
         policy.table(),
+        *_held_batch_lines(run),
         "",
         f"memory per rank, {backend}"
         + (f" (states sharded over {run.degree:.4g} ranks)" if backend == "fsdp" else "")
         + ":",
     ]
     per_param = run.states().per_rank_bytes_per_param(run.degree)
-    held_params = n  # what one rank's states are a share of: the model, or its pipeline rank's part
+    load = most_states(run)  # the states per GPU: the pipeline rank that holds the most
     if run.layout.pp > 1:
-        held_params = max(load.params for load in rank_loads(run))
-        lines.append(f"  (the largest pipeline rank's {held_params / 1e9:.2f}B parameters)")
+        lines.append(f"  (the largest pipeline rank's {load.params / 1e9:.2f}B parameters)")
     for c in COMPONENTS:
-        lines.append(
-            f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(per_param[c] * held_params):>10}"
-        )
+        lines.append(f"  {c:<17} {per_param[c]:>7.3f} B/param  {fmt_bytes(load.states[c]):>10}")
     total = sum(per_param.values())
-    lines.append(f"  {'total':<17} {total:>7.3f} B/param  {fmt_bytes(total * held_params):>10}")
+    lines.append(f"  {'total':<17} {total:>7.3f} B/param  {fmt_bytes(load.states_bytes):>10}")
+    lines.append(
+        f"  checkpoint per GPU (master weights + optimizer states) "
+        f"{fmt_bytes(load.checkpoint_bytes)}"
+    )
     if backend == "fsdp":
         gathered = gathered_dtype_bytes(policy)
         held = "two gathered blocks" if reshards_after_forward(cfg.parallel) else "all blocks"
         if run.layout.pp > 1:
             held += " of the pipeline rank"
-        transient = transient_weight_bytes(cfg.parallel, policy, held_params, run.block_params)
-        transient /= run.tp_split_ways
         lines.append(
             f"  + transient: {held} in {gathered * 8}-bit "
-            f"({fmt_bytes(transient)} with one block of FP32 gradients"
+            f"({fmt_bytes(load.transient_bytes)} with one block of FP32 gradients"
             + (", per tp rank)" if run.tp_split_ways > 1 else ")")
         )
     lines += backend_lines(run)
-    if backend == "fsdp":
+    if backend in ("fsdp", "zero"):
         lines += comm_lines(run)
     lines += pipeline_lines(run, fmt_bytes)
     layout, train = run.layout, cfg.train
@@ -188,16 +185,35 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = Fa
         policy.compute_dtype.itemsize,
         fmt_bytes,
     )
+    lines += step_lines(run)
     lines += activation_lines(run, gpu_memory)
     if propose and gpu_memory is not None:
         lines += proposal_lines(run, run.layout.world_size, gpu_memory, fmt_bytes)
     return "\n".join(lines)
 
 
+def _held_batch_lines(run: PlannedRun) -> list[str]:
+    if not run.held_batch:
+        return []
+    t = run.cfg.train
+    return [
+        f"train.global_batch_size ({t.global_batch_size}) does not divide over the "
+        f"{run.layout.dp_size} data-parallel ranks: planned with the config's micro_batch_size "
+        f"({t.micro_batch_size}) x grad_accum_steps ({t.grad_accum_steps}) per rank"
+    ]
+
+
 def backend_lines(run: PlannedRun) -> list[str]:
-    """Every backend's states per rank at this world size, with the ZeRO paper's figure."""
-    world_size, n = run.layout.world_size, run.num_params
-    lines = ["", f"all backends at world size {world_size} (B/param per rank, total per rank):"]
+    """Every backend's states per rank at this world size, with the ZeRO paper's figure: each
+    over all the ranks (data parallelism alone; the memory table above has this layout's)."""
+    layout, n = run.layout, run.num_params
+    world_size = layout.world_size
+    flat = layout.world_size == layout.shard
+    alone = "" if flat else ", each over all ranks without this layout's tp, stages and replicas"
+    lines = [
+        "",
+        f"all backends at world size {world_size} (B/param per rank, total per rank{alone}):",
+    ]
     for name, stage in (("local", 0), ("fsdp", 0), ("zero", 1), ("zero", 2), ("zero", 3)):
         if name == "local" and world_size > 1:
             label, ranks = "local (1 rank)", 1

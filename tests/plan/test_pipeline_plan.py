@@ -22,14 +22,8 @@ from bigtrain.parallel.pipeline_split import (
     stage_of_names,
 )
 from bigtrain.plan.footprint import planned
-from bigtrain.plan.stages import (
-    bubble_fraction,
-    candidates,
-    in_flight,
-    planned_memory,
-    proposal,
-    rank_loads,
-)
+from bigtrain.plan.proposal import candidates, proposal
+from bigtrain.plan.stages import bubble_fraction, in_flight, planned_memory, rank_loads
 from bigtrain.precision import Hardware
 from tests.conftest import run_cli
 

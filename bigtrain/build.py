@@ -42,7 +42,7 @@ from bigtrain.data import (
     prepare_corpus,
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
-from bigtrain.errors import AbortRun, ConfigError, SharedConfigError
+from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
@@ -186,6 +186,12 @@ def _check_run_dir(resume: str, run_dir: RunDir, manager: CheckpointManager) -> 
         raise AbortRun(
             f"{run_dir.aborted_marker} exists: this run gave up earlier "
             f"({run_dir.aborted_marker.read_text().strip()}); remove the marker to try again"
+        )
+    if run_dir.differ_marker.exists():
+        raise ReplicaMismatch(
+            f"{run_dir.differ_marker} exists: the replica groups ended with different weights "
+            f"({run_dir.differ_marker.read_text().strip()}); see events.jsonl, then remove the "
+            "marker to run again"
         )
     if resume == "never" and manager.committed():
         raise ConfigError(

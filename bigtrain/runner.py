@@ -119,7 +119,12 @@ def _already_finished(built: Run, started: float) -> dict[str, Any]:
     wrote it; one lost after the last checkpoint is written from the checkpoint's state (every
     rank takes this path: the state they resumed is the same)."""
     trainer = built.trainer
+    # A replica group that restarts after the others reached the end (from the last step's
+    # checkpoint) still takes part in their last quorums, where the groups compare weights.
+    trainer.replicas.finish(trainer)
     final = trainer.final_record(started)
+    if trainer.replicas.groups > 1:  # every group's end is an event (the others wait for it)
+        trainer.event("finish", **{k: v for k, v in final.items() if k != "step"})
     path = trainer.run_dir.path / "final.json"
     logger.info(
         "bigtrain: already finished at step %d (train.max_steps=%d): nothing to train; %s",

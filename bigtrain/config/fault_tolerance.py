@@ -29,9 +29,14 @@ class FaultToleranceConfig:
     heartbeat_timeout_s: float = 2.0
     """A group silent this long is dropped from the quorum (the lighthouse's setting: survivors
     of a failure stall about this long)."""
-    join_timeout_s: float = 1.0
-    """How long the lighthouse waits for more groups before forming a quorum with fewer (all
-    `groups` joining sooner end the wait)."""
+    join_timeout_s: float = 60.0
+    """How much later than the first group a live group may ask for a step's quorum before the
+    lighthouse forms it without that group (which then takes a peer's state at the next step:
+    a `group_left` event with reason `late`). A group whose heartbeats stopped is left out after
+    heartbeat_timeout_s whatever this is, so this bound costs a real failure nothing: keep it
+    above the longest healthy lag between groups (a few step times, a leading group's
+    synchronous checkpoint write); each group warns (`join_timeout_short` event) when 5 of its
+    median steps exceed it. torchft's own default; below quorum_timeout_s."""
     quorum_timeout_s: float = 120.0
     """How long a group waits for a quorum: at start (a fresh job waits this long for all its
     groups), while peers start or transfer state."""
@@ -92,6 +97,12 @@ def check_fault_tolerance(
         ("heartbeat_timeout_s", ft.heartbeat_timeout_s, "fault_tolerance.timeout_s", ft.timeout_s),
         ("timeout_s", ft.timeout_s, source, floor),
         ("quorum_timeout_s", ft.quorum_timeout_s, source, floor),
+        (
+            "join_timeout_s",
+            ft.join_timeout_s,
+            "fault_tolerance.quorum_timeout_s",
+            ft.quorum_timeout_s,
+        ),
         ("timeout_s", ft.timeout_s, "parallel.timeout_s", parallel_timeout_s),
     ]
     for key, value, outer, limit in nested:
@@ -99,6 +110,7 @@ def check_fault_tolerance(
             raise ConfigError(
                 f"key 'fault_tolerance.{key}' ({value:g} s) must be shorter than {outer} "
                 f"({limit:g} s): timeouts nest (heartbeat < torchft's timeout < the hang "
-                "watchdog), or the outer one fires first and kills a group that torchft would "
-                "have healed (docs/fault-tolerance.md)"
+                "watchdog; the lighthouse's join timeout < the groups' quorum timeout), or the "
+                "outer one fires first and ends a group that torchft would have healed "
+                "(docs/fault-tolerance.md)"
             )

@@ -20,28 +20,44 @@ groups, does nothing):
                  its gradients are dropped, the data cursor and RNG go back, and the step runs
                  again with the new quorum (`commit_failed` event).
 
+    finish       at the end, quorum after quorum until every group takes part (or
+                 quorum_timeout_s passed): a group that was behind or away catches up from a
+                 peer; then the groups compare their weights (a digest of each rank's shards,
+                 as after every persistent checkpoint) and a difference is an error (exit 7).
+
 A rollback is a committed step whose outcome loads a target: torchft's step counter only grows,
 so a group that joins during or after it receives the rolled-back state. Persistent checkpoints
 are written by the quorum's first group (`leads`); every group writes its own events.
+
+A group is left out of a quorum only when it is gone (its heartbeats stopped for
+heartbeat_timeout_s) or later than the lighthouse's join timeout (fault_tolerance.join_timeout_s,
+60 s): the group that leads writes a `group_left` event (reason `dead` or `late`), and so does the
+left-out group itself when it finds it was left behind.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
+import socket
+import statistics
 import time
+from collections import deque
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch.distributed import ReduceOp
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
-from bigtrain.errors import ConfigError
+from bigtrain.errors import ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.parallel.layout import Layout
 from bigtrain.utils.clock import nested_bytes, process_start_time
+from bigtrain.utils.dist import all_gather_objects
 from bigtrain.utils.tensors import local_tensor
 
 logger = logging.getLogger(__name__)
@@ -50,6 +66,12 @@ GROUP_ENV = "BIGTRAIN_FT_GROUP"
 """The environment variable that tells a process which replica group it belongs to."""
 BUCKET_ELEMENTS = 1 << 24
 """Gradient elements per cross-group all-reduce (64 MB of FP32): few collectives, bounded copies."""
+FINISH_POLL_S = 0.05
+"""Pause between the end's quorums while a group is still missing: short, so that the groups
+present ask again together (the lighthouse's tick, 0.1 s, paces them) and a group that arrives
+finds them all, whatever the join timeout."""
+LATE_STEPS = 5
+"""A join timeout shorter than this many median steps gets a warning (`join_timeout_short`)."""
 
 
 def group_index(groups: int) -> int:
@@ -74,6 +96,82 @@ def lighthouse_address(cfg: FaultToleranceConfig) -> str:
             "replica groups need the lighthouse's address (launch/ft.sh starts one)"
         )
     return address
+
+
+def unreachable(address: str, timeout_s: float) -> str | None:
+    """Why the lighthouse at `address` (http://host:port) cannot be reached, or None: one TCP
+    connection, so that a wrong address fails at once instead of after torchft's retries."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    if not url.hostname or url.port is None:
+        return f"{address!r} is not http://HOST:PORT"
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{address} cannot be reached ({e.strerror or e})"
+
+
+def check_lighthouse(cfg: FaultToleranceConfig, layout: Layout) -> None:
+    """Rank 0 of the group (the one that talks to the lighthouse) tries it; every rank of the
+    group raises the same error when it cannot be reached."""
+    reason = (
+        unreachable(lighthouse_address(cfg), min(cfg.timeout_s, 10.0)) if layout.rank == 0 else None
+    )
+    reason = all_gather_objects(reason)[0]
+    if reason is not None:
+        source = "fault_tolerance.lighthouse" if cfg.lighthouse else "TORCHFT_LIGHTHOUSE"
+        raise SharedConfigError(
+            f"the torchft lighthouse ({source}) {reason.removeprefix(lighthouse_address(cfg) + ' ')}"
+            ": start one (bigtrain lighthouse CONFIG, or launch/ft.sh / slurm/ft.sbatch, which "
+            "start it) and pass its address"
+        )
+
+
+def local_digest(backend) -> bytes:
+    """sha256 of this rank's FP32 master tensors in order. Rank r of every replica group holds
+    the same shards, so equal digests on every rank mean equal weights (a host copy of the
+    shards: after persistent checkpoints and at the end only)."""
+    digest = hashlib.sha256()
+    for tensor in backend.master_state()[0]:
+        host = local_tensor(tensor).detach().contiguous().cpu()
+        digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+def weight_groups(by_rank: list[dict[int, str]]) -> dict[int, tuple[str, ...]]:
+    """Each group's weights as the tuple of its ranks' digests (every rank of this group
+    exchanged its own shard's digest with the same rank of the other groups)."""
+    groups = sorted(set.intersection(*(set(d) for d in by_rank)))
+    return {g: tuple(d[g] for d in by_rank) for g in groups}
+
+
+def odd_groups(weights: dict[int, tuple[str, ...]], leading: int | None) -> list[int]:
+    """The groups whose weights differ from the most common ones (on a tie, from those of the
+    leading group, which writes the checkpoints)."""
+    counts: dict[tuple[str, ...], int] = {}
+    for w in weights.values():
+        counts[w] = counts.get(w, 0) + 1
+    top = max(counts.values())
+    common = [w for w, n in counts.items() if n == top]
+    reference = weights[leading] if leading in weights and weights[leading] in common else common[0]
+    return sorted(g for g, w in weights.items() if w != reference)
+
+
+def late_reason(
+    waited_s: float, heartbeat_timeout_s: float, join_timeout_s: float, reduction_failed: bool
+) -> str:
+    """Why a group was left out of a quorum, by the lighthouse's two rules: `dead` when its
+    heartbeats stopped (or a reduction with it failed in the step before), `late` when the join
+    timeout ran out while it was still heartbeating. The quorum's wait tells them apart when
+    the join timeout is well above the heartbeat timeout (a silent group is dropped about a
+    heartbeat timeout after it fell silent, a live one only after the join timeout; half of it
+    leaves room for a leader that joined late itself); with a join timeout about as short as
+    the heartbeat's, it runs out first: `late`."""
+    if reduction_failed:
+        return "dead"
+    if join_timeout_s <= heartbeat_timeout_s + 1.0:
+        return "late"
+    return "late" if waited_s > max(heartbeat_timeout_s + 1.0, join_timeout_s / 2) else "dead"
 
 
 class NoReplicaGroups:
@@ -106,6 +204,12 @@ class NoReplicaGroups:
 
     def abandon(self, trainer, undo: None, step: int) -> None:
         raise AssertionError("a run without replica groups commits every step")
+
+    def annotate(self, trainer, result) -> None:
+        """Nothing to add to the step's record."""
+
+    def finish(self, trainer) -> None:
+        """One job: nothing to wait for or compare."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -200,6 +304,17 @@ def quiet_torchft() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_NoFlightRecorderNote())
+
+
+class _NoFlightRecorderNote(logging.Filter):
+    """torchft warns at every new quorum that it cannot reset NCCL's flight recorder when the
+    torch build has no NCCL (CPU groups on gloo): nothing is lost there, so the line goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
 def _process_group(timeout: timedelta, device: torch.device) -> Any:
@@ -243,8 +358,6 @@ def _own_store(layout: Layout) -> tuple[str, int, Any]:
     which torchrun's store, kept across restarts, would still hold."""
     from torch.distributed import TCPStore
 
-    from bigtrain.utils.dist import all_gather_objects
-
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     server = TCPStore(host, 0, is_master=True, wait_for_workers=False) if layout.rank == 0 else None
     port = all_gather_objects(server.port if server is not None else None)[0]
@@ -256,6 +369,7 @@ class ReplicaGroups:
 
     def __init__(self, cfg: FaultToleranceConfig, layout: Layout, device: torch.device) -> None:
         quiet_torchft()
+        check_lighthouse(cfg, layout)
         from torchft.manager import Manager
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft
@@ -286,6 +400,19 @@ class ReplicaGroups:
         self.participants: list[int] = []
         self.quorum_id: int | None = None
         self.leads = False  # until the first quorum says who leads
+        self.device = device
+        self.took_part = False  # this process was in a quorum already (a later heal: left out)
+        self.reduction_failed = False  # the last step's reduction across groups failed
+        self.last_commit: tuple[int, float] | None = None  # (step, wall time) of the last commit
+        self.new_quorum = False  # the next commit is the first of a new membership
+        self.fresh_quorum = False  # a quorum was formed and no step has used it yet
+        self.group_losses: torch.Tensor | None = None  # each group's loss, from across_groups
+        self.warned_late = False
+        self.mismatch: ReplicaMismatch | None = None  # the end's comparison found a difference
+        self.resync = False  # vote against this step: weights differed after a checkpoint
+        self.heals = 0  # peer states taken by this process (the weights' digest is cached)
+        self.digest: tuple[tuple[int, int], bytes] | None = None
+        self.step_times: deque[float] = deque(maxlen=200)
 
     def attach(self, trainer) -> None:
         """The trainer whose state a peer receives and a rejoining group loads."""
@@ -294,30 +421,100 @@ class ReplicaGroups:
         )
 
     def start_step(self, trainer) -> None:
-        """The quorum of this step; a group behind the others loads a live peer's state here."""
+        """The quorum of this step; a group behind the others loads a live peer's state here.
+        Groups left out are reported; after a persistent checkpoint the groups compare weights."""
+        own_step, asked = trainer.state.step, time.time()
         quorum = self._quorum()
+        waited = time.time() - asked
         participants = group_ids(quorum.replica_ids)
         self.leads = trainer.run_dir.leader = self.manager.participating_rank() == 0
+        self.fresh_quorum = True
         if quorum.quorum_id != self.quorum_id:  # a membership change (a group replaced too)
-            self.quorum_id = quorum.quorum_id
-            trainer.event(
-                "quorum",
-                at_step=trainer.state.step + 1,
-                participants=participants,
-                groups=len(participants),
-                quorum_id=quorum.quorum_id,
-            )
-            self.participants = participants
-        if quorum.heal and self.manager.errored() is None:
+            self._membership(trainer, quorum.quorum_id, participants, waited)
+        healed = quorum.heal and self.manager.errored() is None
+        if healed and self.took_part and not self.reduction_failed:
+            self._left_behind(trainer, own_step, waited)
+        if healed:
+            self.heals += 1
             trainer.event(
                 "group_joined",
                 at_step=trainer.state.step + 1,
                 group=self.layout.ft_group,
-                seconds=round(time.time() - process_start_time(), 3),
                 transfer_s=round(self.transport.received_s, 4),
                 bytes=self.transport.received_bytes,
                 source=quorum.recover_src_replica_rank,
+                # the new process's own time from its start: only for a group that restarted
+                **({} if self.took_part else {"seconds": _process_age()}),
             )
+        self.took_part, self.reduction_failed = True, False
+        # After a persistent checkpoint every group of the quorum (all at the same step now)
+        # compares; the end has its own comparison (finish).
+        every, step = trainer.cfg.checkpoint.every, trainer.state.step
+        if every > 0 and 0 < step < trainer.end_step and step % every == 0:
+            self._compare(trainer, final=False)
+
+    def _membership(self, trainer, quorum_id: int, participants: list[int], waited: float) -> None:
+        """A new quorum: its event (with this group's last commit before it, for the failure
+        costs in the report), and the groups of the previous one that it left out."""
+        self.quorum_id, self.new_quorum = quorum_id, True
+        step, at = self.last_commit if self.last_commit is not None else (None, None)
+        trainer.event(
+            "quorum",
+            at_step=trainer.state.step + 1,
+            participants=participants,
+            groups=len(participants),
+            quorum_id=quorum_id,
+            last_commit_step=step,
+            last_commit_time=at,
+            median_step_s=round(statistics.median(self.step_times), 4) if self.step_times else None,
+        )
+        if self.leads:
+            for group in sorted(set(self.participants) - set(participants)):
+                reason = late_reason(
+                    waited,
+                    self.cfg.heartbeat_timeout_s,
+                    self.cfg.join_timeout_s,
+                    self.reduction_failed,
+                )
+                trainer.event(
+                    "group_left",
+                    at_step=trainer.state.step + 1,
+                    group=group,
+                    reason=reason,
+                    waited_s=round(waited, 3),
+                    reported_by=self.layout.ft_group,
+                )
+                logger.warning(
+                    "bigtrain: replica group %d left out of step %d's quorum (%s; the quorum "
+                    "came after %.1f s)",
+                    group,
+                    trainer.state.step + 1,
+                    "its heartbeats stopped" if reason == "dead" else "alive but late",
+                    waited,
+                )
+        self.participants = participants
+
+    def _left_behind(self, trainer, own_step: int, waited: float) -> None:
+        """This live group was left out of a quorum it was late for: the others went on, and it
+        took a peer's state now (its slice of the steps it missed is counted as skipped)."""
+        missed = max(trainer.state.step - own_step, 1)
+        trainer.event(
+            "group_left",
+            at_step=own_step + 1,
+            group=self.layout.ft_group,
+            reason="late",
+            missed_steps=missed,
+            waited_s=round(waited, 3),
+            reported_by=self.layout.ft_group,
+        )
+        logger.warning(
+            "bigtrain: this replica group (%d) was late for step %d's quorum: the others trained "
+            "%d step(s) without it; it took a peer's state at step %d",
+            self.layout.ft_group,
+            own_step + 1,
+            missed,
+            trainer.state.step,
+        )
 
     def _quorum(self) -> Any:
         """torchft's quorum. A fresh job (nothing committed anywhere yet) asks again until every
@@ -344,6 +541,7 @@ class ReplicaGroups:
     def undo_point(self, trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
         """The data cursor, RNG and transient-fault counts before the step: an uncommitted step
         puts them back (its replay, if it had one, runs again with it)."""
+        self.fresh_quorum = False
         stream = copy.deepcopy(trainer.loader.stream.state_dict())
         return stream, rng_state(), dict(trainer.state.transients)
 
@@ -367,15 +565,19 @@ class ReplicaGroups:
         router sums summed (replicas that differ in one group make every group act), and the
         router extremes (`maxima`, zeros neutral: a group that sits out sends zeros) maxed. The
         first flag, a preemption signal, stays the group's: it stops its own group only, which
-        leaves like a failed one and rejoins when relaunched."""
+        leaves like a failed one and rejoins when relaunched. Each group's own loss rides along
+        in its slot (`group_losses`, logged at log steps)."""
         flags = flags.float().reshape(-1)
-        packed = torch.cat([loss.float().reshape(1), flags[1:]])
+        own = torch.zeros(self.groups, device=flags.device)
+        own[self.layout.ft_group] = loss.float().reshape(())
+        packed = torch.cat([loss.float().reshape(1), flags[1:], own])
         self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
         if maxima is not None:
             maxima = maxima.float().clone()
             self.manager.allreduce(maxima, reduce_op=ReduceOp.MAX).wait()
         loss = packed[0] / max(self.manager.num_participants(), 1)
-        return loss, torch.cat([flags[:1], packed[1:]]), maxima
+        self.group_losses = packed[len(packed) - self.groups :]
+        return loss, torch.cat([flags[:1], packed[1 : len(packed) - self.groups]]), maxima
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""
@@ -390,6 +592,9 @@ class ReplicaGroups:
     def commit(self, trainer) -> bool:
         """torchft's vote: apply the step (True) or not anywhere. A committed step counts the
         slices of the groups that did not take part (tokens_skipped_by_group)."""
+        if self.resync:  # its weights differed from its peers' after a checkpoint (_differ)
+            self.resync = False
+            self.manager.report_error(RuntimeError("this group's weights differ from its peers'"))
         if not self.manager.should_commit():
             return False
         state, missing = trainer.state, set(range(self.groups)) - set(self.participants)
@@ -401,12 +606,49 @@ class ReplicaGroups:
             )
         state.tokens_seen -= per_group * len(missing)
         state.samples_seen -= trainer.loader.global_batch_size // self.groups * len(missing)
+        step = state.step + 1
+        self.last_commit = (step, time.time())
+        if self.new_quorum:  # the report's failure costs: the first commit of each membership
+            self.new_quorum = False
+            trainer.event("quorum_commit", at_step=step, quorum_id=self.quorum_id)
         return True
+
+    def annotate(self, trainer, result) -> None:
+        """At log steps, each live group's own loss (`loss_by_group`): a step whose mean stands
+        out shows which group's data or state made it. Once the step time is known, a warning
+        when the lighthouse's join timeout is shorter than LATE_STEPS steps."""
+        step = result.step
+        self.step_times.append(result.step_time)
+        if not self.warned_late and len(self.step_times) >= 20:
+            median = statistics.median(self.step_times)
+            self.warned_late = True
+            if LATE_STEPS * median > self.cfg.join_timeout_s:
+                trainer.event(
+                    "join_timeout_short",
+                    join_timeout_s=self.cfg.join_timeout_s,
+                    median_step_s=round(median, 3),
+                )
+                logger.warning(
+                    "bigtrain: fault_tolerance.join_timeout_s=%g is shorter than %d median steps "
+                    "(%.1f s each): a live group that falls that far behind is left out; raise it",
+                    self.cfg.join_timeout_s,
+                    LATE_STEPS,
+                    median,
+                )
+        if not (step % trainer.cfg.train.log_every == 0 or step >= trainer.end_step):
+            return
+        if self.group_losses is None:
+            return
+        # Expensive device-to-host synchronization, at log steps only (the values are ready:
+        # the monitor read its own numbers of the same all-reduce).
+        values = self.group_losses.tolist()
+        result.telemetry["loss_by_group"] = {str(g): values[g] for g in self.participants}
 
     def abandon(self, trainer, undo: tuple[dict, dict, dict[str, int]], step: int) -> None:
         """An uncommitted step: nothing of it stays (gradients, data cursor, RNG); it runs again
         with the next quorum."""
         error = self.manager.errored()
+        self.reduction_failed = error is not None
         reason = str(error).splitlines()[0] if error is not None else "not committed"
         if error is None and self.manager.num_participants() < self.cfg.min_groups:
             reason = (
@@ -420,6 +662,90 @@ class ReplicaGroups:
         trainer.event("commit_failed", at_step=step, reason=reason[:300])
         logger.warning("bigtrain: step %d not committed (%s): it runs again", step, reason)
 
+    def finish(self, trainer) -> None:
+        """The end: quorums until every group takes part (a group behind or away catches up from
+        a peer in one) or quorum_timeout_s passed, then every group's weights compared. A
+        difference is an error event and ReplicaMismatch (exit 7) in every group."""
+        deadline = time.monotonic() + self.cfg.quorum_timeout_s
+        while True:
+            if not self.fresh_quorum:
+                self.start_step(trainer)
+            self.fresh_quorum = False
+            done = self._compare(trainer, final=True, give_up=time.monotonic() > deadline)
+            if done:
+                # No group leaves before every group has its comparison: a group that exits
+                # while a peer still reads its part of the exchange resets the connection, and
+                # that peer would wait alone. This last reduction may fail as they leave.
+                self.manager.allreduce(torch.zeros(1, device=self.device)).wait()
+                if self.mismatch is not None:
+                    raise self.mismatch
+                return
+            time.sleep(FINISH_POLL_S)
+
+    def _compare(self, trainer, final: bool, give_up: bool = False) -> bool:
+        """Every live group's weights against the others' (after a persistent checkpoint, and
+        at the end). Returns whether the comparison is done: at the end it waits (False) while a
+        group is missing, until every group says to give up waiting."""
+        key = (trainer.state.step, self.heals)
+        if self.digest is None or self.digest[0] != key:  # the weights changed since the last
+            self.digest = (key, local_digest(trainer.backend))
+        exchanged = self._exchange(self.digest[1], give_up)
+        # Every rank of this group holds its own shard's view; they agree on one verdict.
+        views = all_gather_objects(exchanged)
+        if any(v is None for v in views):  # a group died during the exchange: ask again
+            return False
+        weights = weight_groups([v[0] for v in views])
+        waiting = final and len(weights) < self.groups and not any(v[1] for v in views)
+        if waiting:
+            return False
+        odd = odd_groups(weights, self.participants[0] if self.participants else None)
+        if final and len(weights) < self.groups:
+            trainer.event("groups_missing", groups=sorted(set(range(self.groups)) - set(weights)))
+        if odd:
+            self._differ(trainer, weights, odd, final)
+        return True
+
+    def _exchange(self, digest: bytes, give_up: bool) -> tuple[dict[int, str], bool] | None:
+        """Each live group's digest (this rank's shard) and whether any group gives up waiting:
+        one SUM all-reduce across the groups of a row [present, digest bytes] per group and a
+        flag. None when the reduction failed."""
+        width = 1 + len(digest)
+        packed = torch.zeros(self.groups * width + 1, device=self.device)
+        row = self.layout.ft_group * width
+        packed[row] = 1.0
+        packed[row + 1 : row + width] = torch.tensor(list(digest), dtype=torch.float32)
+        packed[-1] = float(give_up)
+        self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        # Expensive device-to-host synchronization: after checkpoints and at the end only.
+        host = packed.tolist()
+        digests = {
+            g: bytes(round(v) for v in host[g * width + 1 : (g + 1) * width]).hex()
+            for g in range(self.groups)
+            if host[g * width] > 0
+        }
+        return digests, host[-1] > 0
+
+    def _differ(
+        self, trainer, weights: dict[int, tuple[str, ...]], odd: list[int], final: bool
+    ) -> None:
+        """Groups hold different weights: an error event in every group. At the end the run
+        fails (exit 7); after a checkpoint, the odd groups vote against their next step and take
+        a peer's state at the following quorum."""
+        shown = {str(g): w[0][:16] for g, w in weights.items()}
+        reason = f"replica groups {odd} hold weights that differ from the other groups'"
+        trainer.event("error", reason=reason, digests=shown, groups=odd, final=final)
+        logger.error("bigtrain: %s (digests of the first rank's shard: %s)", reason, shown)
+        if final:  # raised once the groups are through the end (finish)
+            if trainer.run_dir.is_main:
+                trainer.run_dir.differ_marker.write_text(f"{reason}: {shown}\n")
+            self.mismatch = ReplicaMismatch(f"{reason}: {shown}")
+            return
+        # It still takes part in this step's reductions (the others wait for it), but votes
+        # against committing it, so that the next quorum finds it behind and heals it.
+        self.resync = self.layout.ft_group in odd
+
     def state_dict(self) -> dict[str, Any]:
         """torchft's step counter and committed batches (checkpoints carry them)."""
         return dict(self.manager.state_dict())
@@ -430,6 +756,10 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _process_age() -> float:
+    return round(time.time() - process_start_time(), 3)
 
 
 def make_replica_groups(

@@ -16,6 +16,7 @@ from typing import Any
 from bigtrain.errors import ConfigError
 
 ABORTED = "ABORTED"
+DIFFER = "REPLICAS_DIFFER"
 
 
 def _clean(value: Any) -> Any:
@@ -54,6 +55,12 @@ class RunDir:
     @property
     def aborted_marker(self) -> Path:
         return self.path / ABORTED
+
+    @property
+    def differ_marker(self) -> Path:
+        """Replica groups ended with different weights (parallel/ft.py): a restarted group
+        exits 7 at once instead of finishing alone with its own."""
+        return self.path / DIFFER
 
     def _append(self, name: str, record: dict[str, Any], any_rank: bool = False) -> None:
         if not (self.is_main or any_rank):

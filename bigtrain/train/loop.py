@@ -162,6 +162,8 @@ class Trainer:
             self.ranges.begin("checkpoint_copy")
             self.healer.end_step(self)  # a new rollback target's snapshot
             self.ranges.end()
+        # Replica groups: every group at the end, caught up and holding the same weights.
+        self.replicas.finish(self)
         self.callbacks.on_finish(self)
         return self.state
 
@@ -196,10 +198,13 @@ class Trainer:
 
     def train_step(self) -> StepResult | None:
         """One optimizer step; None when the replica groups did not commit it (nothing of it
-        was applied: it runs again)."""
+        was applied: it runs again) or when the quorum brought a peer's state at the end."""
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
+        before = self.state.step
         self.replicas.start_step(self)  # the quorum: a rejoining group takes a peer's state here
+        if self.state.step != before and self.state.step >= self.end_step:
+            return None  # the peer's state it took is the end's: nothing left to train
         self._enter_phase()
         self.healer.before_step(self)
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
@@ -253,6 +258,7 @@ class Trainer:
         result.step_timing = self.timer.finish()  # per part, on timing steps; else None
         # The step's own time; callbacks (eval, checkpoints) are not included.
         result.step_time = time.perf_counter() - started
+        self.replicas.annotate(self, result)  # each replica group's own loss, at log steps
         return result
 
     def _forward_backward_check(

@@ -142,19 +142,78 @@ class TwoGroups:
         return 2
 
 
-def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
+def two_groups(manager) -> ft.ReplicaGroups:
+    """Group 0 of two, without torchft: `manager` stands in for its Manager."""
     groups = object.__new__(ft.ReplicaGroups)
+    groups.manager, groups.groups = manager, 2
+    groups.layout = Layout.of(load_config([], []).parallel, 1, ft=2, ft_group=0)
+    return groups
+
+
+def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
     # The other group: loss 3, flags [stop (not sent), 1 differing replica, router sum 5],
-    # router extremes [0.2, 0.9]; zeros would be a group sitting out.
-    groups.manager = TwoGroups(torch.tensor([3.0, 1.0, 5.0]), torch.tensor([0.2, 0.9]))
+    # its own loss in its slot (group 1), router extremes [0.2, 0.9]; zeros: a group sitting out.
+    groups = two_groups(
+        TwoGroups(torch.tensor([3.0, 1.0, 5.0, 0.0, 3.0]), torch.tensor([0.2, 0.9]))
+    )
     loss, flags, maxima = groups.across_groups(
         torch.tensor(1.0), torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.1])
     )
     assert loss.item() == 2.0 and flags.tolist() == [1.0, 1.0, 7.0]
+    assert groups.group_losses.tolist() == [1.0, 3.0]  # each group's own loss
     assert maxima.tolist() == pytest.approx([0.5, 0.9])
     assert groups.manager.ops == [ReduceOp.SUM, ReduceOp.MAX]
-    groups.manager = TwoGroups(torch.tensor([3.0]))
+    groups = two_groups(TwoGroups(torch.tensor([3.0, 0.0, 3.0])))
     assert groups.across_groups(torch.tensor(1.0), torch.tensor([0.0]))[2] is None  # dense
+
+
+def test_weights_are_compared_rank_by_rank_and_the_odd_group_named():
+    # two ranks per group; group 2's rank 1 shard differs
+    by_rank = [{0: "a", 1: "a", 2: "a"}, {0: "b", 1: "b", 2: "c"}]
+    weights = ft.weight_groups(by_rank)
+    assert weights == {0: ("a", "b"), 1: ("a", "b"), 2: ("a", "c")}
+    assert ft.odd_groups(weights, leading=0) == [2]
+    # a tie goes the leading group's way (it writes the checkpoints)
+    assert ft.odd_groups({0: ("x",), 1: ("y",)}, leading=1) == [0]
+    assert ft.odd_groups({0: ("x",), 1: ("x",)}, leading=0) == []
+    # a group one rank did not see is not compared
+    assert ft.weight_groups([{0: "a", 1: "a"}, {0: "b"}]) == {0: ("a", "b")}
+
+
+def test_the_local_digest_follows_every_byte_of_the_master_weights():
+    class Masters:
+        def __init__(self, *tensors):
+            self.tensors = list(tensors)
+
+        def master_state(self):
+            return self.tensors, {}
+
+    a = ft.local_digest(Masters(torch.ones(3), torch.zeros(2)))
+    assert a == ft.local_digest(Masters(torch.ones(3), torch.zeros(2)))
+    flipped = torch.zeros(2)
+    flipped.view(torch.int32)[1] = 1  # the smallest denormal: one bit
+    assert a != ft.local_digest(Masters(torch.ones(3), flipped))
+    assert len(a) == 32
+
+
+def test_a_group_left_out_is_dead_or_late_by_what_the_quorum_saw():
+    def reason(waited, join=60.0, failed=False):
+        return ft.late_reason(waited, 2.0, join, failed)
+
+    assert reason(1.4) == "dead"  # a silent group: within a heartbeat timeout (and a tick)
+    assert reason(2.5) == "dead"
+    assert reason(59.8) == "late"  # the lighthouse waited its join timeout for it
+    assert reason(45.0) == "late"  # ... from the first group's join: this one came later
+    assert reason(59.8, failed=True) == "dead"  # a reduction with it broke: it died
+    assert reason(0.05, join=0.3) == "late"  # a join timeout below the heartbeat's runs out first
+
+
+def test_an_unreachable_lighthouse_is_named_at_once():
+    from bigtrain.parallel.env import free_port
+
+    reason = ft.unreachable(f"http://127.0.0.1:{free_port()}", 2.0)
+    assert reason is not None and "cannot be reached" in reason
+    assert "not http://HOST:PORT" in ft.unreachable("http://nowhere", 2.0)
 
 
 @pytest.mark.parametrize("states", ["fp32", "bf16"])

@@ -16,6 +16,7 @@ from bigtrain.model.moe import moe_layers
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import local_tensor
 
 FIRST_RUN_ONLY = ("transient_nan", "grad_spike", "bitflip")
 """Drills of silent data corruption: a replay of their step comes out clean."""
@@ -42,7 +43,9 @@ class FaultInjector(Callback):
         """`group`: this process's replica group (0 without fault tolerance)."""
         self.cfg, self.rank = cfg, rank
         self.active = rank == cfg.rank and group == cfg.group
+        self.in_group = group == cfg.group  # the group-wide drills (slow, jitter)
         self.kills_group = group == cfg.kill_group
+        self.diverges = group == cfg.diverge_group and rank == 0
         self.group_armed: set[int] = set()  # kill_group's steps not done in this run directory
         self.fired: set[tuple[str, int]] = set()  # a rollback repeats step numbers: fire once
         self.this_step: list[str] = []  # what fired in this step's first run (for its replay)
@@ -152,7 +155,7 @@ class FaultInjector(Callback):
 
     @torch.no_grad()
     def on_after_backward(self, trainer, result: StepResult) -> None:
-        if self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
+        if self.in_group and self.rank == self.cfg.slow_rank and self.cfg.slow_s > 0:
             time.sleep(self.cfg.slow_s)  # a straggler: this rank's forward+backward is slower
         if self.kills_group:
             self._kill_group(trainer, result.step)
@@ -216,9 +219,18 @@ class FaultInjector(Callback):
             trainer.event("fault", type="nan_loss")
 
     def on_step_end(self, trainer, result: StepResult) -> None:
+        step = result.step
+        if self.in_group and self.cfg.jitter_s > 0:
+            # A noisy neighbour: late for the next quorum by a draw every rank of the group shares.
+            draw = random.Random(f"{trainer.cfg.train.seed}:jitter:{step}").random()
+            time.sleep(draw * self.cfg.jitter_s)
+        if self.diverges and step in (self.cfg.diverge_step or [trainer.end_step]):
+            before, after = flip_bit(
+                local_tensor(trainer.backend.master_state()[0][0]).detach(), 0, 0
+            )
+            trainer.event("fault", type="diverge", before=before, after=after)
         if not self.active:
             return
-        step = result.step
         if self._due("sigterm", self.cfg.sigterm_step, step):
             trainer.event("fault", type="sigterm")
             os.kill(os.getpid(), signal.SIGTERM)

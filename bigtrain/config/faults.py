@@ -78,9 +78,22 @@ class FaultConfig:
     """Steps at which `rank` sleeps forever inside the step (a hang drill; once per run
     directory, so the restarted run goes on)."""
     slow_rank: int = -1
-    """Rank that sleeps `slow_s` seconds in every step's forward+backward (a straggler drill)."""
+    """Rank that sleeps `slow_s` seconds in every step's forward+backward (a straggler drill;
+    with replica groups, that rank of `group` only)."""
     slow_s: float = 0.0
     """Seconds `slow_rank` sleeps per step; 0: no straggler drill."""
+    jitter_s: float = 0.0
+    """With replica groups: every process of `group` sleeps a random time of up to this many
+    seconds after each step, between its commit and the next step's quorum, where the
+    lighthouse measures how late a group is (a noisy neighbour or a slow read; the draw comes
+    from train.seed and the step, so the group's ranks sleep alike). 0: off."""
+    diverge_group: int = -1
+    """A replica group that changes one of its weights (the lowest bit of its first master value
+    on rank 0) after step `diverge_step`, so that the groups hold different weights: a drill
+    for the groups' comparison after a persistent checkpoint (the group takes a peer's state)
+    and at the end (an error event and exit 7). -1: off."""
+    diverge_step: list[int] = field(default_factory=list)
+    """Steps after which `diverge_group` changes its weights; empty: its last step."""
 
 
 def check_fault_groups(f: FaultConfig, groups: int) -> None:
@@ -100,6 +113,11 @@ def check_fault_groups(f: FaultConfig, groups: int) -> None:
         raise ConfigError(
             f"key 'fault.kill_group' got {f.kill_group}, but fault_tolerance.groups is 1 (no "
             "replica groups): use -1, and fault.kill_step alone to kill fault.rank"
+        )
+    if f.diverge_group != -1 and not 0 <= f.diverge_group < groups:
+        raise ConfigError(
+            f"key 'fault.diverge_group' got {f.diverge_group}, expected -1 (off) or a replica "
+            f"group 0..{groups - 1} (fault_tolerance.groups is {groups})"
         )
     if f.kill_group != -1 and not 0 <= f.kill_group < groups:
         raise ConfigError(

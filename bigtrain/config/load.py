@@ -95,6 +95,7 @@ NON_NEGATIVE = (
     "monitor.every",
     "monitor.timing_every",
     "fault.slow_s",
+    "fault.jitter_s",
     "resilience.snapshot_every",
     "resilience.confirm_steps",
     "resilience.skip_margin",

@@ -205,6 +205,15 @@ class NoReplicaGroups:
     def abandon(self, trainer, undo: None, step: int) -> None:
         raise AssertionError("a run without replica groups commits every step")
 
+    def group_times(self) -> dict[int, float]:
+        """Each live group's own work on its last timing step (seconds; groups that have not
+        timed a step yet are left out), from this step's reduction."""
+        if self.group_compute is None:
+            return {}
+        # Expensive device-to-host synchronization, on timing steps only (the straggler report).
+        values = self.group_compute.tolist()
+        return {g: values[g] for g in self.participants if values[g] > 0}
+
     def annotate(self, trainer, result) -> None:
         """Nothing to add to the step's record."""
 
@@ -407,6 +416,8 @@ class ReplicaGroups:
         self.new_quorum = False  # the next commit is the first of a new membership
         self.fresh_quorum = False  # a quorum was formed and no step has used it yet
         self.group_losses: torch.Tensor | None = None  # each group's loss, from across_groups
+        self.group_compute: torch.Tensor | None = None  # each group's own work (timing steps)
+        self.compute_s = 0.0  # this group's own work on its last timing step
         self.warned_late = False
         self.mismatch: ReplicaMismatch | None = None  # the end's comparison found a difference
         self.resync = False  # vote against this step: weights differed after a checkpoint
@@ -566,18 +577,21 @@ class ReplicaGroups:
         router extremes (`maxima`, zeros neutral: a group that sits out sends zeros) maxed. The
         first flag, a preemption signal, stays the group's: it stops its own group only, which
         leaves like a failed one and rejoins when relaunched. Each group's own loss rides along
-        in its slot (`group_losses`, logged at log steps)."""
-        flags = flags.float().reshape(-1)
-        own = torch.zeros(self.groups, device=flags.device)
+        in its slot (`group_losses`, logged at log steps), and so does its own work's time on
+        its last timing step (`group_compute`: data and forward+backward, without the wait for
+        the other groups), which names a slow group (`group_times`)."""
+        flags, g = flags.float().reshape(-1), self.groups
+        own = torch.zeros(2 * g, device=flags.device)
         own[self.layout.ft_group] = loss.float().reshape(())
+        own[g + self.layout.ft_group] = self.compute_s  # a host float: no device read
         packed = torch.cat([loss.float().reshape(1), flags[1:], own])
         self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
         if maxima is not None:
             maxima = maxima.float().clone()
             self.manager.allreduce(maxima, reduce_op=ReduceOp.MAX).wait()
         loss = packed[0] / max(self.manager.num_participants(), 1)
-        self.group_losses = packed[len(packed) - self.groups :]
-        return loss, torch.cat([flags[:1], packed[1 : len(packed) - self.groups]]), maxima
+        self.group_losses, self.group_compute = packed[-2 * g : -g], packed[-g:]
+        return loss, torch.cat([flags[:1], packed[1 : len(packed) - 2 * g]]), maxima
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""
@@ -613,12 +627,23 @@ class ReplicaGroups:
             trainer.event("quorum_commit", at_step=step, quorum_id=self.quorum_id)
         return True
 
+    def group_times(self) -> dict[int, float]:
+        """Each live group's own work on its last timing step (seconds; groups that have not
+        timed a step yet are left out), from this step's reduction."""
+        if self.group_compute is None:
+            return {}
+        # Expensive device-to-host synchronization, on timing steps only (the straggler report).
+        values = self.group_compute.tolist()
+        return {g: values[g] for g in self.participants if values[g] > 0}
+
     def annotate(self, trainer, result) -> None:
         """At log steps, each live group's own loss (`loss_by_group`): a step whose mean stands
         out shows which group's data or state made it. Once the step time is known, a warning
         when the lighthouse's join timeout is shorter than LATE_STEPS steps."""
         step = result.step
         self.step_times.append(result.step_time)
+        if result.step_timing is not None:  # sent with the next steps' reductions
+            self.compute_s = result.step_timing["data"] + result.step_timing["forward_backward"]
         if not self.warned_late and len(self.step_times) >= 20:
             median = statistics.median(self.step_times)
             self.warned_late = True

@@ -272,8 +272,9 @@ class Trainer:
         losses = [backend.forward_backward(x, y, i, n) for i, (x, y) in enumerate(micro_batches)]
         result = StepResult(step, lr, local_loss=torch.stack(losses).mean())
         self.callbacks.on_after_backward(self, result)
-        self.replicas.average_grads(backend)  # over the live replica groups (parallel/ft.py)
+        # This rank's own work ends here; the wait for other replica groups counts as `sync`.
         self.timer.mark("forward_backward")
+        self.replicas.average_grads(backend)  # over the live replica groups (parallel/ft.py)
         self.ranges.begin("monitor")
         grad_factor = backend.unscale_grads()
         log_step = step % self.cfg.train.log_every == 0 or step >= self.end_step

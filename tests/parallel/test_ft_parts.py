@@ -153,18 +153,24 @@ def two_groups(manager) -> ft.ReplicaGroups:
 def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
     # The other group: loss 3, flags [stop (not sent), 1 differing replica, router sum 5],
     # its own loss in its slot (group 1), router extremes [0.2, 0.9]; zeros: a group sitting out.
+    # ... and its own work's seconds on its last timing step (1.5) in its slot
     groups = two_groups(
-        TwoGroups(torch.tensor([3.0, 1.0, 5.0, 0.0, 3.0]), torch.tensor([0.2, 0.9]))
+        TwoGroups(torch.tensor([3.0, 1.0, 5.0, 0.0, 3.0, 0.0, 1.5]), torch.tensor([0.2, 0.9]))
     )
+    groups.compute_s = 0.5
     loss, flags, maxima = groups.across_groups(
         torch.tensor(1.0), torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.1])
     )
     assert loss.item() == 2.0 and flags.tolist() == [1.0, 1.0, 7.0]
     assert groups.group_losses.tolist() == [1.0, 3.0]  # each group's own loss
+    groups.participants = [0, 1]
+    assert groups.group_times() == {0: 0.5, 1: 1.5}
     assert maxima.tolist() == pytest.approx([0.5, 0.9])
     assert groups.manager.ops == [ReduceOp.SUM, ReduceOp.MAX]
-    groups = two_groups(TwoGroups(torch.tensor([3.0, 0.0, 3.0])))
+    groups = two_groups(TwoGroups(torch.tensor([3.0, 0.0, 3.0, 0.0, 0.0])))
+    groups.compute_s, groups.participants = 0.0, [0, 1]
     assert groups.across_groups(torch.tensor(1.0), torch.tensor([0.0]))[2] is None  # dense
+    assert groups.group_times() == {}  # no group timed a step yet
 
 
 def test_weights_are_compared_rank_by_rank_and_the_odd_group_named():

@@ -9,8 +9,10 @@
 # inside), --max-restarts N (per group; 3), --port P (the lighthouse's; 0: any free one).
 # The run directory is train.out_dir when given on this command line, else runs/ft-<config>
 # (a train.out_dir in the YAML is not used: an FT job's directory is kept apart).
-# Exits 0 when every group finished; otherwise 1 and the groups that failed. Logs of the
-# lighthouse and of each group go to FT_LOG_DIR (default: a new directory under /tmp).
+# Exits 0 when every group finished with the same weights (the groups compare them at the end;
+# REPLICAS_DIFFER in the run directory names the groups that differed); otherwise 1 and the
+# groups that failed. Logs of the lighthouse and of each group go to FT_LOG_DIR (default: a new
+# directory under /tmp).
 set -uo pipefail
 usage="usage: bash launch/ft.sh --groups G [--nproc-per-group R] [--max-restarts N] [--port P]"
 usage+=" CONFIG [KEY=VALUE ...]"
@@ -29,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-group) needs_value "$@"; nproc=$2; shift 2 ;;
     --max-restarts) needs_value "$@"; restarts=$2; shift 2 ;;
     --port) needs_value "$@"; port=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) fail "unknown option '$1' ($usage)" ;;
     *) break ;;
   esac
@@ -105,6 +107,9 @@ for ((g = 0; g < groups; g++)); do
     failed+=("$g")
   fi
 done
+if [[ -n "$out" && -f "$out/REPLICAS_DIFFER" ]]; then
+  echo "launch/ft.sh: the groups ended with different weights: $(cat "$out/REPLICAS_DIFFER")" >&2
+fi
 if [[ ${#failed[@]} -gt 0 ]]; then
   for g in "${failed[@]}"; do
     echo "launch/ft.sh: group $g failed; the end of $logs/group$g.log:" >&2

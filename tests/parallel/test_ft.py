@@ -30,10 +30,11 @@ def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return result
 
 
-def ft(groups: int, nproc: int, args: list[str], log_dir, *extra: str) -> None:
-    """A run of `groups` replica groups of `nproc` ranks through launch/ft.sh."""
+def ft(groups: int, nproc: int, args: list[str], log_dir, *extra: str, ok: bool = True):
+    """A run of `groups` replica groups of `nproc` ranks through launch/ft.sh (which must
+    succeed, unless `ok` is False)."""
     env_log = f"FT_LOG_DIR={log_dir}"
-    launch(
+    return (launch if ok else launchers.launch)(
         [
             "env",
             env_log,
@@ -149,9 +150,13 @@ def test_a_killed_or_preempted_group_restarts_alone_and_rejoins_from_a_live_peer
     failed = {e["step"] for e in events(out, "commit_failed")}
     assert 12 in failed and failed <= {12, 33}
     assert {e["group"] for e in events(out, "commit_failed") if e["step"] == 12} <= {0, 2}
-    # the preemption stopped group 2 alone; it came back
+    # the preemption stopped group 2 alone; it came back: from a peer, or (its restart slower
+    # than the survivors' last steps) from the last checkpoint into the end's comparison
     assert {e["group"] for e in events(out, "preempt")} == {2}
-    assert any(e["group"] == 2 and e["time"] > sigterm["time"] for e in events(out, "group_joined"))
+    assert done[2]["time"] > sigterm["time"]
+    # the groups left out were the dead and the preempted one, each once: no live group
+    left = [(e["group"], e["step"], e["reason"]) for e in events(out, "group_left")]
+    assert left == [(1, 12, "dead"), (2, 34, "dead")], left
     # (a group that starts late joins at its first step too: only the join after the kill)
     joined = [
         e for e in events(out, "group_joined") if e["group"] == 1 and e["time"] > kill["time"]
@@ -160,13 +165,16 @@ def test_a_killed_or_preempted_group_restarts_alone_and_rejoins_from_a_live_peer
     # the survivors committed every step: each step has one metrics line (the leader's)
     curve = losses(out)
     assert sorted(curve) == list(range(1, 61))
-    # continuous: no stretch climbs back as a restart from scratch would (loss ~5.9 here against
-    # ~5 before the kill; a median over 5 steps, as a single step of the micro model on CPU can
-    # lie up to ~1.5x above its neighbours, see the issue note)
-    before = statistics.median(curve[s] for s in range(9, 12))
-    for start in range(12, 57):
-        stretch = statistics.median(curve[s] for s in range(start, start + 5))
-        assert stretch < before * 1.1, (start, before, curve)
+    # continuous, step to step: no step climbs back as a restart from scratch would (~5.9 here
+    # against ~5 before the kill) or stands out as the "one-step outliers" of earlier rounds
+    # (35-50% above the steps around it); healthy steps of this model lie within ~3% of the
+    # median of their four neighbours (10% allowed)
+    for step in range(3, 59):
+        around = statistics.median(curve[s] for s in (step - 2, step - 1, step + 1, step + 2))
+        assert curve[step] < around * 1.1, (step, curve[step], around)
+    # each group's own loss is in the metrics, for the groups that took part
+    by_group = {r["step"]: r["loss_by_group"] for r in read_jsonl(out / "metrics.jsonl")}
+    assert sorted(by_group[12]) == ["0", "2"] and sorted(by_group[5]) == ["0", "1", "2"]
     skipped = done[0]["tokens_skipped_by_group"]
     missed = joined[0]["step"] - 12  # steps 12 .. joined-1 ran without group 1 (and maybe more)
     per_group = 8 * 32  # micro batch x seq_len
@@ -177,7 +185,8 @@ def test_a_killed_or_preempted_group_restarts_alone_and_rejoins_from_a_live_peer
     plotted = json.loads((out / "report" / "plotted.json").read_text())["quorum"]
     after_kill = [r for r in plotted["failures"] if r["step"] == 12]
     (lost,) = [r for r in after_kill if r["group"] == 1]
-    assert lost["away_s"] > lost["survivors_stall_s"] > 0
+    assert lost["away_s"] > lost["survivors_stall_s"] > 0 and lost["reason"] == "dead"
+    assert lost["commit_gap_s"] > lost["survivors_stall_s"] and "join_s" in lost
     assert 2.0 in plotted["groups in the quorum"]["y"]
 
 
@@ -272,3 +281,66 @@ def test_a_group_of_pipeline_stages_dies_and_rejoins_stage_by_stage(micro_args, 
     assert len({e["fingerprint"] for e in done.values()}) == 1
     (joined,) = [e for e in events(out, "group_joined") if e["group"] == 1 and e["step"] > 5]
     assert joined["source"] == 0 and joined["bytes"] > 0
+
+
+def test_a_late_group_is_waited_for_and_left_out_only_past_the_join_timeout(micro_args, tmp_path):
+    """Group 1 sleeps up to 1.5 s after each step, late for the next quorum (the jitter drill):
+    with the default join timeout nobody is left out and nothing is skipped. With a join
+    timeout of 0.3 s the lighthouse leaves the live group out: the leading group and the late
+    group itself say so (`group_left`, reason `late`), its slices are counted as skipped, it
+    takes a peer's state at the next step, and every group still ends with one fingerprint."""
+    drill = ("train.max_steps=12", "fault.group=1", "fault.jitter_s=1.5", "train.eval_every=0")
+    waited, dropped = tmp_path / "waited", tmp_path / "dropped"
+    ft(3, 1, micro_args(*FP32, *drill, out="waited"), tmp_path / "logs1")
+    assert not events(waited, "group_left") and not events(waited, "group_joined")
+    assert {tuple(e["participants"]) for e in events(waited, "quorum")} == {(0, 1, 2)}
+    done = finishes(waited, 3)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    assert "tokens_skipped_by_group" not in done[0]
+
+    ft(
+        3,
+        1,
+        micro_args(*FP32, *drill, out="dropped"),
+        tmp_path / "logs2",
+        "fault_tolerance.join_timeout_s=0.3",
+    )
+    left = events(dropped, "group_left")
+    by_leader = [e for e in left if e["reported_by"] != e["group"]]
+    by_itself = [e for e in left if e["reported_by"] == e["group"]]
+    assert by_leader and {e["reason"] for e in left if e["group"] == 1} == {"late"}, left
+    assert by_itself and all(e["missed_steps"] >= 1 for e in by_itself)
+    done = finishes(dropped, 3)
+    assert len({e["fingerprint"] for e in done.values()}) == 1
+    assert sum(done[0]["tokens_skipped_by_group"].values()) > 0
+
+
+def test_groups_compare_weights_after_checkpoints_and_at_the_end(micro_args, tmp_path):
+    """Group 1 changes one bit of its weights after step 4, a checkpoint step: the comparison at
+    the next quorum names it (an error event), it votes against step 5 and takes a peer's state
+    at step 6; the run ends with one fingerprint. Changed after its last step instead, the end's
+    comparison names it in every group, launch/ft.sh exits non-zero, and the restarted group
+    exits at once (REPLICAS_DIFFER) instead of finishing alone."""
+    healed = tmp_path / "healed"
+    args = micro_args(
+        *FP32,
+        "train.max_steps=8",
+        "checkpoint.every=4",
+        "fault.diverge_group=1",
+        "fault.diverge_step=4",
+        out="healed",
+    )
+    ft(2, 1, args, tmp_path / "logs1")
+    (error,) = [e for e in events(healed, "error") if e["group"] == 1]
+    assert error["groups"] == [1] and error["final"] is False and error["step"] == 4
+    assert [e["step"] for e in events(healed, "commit_failed")] == [5]
+    assert [e["group"] for e in events(healed, "group_joined")] == [1]
+    assert len({e["fingerprint"] for e in finishes(healed, 2).values()}) == 1
+
+    out = tmp_path / "run"
+    args = micro_args(*FP32, "train.max_steps=4", "fault.diverge_group=1")
+    result = ft(2, 1, args, tmp_path / "logs2", ok=False)
+    assert result.returncode != 0
+    errors = [e for e in events(out, "error") if e.get("final")]
+    assert {e["group"] for e in errors} == {0, 1} and all(e["groups"] == [1] for e in errors)
+    assert (out / "REPLICAS_DIFFER").is_file() and not events(out, "finish")

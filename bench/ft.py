@@ -15,6 +15,11 @@ cost when nothing fails, and what a failure costs.
    start-up (the new process to its join, less the transfer: interpreter, imports, build,
    checkpoint, quorum), the state transfer (`group_joined`), and its first step; MB/s.
 3. The same kills, fewer, with the process-group transport: its transfer MB/s.
+4. No fault, a noisy neighbour: a run of `--jitter-steps` steps with group 1 sleeping up to
+   `--jitter` seconds after each step (`fault.jitter_s`, late for the next quorum), and one with
+   group 2's forward+backward `--slow` seconds slower (`fault.slow_s`): `spurious_drops_per_1k`,
+   the live groups left out of a quorum per 1,000 steps (`group_left` events of the leading
+   group; goal 0), the tokens they skipped, and whether the groups ended with one fingerprint.
 
 The last line is JSON. CPU numbers: 2 cores shared by 3 processes; the restart is dominated by
 the interpreter's imports, which a GPU machine pays alike.
@@ -198,7 +203,7 @@ def shrunk_quorum(out: Path, group: int, t: float) -> dict:
 
 
 def kills(
-    work: Path, name: str, count: int, heartbeat: float, transport: str, join: float
+    work: Path, name: str, count: int, heartbeat: float, transport: str, join: float | None
 ) -> list[dict]:
     """`count` kills of group 1 or 2 in a long FT run; one record per kill."""
     out = work / name
@@ -209,6 +214,7 @@ def kills(
             "train.max_steps=100000",
             f"fault_tolerance.heartbeat_timeout_s={heartbeat}",
             f"fault_tolerance.transport={transport}",
+            *([f"fault_tolerance.join_timeout_s={join}"] if join is not None else []),
             restarts=count + 2,
         ),
         cwd=ROOT,
@@ -258,12 +264,37 @@ def kills(
     return records
 
 
+def noisy(work: Path, name: str, steps: int, *drill: str) -> dict:
+    """A fault-free run with one group made late (or slow): the groups it left out."""
+    out = work / name
+    subprocess.run(
+        ft_command(out, work / f"{name}-logs", f"train.max_steps={steps}", *drill),
+        cwd=ROOT,
+        env=env(),
+        check=True,
+        capture_output=True,
+    )
+    events = read_jsonl(out / "events.jsonl")
+    left = [e for e in events if e["kind"] == "group_left" and e.get("reported_by") != e["group"]]
+    finishes = {e["group"]: e["fingerprint"] for e in events if e["kind"] == "finish"}
+    final = json.loads((out / "final.json").read_text())
+    return {
+        "steps": steps,
+        "drill": " ".join(drill),
+        "spurious_drops": len(left),
+        "spurious_drops_per_1k": round(1000 * len(left) / steps, 2),
+        "tokens_skipped": sum(final.get("tokens_skipped_by_group", {}).values()),
+        "groups_finished": len(finishes),
+        "one_fingerprint": len(set(finishes.values())) == 1,
+    }
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summary(records: list[dict], heartbeat: float, join: float) -> dict:
+def summary(records: list[dict], heartbeat: float, join: float | None) -> dict:
     stall = [r["survivors_next_commit_s"] for r in records]
     mb_s = [r["bytes"] / 1e6 / r["transfer_s"] for r in records if r["transfer_s"] > 0]
     keys = ("rejoin_first_commit_s", "restart_s", "startup_s", "transfer_s", "first_step_s")
@@ -288,7 +319,12 @@ def main() -> None:
     p.add_argument("--pg-kills", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--heartbeat", type=float, default=1.0)
-    p.add_argument("--join", type=float, default=1.0, help="the lighthouse's join timeout (s)")
+    p.add_argument(
+        "--join", type=float, default=None, help="the lighthouse's join timeout (s; the config's)"
+    )
+    p.add_argument("--jitter-steps", type=int, default=100)
+    p.add_argument("--jitter", type=float, default=2.0, help="group 1's delay, up to (s)")
+    p.add_argument("--slow", type=float, default=1.5, help="group 2's slower step (s)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bigtrain-bench-ft-") as tmp:
         work = Path(tmp)
@@ -302,6 +338,13 @@ def main() -> None:
         if args.pg_kills:
             pg = kills(work, "pg", args.pg_kills, args.heartbeat, "pg", args.join)
             result["pg"] = summary(pg, args.heartbeat, args.join)
+        if args.jitter_steps:
+            late = ("fault.group=1", f"fault.jitter_s={args.jitter}")
+            slow = ("fault.group=2", "fault.slow_rank=0", f"fault.slow_s={args.slow}")
+            result["jitter"] = noisy(work, "jitter", args.jitter_steps, *late)
+            print(f"jitter: {result['jitter']}", flush=True)
+            result["slow_group"] = noisy(work, "slow", args.jitter_steps, *slow)
+            print(f"slow group: {result['slow_group']}", flush=True)
     print(json.dumps(result))
 
 

@@ -48,7 +48,13 @@ from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
 from bigtrain.parallel.backend import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
-from bigtrain.parallel.ft import NoReplicaGroups, ReplicaGroups, group_index, make_replica_groups
+from bigtrain.parallel.ft import (
+    NoReplicaGroups,
+    ReplicaGroups,
+    check_lighthouse,
+    group_index,
+    make_replica_groups,
+)
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.model_setup import ModelFacts, make_model
 from bigtrain.parallel.parallelize import parallelize
@@ -160,6 +166,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
         required=cfg.parallel.backend != "local" or layout.pp > 1,
     )
     layout = layout.connect(device.type)  # the DeviceMesh: every rank, once
+    if layout.ft > 1:  # a wrong address fails now, not after the data and the model
+        check_lighthouse(cfg.fault_tolerance, layout)
     clock.mark("process_group")
     created = not out.exists()
     run_dir = RunDir(out, env.is_main, layout.ft_group if layout.ft > 1 else None)

@@ -103,27 +103,25 @@ def unreachable(address: str, timeout_s: float) -> str | None:
     connection, so that a wrong address fails at once instead of after torchft's retries."""
     url = urlparse(address if "://" in address else f"http://{address}")
     if not url.hostname or url.port is None:
-        return f"{address!r} is not http://HOST:PORT"
+        return "is not http://HOST:PORT"
     try:
         with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
             return None
     except OSError as e:
-        return f"{address} cannot be reached ({e.strerror or e})"
+        return f"cannot be reached ({e.strerror or e})"
 
 
 def check_lighthouse(cfg: FaultToleranceConfig, layout: Layout) -> None:
     """Rank 0 of the group (the one that talks to the lighthouse) tries it; every rank of the
     group raises the same error when it cannot be reached."""
-    reason = (
-        unreachable(lighthouse_address(cfg), min(cfg.timeout_s, 10.0)) if layout.rank == 0 else None
-    )
+    address = lighthouse_address(cfg)
+    reason = unreachable(address, min(cfg.timeout_s, 10.0)) if layout.rank == 0 else None
     reason = all_gather_objects(reason)[0]
     if reason is not None:
-        source = "fault_tolerance.lighthouse" if cfg.lighthouse else "TORCHFT_LIGHTHOUSE"
+        source = "key 'fault_tolerance.lighthouse'" if cfg.lighthouse else "TORCHFT_LIGHTHOUSE"
         raise SharedConfigError(
-            f"the torchft lighthouse ({source}) {reason.removeprefix(lighthouse_address(cfg) + ' ')}"
-            ": start one (bigtrain lighthouse CONFIG, or launch/ft.sh / slurm/ft.sbatch, which "
-            "start it) and pass its address"
+            f"the torchft lighthouse {address} ({source}) {reason}: start one (bigtrain "
+            "lighthouse CONFIG; launch/ft.sh and slurm/ft.sbatch start it) and pass its address"
         )
 
 
@@ -378,7 +376,6 @@ class ReplicaGroups:
 
     def __init__(self, cfg: FaultToleranceConfig, layout: Layout, device: torch.device) -> None:
         quiet_torchft()
-        check_lighthouse(cfg, layout)
         from torchft.manager import Manager
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft

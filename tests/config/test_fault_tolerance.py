@@ -70,3 +70,24 @@ def test_a_group_process_without_its_index_exits_2_naming_the_variable(tmp_path)
     assert "BIGTRAIN_FT_GROUP set to its replica group (0..2), got '7'" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_an_unreachable_lighthouse_exits_2_at_once_naming_it(tmp_path):
+    """A wrong lighthouse address fails before the data and the model are built (it used to be
+    torchft's traceback after its retries, 41 s), and leaves no run directory."""
+    from bigtrain.parallel.env import free_port
+
+    address = f"http://127.0.0.1:{free_port()}"
+    result = run_cli(
+        "train",
+        "configs/tiny.yaml",
+        *FT,
+        f"train.out_dir={tmp_path / 'run'}",
+        env={"BIGTRAIN_FT_GROUP": "0", "TORCHFT_LIGHTHOUSE": address},
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"bigtrain: error: the torchft lighthouse {address} "), lines
+    assert "(TORCHFT_LIGHTHOUSE) cannot be reached" in lines[-1]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

@@ -136,7 +136,8 @@ class MonitorConfig:
     """Every N steps the ranks share their step time split into data, forward+backward, optimizer
     and other (one small all-gather): per-rank times in metrics, `straggler` events. 0: off."""
     straggler_factor: float = 1.3
-    """A rank whose part of the step takes this many times the median rank's is a straggler."""
+    """A rank whose part of the step takes this many times the median of the other ranks' (and
+    20% of the step more) on 2 timing steps in a row is a straggler (callbacks/straggler.py)."""
 
 
 @dataclass

@@ -39,6 +39,13 @@ class ReplicaMismatch(RuntimeError):
     exit_code = 7
 
 
+class GroupLeft(RuntimeError):
+    """This replica group left the job as the straggler (fault_tolerance.slow_group_leaves_after):
+    the others go on without it. Exit 0, so that its launcher does not start it again."""
+
+    exit_code = 0
+
+
 HANG_EXIT_CODE = 5  # the hang watchdog (callbacks/watchdog.py) ends the process with os._exit
 
 

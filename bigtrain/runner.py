@@ -15,7 +15,7 @@ import torch
 
 from bigtrain.build import Run, build
 from bigtrain.config import Config
-from bigtrain.errors import AbortRun, SuspectHost
+from bigtrain.errors import AbortRun, GroupLeft, SuspectHost
 from bigtrain.parallel.env import DistEnv, shutdown
 from bigtrain.telemetry.memory import out_of_memory
 
@@ -44,6 +44,10 @@ def run(
         except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
             trainer.callbacks.on_stop(trainer, str(e))
             raise
+        except GroupLeft as e:  # this replica group, too slow, left; the others go on
+            trainer.callbacks.on_stop(trainer, str(e))
+            clean = True
+            return {"step": trainer.state.step, "left": str(e)}
         except torch.OutOfMemoryError as e:  # this rank alone: an `oom` event, exit 8
             raise out_of_memory(trainer, e, memory_plan) from e
         if state.step < cfg.train.max_steps:

@@ -34,6 +34,7 @@ MIN_EXCESS_S = 0.01  # a straggler's part exceeds its peers' median by at least 
 MIN_SHARE = 0.2  # ... and by at least this share of the step (the members' median total)
 CONSECUTIVE = 2  # timing steps in a row a (rank, part) is found on before it is named
 PEAK = "peak_memory_bytes"
+GROUP_PART = "work"  # a replica group's data and forward+backward, the part groups are judged on
 
 
 def find_stragglers(
@@ -83,9 +84,18 @@ class StragglerReport(Callback):
     memory into `result.peak_memory_bytes_by_rank` (both logged), and writes `straggler`
     events. The streaks start again after a restart."""
 
+    state_key = "stragglers"  # the groups' streaks: a rejoining group judges as the others
+
     def __init__(self, factor: float, consecutive: int = CONSECUTIVE) -> None:
         self.factor = factor
         self.streaks = Streaks(consecutive)
+        self.group_streaks = Streaks(consecutive)
+
+    def state_dict(self) -> dict:
+        return {"groups": [[g, n] for (g, _), n in self.group_streaks.counts.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.group_streaks.counts = {(g, GROUP_PART): n for g, n in state.get("groups", [])}
 
     def on_step_end(self, trainer, result: StepResult) -> None:
         timing = result.step_timing
@@ -98,6 +108,7 @@ class StragglerReport(Callback):
             part: [round(times[part], 6) for times in by_rank] for part in PARTS
         }
         result.peak_memory_bytes_by_rank = [times[PEAK] for times in gathered]
+        self._groups(trainer, result)
         found = find_stragglers(by_rank, self.factor)
         named = self.streaks.update((s["member"], s["part"]) for s in found)
         for straggler in found:
@@ -111,4 +122,33 @@ class StragglerReport(Callback):
                 others_median_s=straggler["others_median_s"],
                 ratio=round(straggler["seconds"] / max(straggler["others_median_s"], 1e-9), 2),
                 timing_steps=self.streaks.counts[straggler["member"], straggler["part"]],
+            )
+
+    def _groups(self, trainer, result: StepResult) -> None:
+        """Replica groups: each group's own work (data and forward+backward, without the wait for
+        the others) on its last timing step, as the step's reduction across the groups brought
+        it (every group sees the same numbers and names the same group). A named group goes to
+        `result.slow_groups` for the groups' policy (fault_tolerance.slow_group_leaves_after),
+        and the leading group writes its `straggler` event."""
+        times = trainer.replicas.group_times()
+        if len(times) < 2:
+            return
+        groups = sorted(times)
+        members = [{GROUP_PART: times[g]} for g in groups]
+        found = find_stragglers(members, self.factor, parts=(GROUP_PART,))
+        named = self.group_streaks.update((groups[s["member"]], GROUP_PART) for s in found)
+        result.slow_groups = {g: self.group_streaks.counts[g, part] for g, part in named}
+        for straggler in found:
+            group = groups[straggler["member"]]
+            if (group, GROUP_PART) not in named or not trainer.replicas.leads:
+                continue
+            trainer.event(
+                "straggler",
+                group=group,
+                scope="group",
+                part=GROUP_PART,
+                seconds=straggler["seconds"],
+                others_median_s=straggler["others_median_s"],
+                ratio=round(straggler["seconds"] / max(straggler["others_median_s"], 1e-9), 2),
+                timing_steps=result.slow_groups[group],
             )

@@ -43,6 +43,13 @@ class FaultToleranceConfig:
     timeout_s: float = 30.0
     """torchft's timeout for the collectives across groups, the commit vote and a state transfer
     (one group's whole state, over `transport`)."""
+    slow_group_leaves_after: int = 0
+    """What the groups do about a group that is persistently slower than the others (named the
+    straggler by its own work's time, data and forward+backward, on monitor.timing_every steps;
+    a `straggler` event with `scope: group`). 0: wait for it, the job runs at its pace. N: once
+    named on N timing steps in a row, it leaves the job (a `group_left` event with reason
+    `slow`; its processes exit 0, so their launcher does not start them again) and the others
+    go on without it at their own pace, with its slice of each batch counted as skipped."""
     transport: str = "http"
     """How a rejoining group fetches the state from a live peer: `http` (torchft's HTTP server on
     each rank) or `pg` (a process group between the two ranks; needs numpy)."""
@@ -71,6 +78,11 @@ def check_fault_tolerance(
         raise ConfigError(
             f"key 'fault_tolerance.transport' got {ft.transport!r}, expected one of "
             f"{list(TRANSPORTS)}"
+        )
+    if ft.slow_group_leaves_after < 0:
+        raise ConfigError(
+            f"key 'fault_tolerance.slow_group_leaves_after' got {ft.slow_group_leaves_after}, "
+            "expected 0 (wait for a slow group) or a number of timing steps"
         )
     for key in ("heartbeat_timeout_s", "join_timeout_s", "quorum_timeout_s", "timeout_s"):
         if getattr(ft, key) <= 0:

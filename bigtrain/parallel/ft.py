@@ -54,7 +54,7 @@ from torch.distributed import ReduceOp
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
-from bigtrain.errors import ConfigError, ReplicaMismatch, SharedConfigError
+from bigtrain.errors import ConfigError, GroupLeft, ReplicaMismatch, SharedConfigError
 from bigtrain.parallel.layout import Layout
 from bigtrain.utils.clock import nested_bytes, process_start_time
 from bigtrain.utils.dist import all_gather_objects
@@ -214,6 +214,12 @@ class NoReplicaGroups:
 
     def annotate(self, trainer, result) -> None:
         """Nothing to add to the step's record."""
+
+    def group_times(self) -> dict[int, float]:
+        return {}
+
+    def after_step(self, trainer, result) -> None:
+        """No other group to wait for."""
 
     def finish(self, trainer) -> None:
         """One job: nothing to wait for or compare."""
@@ -419,6 +425,7 @@ class ReplicaGroups:
         self.mismatch: ReplicaMismatch | None = None  # the end's comparison found a difference
         self.resync = False  # vote against this step: weights differed after a checkpoint
         self.heals = 0  # peer states taken by this process (the weights' digest is cached)
+        self.gone: set[int] = set()  # groups that left the job as stragglers (after_step)
         self.digest: tuple[tuple[int, int], bytes] | None = None
         self.step_times: deque[float] = deque(maxlen=200)
 
@@ -492,19 +499,12 @@ class ReplicaGroups:
                     waited_s=round(waited, 3),
                     reported_by=self.layout.ft_group,
                 )
-                logger.warning(
-                    "bigtrain: replica group %d left out of step %d's quorum (%s; the quorum "
-                    "came after %.1f s)",
-                    group,
-                    trainer.state.step + 1,
-                    "its heartbeats stopped" if reason == "dead" else "alive but late",
-                    waited,
-                )
         self.participants = participants
 
     def _left_behind(self, trainer, own_step: int, waited: float) -> None:
         """This live group was left out of a quorum it was late for: the others went on, and it
-        took a peer's state now (its slice of the steps it missed is counted as skipped)."""
+        took a peer's state now (its slice of the steps it missed is counted as skipped). The
+        console prints the event (telemetry/console.py), here as on the leading group."""
         missed = max(trainer.state.step - own_step, 1)
         trainer.event(
             "group_left",
@@ -514,14 +514,6 @@ class ReplicaGroups:
             missed_steps=missed,
             waited_s=round(waited, 3),
             reported_by=self.layout.ft_group,
-        )
-        logger.warning(
-            "bigtrain: this replica group (%d) was late for step %d's quorum: the others trained "
-            "%d step(s) without it; it took a peer's state at step %d",
-            self.layout.ft_group,
-            own_step + 1,
-            missed,
-            trainer.state.step,
         )
 
     def _quorum(self) -> Any:
@@ -666,6 +658,27 @@ class ReplicaGroups:
         values = self.group_losses.tolist()
         result.telemetry["loss_by_group"] = {str(g): values[g] for g in self.participants}
 
+    def after_step(self, trainer, result) -> None:
+        """The policy for a slow group (fault_tolerance.slow_group_leaves_after), from the
+        straggler report's `result.slow_groups`, which every group reads alike: the slow group
+        leaves (GroupLeft, exit 0) and the others stop waiting for it at the end."""
+        after = self.cfg.slow_group_leaves_after
+        for group, streak in sorted((result.slow_groups or {}).items()):
+            if not after or streak < after or group in self.gone:
+                continue
+            self.gone.add(group)
+            me = group == self.layout.ft_group
+            if me or self.leads:
+                trainer.event(
+                    "group_left",
+                    group=group,
+                    reason="slow",
+                    timing_steps=streak,
+                    reported_by=self.layout.ft_group,
+                )
+            if me:
+                raise GroupLeft(f"replica group {group} left the job as the straggler")
+
     def abandon(self, trainer, undo: tuple[dict, dict, dict[str, int]], step: int) -> None:
         """An uncommitted step: nothing of it stays (gradients, data cursor, RNG); it runs again
         with the next quorum."""
@@ -717,12 +730,13 @@ class ReplicaGroups:
         if any(v is None for v in views):  # a group died during the exchange: ask again
             return False
         weights = weight_groups([v[0] for v in views])
-        waiting = final and len(weights) < self.groups and not any(v[1] for v in views)
+        missing = set(range(self.groups)) - set(weights) - self.gone
+        waiting = final and bool(missing) and not any(v[1] for v in views)
         if waiting:
             return False
         odd = odd_groups(weights, self.participants[0] if self.participants else None)
-        if final and len(weights) < self.groups:
-            trainer.event("groups_missing", groups=sorted(set(range(self.groups)) - set(weights)))
+        if final and missing:
+            trainer.event("groups_missing", groups=sorted(missing))
         if odd:
             self._differ(trainer, weights, odd, final)
         return True

@@ -96,6 +96,25 @@ def _profile(r: Record) -> str:
     return f"profile of steps {first}-{last} on rank {r['rank']}: {r['trace']}{extra}"
 
 
+def _group_left(r: Record) -> str:
+    group, step = r["group"], r["step"]
+    if r["reason"] == "slow":
+        return (
+            f"replica group {group} leaves the job at step {step}: the straggler on "
+            f"{r['timing_steps']} timing steps in a row"
+        )
+    if r.get("reported_by") == group:  # the late group itself
+        return (
+            f"this replica group ({group}) was late for step {step}'s quorum: the others trained "
+            f"{r['missed_steps']} step(s) without it; it took a peer's state"
+        )
+    why = "its heartbeats stopped" if r["reason"] == "dead" else "alive but late"
+    return (
+        f"replica group {group} left out of step {step}'s quorum: {why} (the quorum came after "
+        f"{r['waited_s']:.1f} s)"
+    )
+
+
 FORMATS: dict[str, Callable[[Record], str]] = {
     "checkpoint": _checkpoint,
     "resume": _resume,
@@ -116,9 +135,13 @@ FORMATS: dict[str, Callable[[Record], str]] = {
     "abort": lambda r: f"abort at step {r['step']}: {r['reason']}",
     "preempt": lambda r: f"preempted: {r['reason']}; checkpointed at step {r['checkpoint_step']}",
     "straggler": lambda r: (
-        f"straggler at step {r['step']}: rank {r['rank']}'s {r['part']} took {r['seconds']:.3g} s, "
-        f"{r['ratio']:.3g}x the median"
+        f"straggler at step {r['step']}: replica group {r['group']}'s {r['part']} (data and "
+        f"forward+backward) took {r['seconds']:.3g} s, {r['ratio']:.3g}x the other groups' median"
+        if r.get("scope") == "group"
+        else f"straggler at step {r['step']}: rank {r['rank']}'s {r['part']} took "
+        f"{r['seconds']:.3g} s, {r['ratio']:.3g}x the other ranks' median"
     ),
+    "group_left": _group_left,
     "hang": lambda r: (
         f"hang: rank {r['rank']} ended no step for {r['waited_s']:.0f} s; stacks in {r['stacks']}"
     ),

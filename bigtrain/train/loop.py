@@ -159,6 +159,7 @@ class Trainer:
                 continue
             self.healer.after_step(self, result)  # events, the action, a rollback
             self.callbacks.on_step_end(self, result)
+            self.replicas.after_step(self, result)  # a slow replica group may leave the job
             self.ranges.begin("checkpoint_copy")
             self.healer.end_step(self)  # a new rollback target's snapshot
             self.ranges.end()

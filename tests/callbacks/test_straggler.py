@@ -17,6 +17,7 @@ from bigtrain.callbacks.straggler import (
     Streaks,
     find_stragglers,
 )
+from bigtrain.parallel.ft import NoReplicaGroups
 from bigtrain.train.step import StepResult
 
 pytestmark = pytest.mark.unit
@@ -102,6 +103,7 @@ def report_events(times_by_step: list[list[dict[str, float]]], monkeypatch) -> l
     trainer = SimpleNamespace(
         device=torch.device("cpu"),
         event=lambda kind, **details: events.append({"kind": kind, **details}),
+        replicas=NoReplicaGroups(),
     )
     report = StragglerReport(FACTOR)
     for step, by_rank in enumerate(times_by_step, start=1):
@@ -134,3 +136,81 @@ def test_the_report_names_a_slow_rank_from_its_second_timing_step_on(monkeypatch
         "step": 4,
     }
     assert events[1]["timing_steps"] == 3
+
+
+class Groups:
+    """Replica groups as the report sees them: each group's work seconds of this step's
+    reduction, and whether this group leads (writes the events)."""
+
+    def __init__(self, leads: bool = True) -> None:
+        self.times: dict[int, float] = {}
+        self.leads = leads
+
+    def group_times(self) -> dict[int, float]:
+        return self.times
+
+
+def test_a_slow_replica_group_is_named_against_the_other_groups(monkeypatch):
+    """Group 2's own work takes 1.5x the others' on two timing steps in a row: named at the
+    second (`result.slow_groups`, and a `straggler` event with scope `group` from the leading
+    group only); its ranks are not compared with other groups' ranks."""
+    events = []
+    groups = Groups()
+    trainer = SimpleNamespace(
+        device=torch.device("cpu"),
+        event=lambda kind, **details: events.append({"kind": kind, **details}),
+        replicas=groups,
+    )
+    report = StragglerReport(FACTOR)
+    monkeypatch.setattr(straggler, "all_gather_objects", lambda mine: [mine])
+    slow_groups = []
+    for step, times in enumerate([{0: 0.3, 1: 0.31, 2: 0.45}] * 3, start=1):
+        groups.times = times
+        result = StepResult(step=step, lr=1e-3, step_timing=rank(0.3))
+        report.on_step_end(trainer, result)
+        slow_groups.append(result.slow_groups)
+    assert slow_groups == [{}, {2: 2}, {2: 3}]
+    assert [(e["group"], e["scope"], e["timing_steps"]) for e in events] == [
+        (2, "group", 2),
+        (2, "group", 3),
+    ]
+    assert events[0]["others_median_s"] == pytest.approx(0.305)
+    assert events[0]["ratio"] == pytest.approx(1.48)
+    # a rejoining group's report starts from the same streaks (they travel with the state)
+    rejoined = StragglerReport(FACTOR)
+    rejoined.load_state_dict(report.state_dict())
+    groups.leads, groups.times = False, {0: 0.3, 1: 0.31, 2: 0.45}
+    result = StepResult(step=4, lr=1e-3, step_timing=rank(0.3))
+    rejoined.on_step_end(trainer, result)
+    assert result.slow_groups == {2: 4} and len(events) == 2  # not the leader: no event
+
+
+def test_the_console_says_why_a_group_left():
+    from bigtrain.telemetry.console import event_line
+
+    dead = {
+        "kind": "group_left",
+        "step": 12,
+        "group": 1,
+        "reason": "dead",
+        "waited_s": 1.04,
+        "reported_by": 0,
+    }
+    assert event_line(dead) == (
+        "replica group 1 left out of step 12's quorum: its heartbeats stopped (the quorum came "
+        "after 1.0 s)"
+    )
+    late = {**dead, "reason": "late", "reported_by": 1, "missed_steps": 2}
+    assert "was late for step 12's quorum: the others trained 2 step(s)" in event_line(late)
+    slow = {"kind": "group_left", "step": 40, "group": 2, "reason": "slow", "timing_steps": 5}
+    assert "leaves the job at step 40: the straggler on 5 timing steps" in event_line(slow)
+    group = {
+        "kind": "straggler",
+        "step": 6,
+        "group": 2,
+        "scope": "group",
+        "part": "work",
+        "seconds": 0.45,
+        "ratio": 1.48,
+    }
+    assert "replica group 2's work (data and forward+backward) took 0.45 s" in event_line(group)

@@ -295,3 +295,38 @@ def test_a_rollback_after_a_join_restores_the_same_target_from_the_same_source(m
     assert fresh.backend.fingerprint() == peer.backend.fingerprint()
     for trainer in (peer, fresh):
         trainer.callbacks.close()
+
+
+def test_a_slow_group_leaves_only_when_the_policy_says_and_the_others_stop_waiting(tmp_path):
+    """slow_group_leaves_after=2: group 1, named on 2 timing steps in a row, leaves (GroupLeft,
+    exit 0) with a `group_left` event (reason `slow`); group 0 records it as gone, so that the
+    end does not wait for it. With the default (0) nobody leaves."""
+    from types import SimpleNamespace
+
+    from bigtrain.errors import GroupLeft
+    from bigtrain.train.step import StepResult
+
+    def group(g: int, after: int):
+        groups = two_groups(None)
+        groups.layout = Layout.of(load_config([], []).parallel, 1, ft=2, ft_group=g)
+        groups.cfg = load_config([], [f"fault_tolerance.slow_group_leaves_after={after}"])
+        groups.cfg = groups.cfg.fault_tolerance
+        groups.gone, groups.leads = set(), g == 0
+        return groups
+
+    events = []
+    trainer = SimpleNamespace(event=lambda kind, **d: events.append({"kind": kind, **d}))
+    named = StepResult(step=6, lr=1e-3, slow_groups={1: 2})
+    for after in (0, 3):  # waiting, or not yet
+        for g in (0, 1):
+            group(g, after).after_step(trainer, named)
+    assert events == []
+    leader = group(0, 2)
+    leader.after_step(trainer, named)
+    assert leader.gone == {1}
+    with pytest.raises(GroupLeft, match="replica group 1 left the job"):
+        group(1, 2).after_step(trainer, named)
+    assert [(e["group"], e["reason"], e["reported_by"]) for e in events] == [
+        (1, "slow", 0),
+        (1, "slow", 1),
+    ]

@@ -13,7 +13,9 @@ cost when nothing fails, and what a failure costs.
    p95 <= 3 s at a 1 s heartbeat timeout); kill -> the rejoined group's first commit, split into
    torchrun's restart (kill to its new process, seen by the bench's 10 ms polls), bigtrain's
    start-up (the new process to its join, less the transfer: interpreter, imports, build,
-   checkpoint, quorum), the state transfer (`group_joined`), and its first step; MB/s.
+   checkpoint, quorum), the state transfer (`group_joined`), and its first step; MB/s. The
+   run's logged steps are scanned for one-step loss outliers (1.2x the median of the four steps
+   around it; `loss_outliers`, each with every group's own loss of that step).
 3. The same kills, fewer, with the process-group transport: its transfer MB/s.
 4. No fault, a noisy neighbour: a run of `--jitter-steps` steps with group 1 sleeping up to
    `--jitter` seconds after each step (`fault.jitter_s`, late for the next quorum), and one with
@@ -193,13 +195,25 @@ def wait_for_new_process(group: int, old: int, lines: Lines, timeout: float) -> 
     return time.time()
 
 
-def shrunk_quorum(out: Path, group: int, t: float) -> dict:
-    """The first quorum after `t` without `group`: the survivors' step without it."""
-    return next(
-        e
-        for e in read_jsonl(out / "events.jsonl")
-        if e["kind"] == "quorum" and e["time"] > t and group not in e["participants"]
+def shrunk_quorum(out: Path, group: int, t: float) -> dict | None:
+    """The first quorum after `t` without `group` (or the leader's `group_left` for it): the
+    survivors' step without it. None, with the events printed, when there was none."""
+    events = read_jsonl(out / "events.jsonl")
+    found = next(
+        (
+            e
+            for e in events
+            if e["time"] > t
+            and (
+                (e["kind"] == "quorum" and group not in e["participants"])
+                or (e["kind"] == "group_left" and e["group"] == group)
+            )
+        ),
+        None,
     )
+    if found is None:
+        print(f"no quorum without group {group} after the kill: {events[-12:]}", flush=True)
+    return found
 
 
 def kills(
@@ -240,6 +254,8 @@ def kills(
             step = joined["step"]
             wait_for(lambda n=step: any(s >= n for _, s in lines.seen), lines, 120)
             first = next(t for t, s in lines.seen if s >= step)
+            if shrunk is None:
+                continue
             survivors = next(t for t, s in lines.seen if s >= shrunk["step"] and t > killed)
             records.append(
                 {
@@ -261,6 +277,11 @@ def kills(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    steps = len({s for _, s in lines.seen})
+    outliers = loss_outliers(out)
+    print(f"{transport}: {steps} steps logged, loss outliers: {outliers}", flush=True)
+    for r in records:
+        r.update(logged_steps=steps, loss_outliers=len(outliers))
     return records
 
 
@@ -289,6 +310,25 @@ def noisy(work: Path, name: str, steps: int, *drill: str) -> dict:
     }
 
 
+def loss_outliers(out: Path, factor: float = 1.2) -> list[dict]:
+    """Logged steps whose loss is `factor` x the median of the four steps around it (the "one-step
+    outliers" once seen after failures), with each group's own loss of that step."""
+    curve = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+    found = []
+    for step, record in sorted(curve.items()):
+        around = [curve[s]["loss"] for s in (step - 2, step - 1, step + 1, step + 2) if s in curve]
+        if len(around) >= 3 and record["loss"] > factor * statistics.median(around):
+            found.append(
+                {
+                    "step": step,
+                    "loss": record["loss"],
+                    "around": statistics.median(around),
+                    "loss_by_group": record.get("loss_by_group"),
+                }
+            )
+    return found
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -309,6 +349,8 @@ def summary(records: list[dict], heartbeat: float, join: float | None) -> dict:
             for k in keys
         },
         "transfer_mb_per_s": round(statistics.median(mb_s), 1) if mb_s else None,
+        "logged_steps": records[0]["logged_steps"] if records else 0,
+        "loss_outliers": records[0]["loss_outliers"] if records else 0,
         "state_mb": round(records[0]["bytes"] / 1e6, 2) if records else None,
     }
 

@@ -3,7 +3,9 @@ time (one small all-gather; StepTimer in train/timing.py measures them). A rank 
 forward+backward, optimizer or other part takes `monitor.straggler_factor` times the median of the
 *other* ranks' part, at least MIN_SHARE of the step more (and MIN_EXCESS_S), on CONSECUTIVE timing
 steps in a row, gets a `straggler` event naming the rank and the part, and again on every timing
-step it stays one. `sync` is reported, not judged: it is the symptom on the ranks that wait.
+step it stays one. A rank found on one timing step has the next step timed too, to confirm it
+then rather than `monitor.timing_every` steps later. `sync` is reported, not judged: it is the
+symptom on the ranks that wait.
 
 Against the others, not a median that holds the rank itself: of 2 ranks that median is their
 mean, so a rank had to take 1.86x the other's before it passed 1.3x; against the other rank it is
@@ -111,6 +113,8 @@ class StragglerReport(Callback):
         self._groups(trainer, result)
         found = find_stragglers(by_rank, self.factor)
         named = self.streaks.update((s["member"], s["part"]) for s in found)
+        if any((s["member"], s["part"]) not in named for s in found):
+            trainer.timer.confirm()  # the next step says whether it is a straggler
         for straggler in found:
             if (straggler["member"], straggler["part"]) not in named:
                 continue
@@ -131,7 +135,8 @@ class StragglerReport(Callback):
         `result.slow_groups` for the groups' policy (fault_tolerance.slow_group_leaves_after),
         and the leading group writes its `straggler` event."""
         times = trainer.replicas.group_times()
-        if len(times) < 2:
+        # Groups judge on the steps every group times (a group's own confirming step is its own).
+        if len(times) < 2 or result.step % trainer.timer.every != 0:
             return
         groups = sorted(times)
         members = [{GROUP_PART: times[g]} for g in groups]

@@ -203,19 +203,11 @@ class NoReplicaGroups:
     def abandon(self, trainer, undo: None, step: int) -> None:
         raise AssertionError("a run without replica groups commits every step")
 
-    def group_times(self) -> dict[int, float]:
-        """Each live group's own work on its last timing step (seconds; groups that have not
-        timed a step yet are left out), from this step's reduction."""
-        if self.group_compute is None:
-            return {}
-        # Expensive device-to-host synchronization, on timing steps only (the straggler report).
-        values = self.group_compute.tolist()
-        return {g: values[g] for g in self.participants if values[g] > 0}
-
     def annotate(self, trainer, result) -> None:
         """Nothing to add to the step's record."""
 
     def group_times(self) -> dict[int, float]:
+        """No other group to compare with."""
         return {}
 
     def after_step(self, trainer, result) -> None:

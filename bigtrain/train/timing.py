@@ -24,6 +24,7 @@ class StepTimer:
         self.marks: list[tuple[str, Any]] = []
         self.last_end: float | None = None  # host time the previous step's train_step ended
         self.other_s = 0.0
+        self.extra = False  # time the next step too (confirm)
 
     def _now(self) -> Any:
         if self.cuda:
@@ -35,8 +36,15 @@ class StepTimer:
     def start(self, step: int) -> None:
         now = time.perf_counter()
         self.other_s = now - self.last_end if self.last_end is not None else 0.0
-        self.active = self.every > 0 and step % self.every == 0
+        self.active = self.every > 0 and (step % self.every == 0 or self.extra)
+        self.extra = False
         self.marks = [("start", self._now())] if self.active else []
+
+    def confirm(self) -> None:
+        """Time the next step as well: a straggler found on a timing step is confirmed (or not)
+        one step later instead of `every` steps later. Every rank must ask alike (the straggler
+        report decides from numbers every rank of the group holds)."""
+        self.extra = True
 
     def mark(self, part: str) -> None:
         """End of `part` (a replay's second run adds to the same parts)."""

@@ -185,17 +185,19 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
     r0, _ = run_distributed(train_run, 2, args)
     stragglers = kinds(r0["events"], "straggler")
     # Rank 1's forward+backward, t + 0.2 s, against rank 0's t alone (the other rank, not a
-    # median of both): named once found on 2 timing steps in a row, so from step 10 on, and on
-    # every timing step after while it stays slow.
+    # median of both): found at a timing step, the next step is timed to confirm it (named on 2
+    # timing steps in a row, so at 6 when found at 5), then named on every timing step after
+    # while it stays slow.
     slow = [e["step"] for e in stragglers if (e["rank"], e["part"]) == (1, "forward_backward")]
-    assert 20 in slow and set(slow) <= {10, 15, 20}
-    assert all(e["timing_steps"] >= 2 and e["ratio"] > 1.3 for e in stragglers)
-    assert {e["step"] for e in stragglers} <= {10, 15, 20}  # judged on timing steps only
-    # Rank 0 never holds the sleep: its forward+backward is never named.
-    assert all(e["part"] != "forward_backward" or e["rank"] == 1 for e in stragglers)
     metrics = read_jsonl(tmp_path / "slow" / "metrics.jsonl")
     timed = [m for m in metrics if "step_time_by_rank" in m]
-    assert [m["step"] for m in timed] == [5, 10, 15, 20]
+    steps = [m["step"] for m in timed]
+    assert 20 in slow and slow[0] - 1 in steps and slow[0] % 5 == 1, (slow, steps)
+    assert all(e["timing_steps"] >= 2 and e["ratio"] > 1.3 for e in stragglers)
+    assert {e["step"] for e in stragglers} <= set(steps)  # judged on timing steps only
+    assert {5, 10, 15, 20} <= set(steps) and all(s % 5 in (0, 1) for s in steps)
+    # Rank 0 never holds the sleep: its forward+backward is never named.
+    assert all(e["part"] != "forward_backward" or e["rank"] == 1 for e in stragglers)
     fwd = timed[-1]["step_time_by_rank"]["forward_backward"]
     assert fwd[1] - fwd[0] > 0.15  # rank 1 sleeps 0.2 s in its forward+backward
     # Each rank's peak memory travels in the same gather, and every rank's is in final.json.

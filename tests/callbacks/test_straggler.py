@@ -19,6 +19,7 @@ from bigtrain.callbacks.straggler import (
 )
 from bigtrain.parallel.ft import NoReplicaGroups
 from bigtrain.train.step import StepResult
+from bigtrain.train.timing import StepTimer
 
 pytestmark = pytest.mark.unit
 
@@ -104,6 +105,7 @@ def report_events(times_by_step: list[list[dict[str, float]]], monkeypatch) -> l
         device=torch.device("cpu"),
         event=lambda kind, **details: events.append({"kind": kind, **details}),
         replicas=NoReplicaGroups(),
+        timer=StepTimer(torch.device("cpu"), 1),
     )
     report = StragglerReport(FACTOR)
     for step, by_rank in enumerate(times_by_step, start=1):
@@ -160,6 +162,7 @@ def test_a_slow_replica_group_is_named_against_the_other_groups(monkeypatch):
         device=torch.device("cpu"),
         event=lambda kind, **details: events.append({"kind": kind, **details}),
         replicas=groups,
+        timer=StepTimer(torch.device("cpu"), 1),
     )
     report = StragglerReport(FACTOR)
     monkeypatch.setattr(straggler, "all_gather_objects", lambda mine: [mine])
@@ -214,3 +217,26 @@ def test_the_console_says_why_a_group_left():
         "ratio": 1.48,
     }
     assert "replica group 2's work (data and forward+backward) took 0.45 s" in event_line(group)
+
+
+def test_a_rank_found_once_has_the_next_step_timed_to_confirm_it(monkeypatch):
+    """With timing every 50 steps, a slow rank found at step 50 is confirmed at step 51 (the
+    60-step run of the issue was never named: its only timing step was 50)."""
+    timer = StepTimer(torch.device("cpu"), 50)
+    trainer = SimpleNamespace(
+        device=torch.device("cpu"),
+        event=lambda kind, **details: events.append({"kind": kind, "step": step, **details}),
+        replicas=NoReplicaGroups(),
+        timer=timer,
+    )
+    events, report = [], StragglerReport(FACTOR)
+    ranks = [{**rank(0.3), straggler.PEAK: 0}, {**rank(0.5), straggler.PEAK: 0}]
+    monkeypatch.setattr(straggler, "all_gather_objects", lambda mine: ranks)
+    timed = []
+    for step in range(48, 54):
+        timer.start(step)
+        result = StepResult(step=step, lr=1e-3, step_timing=timer.finish())
+        timed.append(result.step_timing is not None)
+        report.on_step_end(trainer, result)
+    assert timed == [False, False, True, True, False, False]  # 50, and 51 to confirm
+    assert [(e["step"], e["rank"]) for e in events] == [(51, 1)]

@@ -4,13 +4,16 @@ configs/moe-tiny.yaml as shipped."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from bigtrain.config import load_config
+from bigtrain.model.hf_mapping import mapping_for
 from bigtrain.parallel.env import DistEnv
+from bigtrain.plan.shapes import meta_model
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.telemetry.sinks import flat_record
@@ -65,9 +68,13 @@ def test_a_micro_moe_run_logs_routers_plots_them_generates_and_exports(micro, tm
     assert result["architecture"] == "MixtralForCausalLM" and result["check"]["ok"]
 
 
-def test_the_shipped_moe_configs_load_and_plan():
+def test_the_shipped_moe_configs_load_plan_and_export():
     cfg = load_config([str(ROOT / "configs" / "moe-tiny.yaml")], [])
-    assert (cfg.model.moe.experts, cfg.model.moe.top_k, cfg.model.moe.first) == (8, 2, 1)
+    assert (cfg.model.moe.experts, cfg.model.moe.top_k, cfg.model.moe.first) == (8, 2, 0)
+    # Showcased, so exportable: every block MoE, as Mixtral's layout has it.
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.data.vocab_size)
+    shapes = {n: tuple(p.shape) for n, p in meta_model(cfg.model, cfg.data).named_parameters()}
+    assert mapping_for(model, shapes).architecture == "MixtralForCausalLM"
     planned = run_cli(
         "plan",
         "configs/moe-tiny.yaml",

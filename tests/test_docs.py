@@ -58,6 +58,46 @@ def test_every_code_fence_is_closed():
     assert not problems, "\n".join(problems)
 
 
+def recipe_rows() -> dict[str, list[str]]:
+    """docs/configs.md's recipe table: the cells of each row by config file name."""
+    rows = {}
+    for line in (ROOT / "docs" / "configs.md").read_text().splitlines():
+        if m := re.match(r"^\| `configs/([\w.-]+\.yaml)` \|(.*)\|$", line):
+            rows[m.group(1)] = [cell.strip() for cell in m.group(2).split("|")]
+    return rows
+
+
+def shown(count: int, text: str) -> bool:
+    """`text` ("1.07M", "405.85B") is `count` rounded as it shows it."""
+    number, unit = text[:-1], text[-1]
+    decimals = len(number.partition(".")[2])
+    return round(count / {"M": 1e6, "B": 1e9}[unit], decimals) == float(number)
+
+
+def test_every_recipe_has_a_row_with_its_parameter_count():
+    """Every configs/*.yaml in the recipe table, its parameters (and an MoE model's active ones)
+    as its config builds them."""
+    from bigtrain.config import load_config
+    from bigtrain.plan.experts import count_experts
+    from bigtrain.plan.shapes import count_params, meta_model
+
+    rows = recipe_rows()
+    assert sorted(rows) == sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    wrong = []
+    for name, cells in rows.items():
+        cfg = load_config([str(ROOT / "configs" / name)])
+        model = meta_model(cfg.model, cfg.data)
+        total, active = count_params(model)[0], None
+        if (experts := count_experts(model, cfg.model)) is not None:
+            active = experts.active
+        m = re.fullmatch(r"([\d.]+[MB])(?:, ([\d.]+[MB]) active)?", cells[1])
+        if m is None or not shown(total, m.group(1)) or (m.group(2) is None) != (active is None):
+            wrong.append(f"{name}: {cells[1]!r}, built {total:,} (active {active})")
+        elif active is not None and not shown(active, m.group(2)):
+            wrong.append(f"{name}: {cells[1]!r}, built {active:,} active")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 

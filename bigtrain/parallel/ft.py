@@ -378,7 +378,7 @@ class ReplicaGroups:
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft
         timeout = timedelta(seconds=cfg.timeout_s)
-        pg = _process_group(timeout, device)
+        pg = self.pg = _process_group(timeout, device)
         self.transport = _TimedTransport(_transport(cfg, pg, device))
         host, port, self._store = _own_store(layout)
         self.manager = Manager(
@@ -682,6 +682,13 @@ class ReplicaGroups:
                 f"{self.manager.num_participants()} groups < fault_tolerance.min_groups "
                 f"({self.cfg.min_groups})"
             )
+        if error is not None:
+            # Close this group's connections now: a peer whose part of a reduction completed
+            # may wait in the next one for this group, which skips it after its error (torchft
+            # makes every later reduction of the step a no-op), until the process group's
+            # timeout (30 s, seen in bench/ft.py's kills). Closed, its wait fails at once.
+            # The next quorum configures a new process group.
+            self.pg.abort()
         trainer.backend.skip_step()
         trainer.loader.stream.load_state_dict(undo[0])
         set_rng_state(undo[1])

@@ -330,3 +330,40 @@ def test_a_slow_group_leaves_only_when_the_policy_says_and_the_others_stop_waiti
         (1, "slow", 0),
         (1, "slow", 1),
     ]
+
+
+def test_a_group_whose_reduction_failed_closes_its_connections_before_the_step_runs_again():
+    """After a failed reduction the group aborts its process group (a peer waiting in a later
+    reduction for it fails at once instead of after the 30 s timeout); a vote that failed
+    without an error leaves it be."""
+    from types import SimpleNamespace
+
+    class Manager:
+        def __init__(self, error):
+            self.error = error
+
+        def errored(self):
+            return self.error
+
+        def num_participants(self):
+            return 2
+
+    class PG:
+        aborted = 0
+
+        def abort(self):
+            PG.aborted += 1
+
+    events = []
+    trainer = SimpleNamespace(
+        backend=SimpleNamespace(skip_step=lambda: None),
+        loader=SimpleNamespace(stream=SimpleNamespace(load_state_dict=lambda s: None)),
+        state=SimpleNamespace(transients={}),
+        event=lambda kind, **d: events.append(kind),
+    )
+    for error, aborted in ((RuntimeError("Connection closed by peer"), 1), (None, 1)):
+        groups = two_groups(Manager(error))
+        groups.pg, groups.cfg = PG(), load_config([], []).fault_tolerance
+        groups.abandon(trainer, ({}, ft.rng_state(), {}), step=7)
+        assert PG.aborted == aborted and groups.reduction_failed == (error is not None)
+    assert events == ["commit_failed", "commit_failed"]

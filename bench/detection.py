@@ -1,6 +1,7 @@
 """Detection quality, measured: false alarms on healthy runs, faults caught, steps to detection.
 
     python bench/detection.py [--quick] [--seeds 1,2] [--runs N] [--steps 300] [--validate K]
+                              [--short-runs N] [--short-steps 100]
                               [--no-candidates] [--save-fixtures DIR] [--threads T]
                               [--moe] [--router-drills N]
 
@@ -11,6 +12,10 @@
    2 heads, width 64, 64 tokens, vocabulary 512), seed 1: 16 runs. Every `anomaly` event of these
    runs is a false alarm. Each run records what the monitor saw per step and per emulated rank
    (detection_runs.py: 2 micro-batches = 2 ranks, row halves = FSDP2's shards).
+   Short sweep: the first --short-runs runs of the same matrix on configs/tiny.yaml (the model
+   a new user trains; tiny MoE with --moe) for --short-steps steps each, warm-up and the whole
+   schedule included (16 x 100 by default, 0: none): a run's whole life, where the suspicion
+   tier's healthy replays were most frequent.
 2. Fault sweep, simulated exactly on those traces with bigtrain's own Detector
    (detection_sim.py): NaN/Inf gradient, NaN loss, spikes of x10 and x50 of loss and gradients
    (a bad batch), of the reported loss only and of one gradient tensor (first execution only:
@@ -18,8 +23,10 @@
    [2, 300], warm-up included: the detection rate per kind at the faulty step. A first-execution
    fault counts as caught by an anomaly or by a suspicion (bigtrain/resilience/suspect.py), whose
    replay comes out clean; `suspicions_per_1k` is the healthy steps the suspicion tier replays
-   (simulated on the 2 emulated ranks; the runs' own, one process each, beside it, and their
-   transient verdicts, each of which would be false).
+   over every step of every run, both sweeps (simulated on the 2 emulated ranks; the runs' own,
+   one process each, beside it, and their transient verdicts, each of which would be false);
+   the one-tensor faults are also simulated on one process (`one_process`: the tensor's whole
+   gradient x F). `sweeps` holds each sweep's numbers, and the steps of their healthy replays.
 3. Validation: K real FSDP2 runs on 2 gloo ranks (full 12, --quick 4) with one injected fault
    each (kind, run, step and rank drawn with a fixed seed); their anomaly steps against the
    simulated verdicts, and their steps from fault to detection.
@@ -60,7 +67,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from detection_runs import ROUTER_KEYS, Trace, Trial, healthy_run, matrix, validate  # noqa: E402
-from detection_sim import CANDIDATES, FIRST_STEP, KINDS, SPIKES, judge, simulate  # noqa: E402
+from detection_sim import (  # noqa: E402
+    CANDIDATES,
+    FIRST_STEP,
+    KINDS,
+    SPIKES,
+    judge,
+    one_process,
+    simulate,
+)
 
 from bigtrain.resilience.detect import ROUTER_VALUES  # noqa: E402
 
@@ -69,6 +84,10 @@ ROUTER_RULES = tuple(ROUTER_VALUES)  # the rules reading ROUTER_KEYS, in the sam
 ROUTER_DRILL = "router_bias"  # real runs only: a biased router changes the routing itself
 VALIDATED = tuple(k for k in KINDS if not k.startswith(("grad_spike_x", "bitflip")))  # one tensor
 FIXTURES = 6  # the matrix's first 6 runs cover both levels of every factor
+ONE_TENSOR = ("grad_spike_x10", "grad_spike_x50")  # also simulated on one process
+TIER_KINDS = ("grad_spike_x10", "grad_spike_x50", "grad_spike_first_x10", "grad_spike_first_x50")
+TIER_KINDS += ("bitflip",)  # the kinds the suspicion tier is for (each sweep's rates)
+PHASES = ((1, 20), (21, 50), (51, 100), (101, 300))  # steps: warm-up, early, the rest
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,6 +97,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=None, help="only the matrix's first N runs")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--validate", type=int, default=None, help="real 2-rank runs (12; quick 4)")
+    ap.add_argument(
+        "--short-runs", type=int, default=16, help="tiny runs of --short-steps (0: none)"
+    )
+    ap.add_argument("--short-steps", type=int, default=100)
     ap.add_argument("--no-candidates", action="store_true")
     ap.add_argument("--save-fixtures", type=Path, default=None, metavar="DIR")
     ap.add_argument("--save-traces", type=Path, default=None, metavar="FILE", help="pickle")
@@ -93,21 +116,29 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def healthy_sweep(args: argparse.Namespace, out_root: str) -> list[Trace]:
-    specs = matrix(args.seeds, args.quick, args.steps, args.moe)[: args.runs]
+def healthy_sweep(specs: list, out_root: str) -> list[Trace]:
     traces = []
     for i, spec in enumerate(specs):
-        trace = healthy_run(spec, str(Path(out_root) / f"healthy-{i}"))
+        trace = healthy_run(spec, str(Path(out_root) / spec.name))
         jumps = {metric: d["ratio"] for metric, d in dynamics(trace).items()}
         print(
             f"  {i + 1:2d}/{len(specs)} {spec.name:<42} {trace.seconds:5.1f} s  "
-            f"false alarms {len(trace.anomalies)}  loss <= {jumps['loss']:.3f}x  "
+            f"false alarms {len(trace.anomalies)}  suspicions {len(trace.suspicions)}  "
+            f"loss <= {jumps['loss']:.3f}x  "
             f"grad norm <= {jumps['grad_norm']:.1f}x  one tensor <= {jumps['tensor']:.0f}x"
             + "".join(f"  {m} <= {jumps[m]:.2f}x" for m in ROUTER_RULES if m in jumps),
             flush=True,
         )
         traces.append(trace)
     return traces
+
+
+def sweep_specs(args: argparse.Namespace) -> tuple[list, list]:
+    """The long sweep (--quick: micro, else tiny; --steps each) and the short one (tiny,
+    --short-steps each, the matrix's first --short-runs)."""
+    long = matrix(args.seeds, args.quick, args.steps, args.moe)[: args.runs]
+    short = matrix(args.seeds, False, args.short_steps, args.moe)[: args.short_runs]
+    return long, short
 
 
 def over_median(values: np.ndarray, window: int) -> np.ndarray:
@@ -244,7 +275,9 @@ def save_fixtures(traces: list[Trace], directory: Path) -> list[Path]:
 def print_table(result: dict, seconds: dict[str, float]) -> None:
     runs, steps = result["healthy_runs"], result["healthy_steps"]
     model, took = result["model"], seconds["healthy"]
-    print(f"\nhealthy sweep: {runs} runs, {steps} steps ({model} model), {took:.0f} s")
+    print(
+        f"\nhealthy sweeps: {runs} runs, {steps} steps ({model} model, short: tiny), {took:.0f} s"
+    )
     print(
         f"  false alarms: {result['false_alarms']} ({result['false_alarms_per_1000']:.2f} per 1000 "
         f"steps); the simulation's replay of the same steps: {result['false_alarms_simulated']}"
@@ -252,11 +285,22 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
     for alarm in result["false_alarm_events"]:
         print(f"    {alarm}")
     print(
-        f"  suspicions (a replay each) on 2 emulated ranks (simulated): "
-        f"{result['suspicions_per_1k']:.2f} per 1000 steps; in the runs (one process: each "
-        f"tensor by its own rise) {result['suspicions_real_per_1k']:.2f}; transient verdicts: "
+        f"  suspicions (a replay each) per 1000 healthy steps, whole runs: "
+        f"{result['suspicions_per_1k']:.2f} on 2 emulated ranks (simulated), "
+        f"{result['suspicions_one_process_per_1k']:.2f} on one process (simulated), "
+        f"{result['suspicions_real_per_1k']:.2f} in the runs (one process); transient verdicts: "
         f"{result['transient_verdicts']}"
     )
+    for name, s in result["sweeps"].items():
+        r, solo = s["detection_rate"], s["detection_rate_one_process"]
+        print(
+            f"    {name}: {s['runs']} {s['model']} runs x {s['steps'] // max(s['runs'], 1)} steps: "
+            f"{s['suspicions_per_1k']:.2f} / {s['suspicions_one_process_per_1k']:.2f} / "
+            f"{s['suspicions_real_per_1k']:.2f} (by steps, 2 ranks {s['suspicions_by_phase']}, "
+            f"real {s['suspicions_real_by_phase']}); one tensor x50 / x10 "
+            f"{r['grad_spike_x50']:.1%} / {r['grad_spike_x10']:.1%} on 2 ranks, "
+            f"{solo['grad_spike_x50']:.1%} / {solo['grad_spike_x10']:.1%} on one process"
+        )
     d = result["healthy_dynamics"]
     shown_metrics = [("loss", "loss"), ("grad_norm", "grad norm"), ("tensor", "one tensor")]
     shown_metrics += [(m, m.replace("_", " ")) for m in ROUTER_RULES if m in d]
@@ -269,7 +313,7 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
         print(f"  largest healthy {what}: {shown}x its median of the last {window} ({where})")
     rules, took = result["rules"]["rules"], seconds["simulate"]
     print(
-        f"\nfault sweep (simulated at steps {FIRST_STEP}-{result['steps']} on both ranks; "
+        f"\nfault sweep (simulated at every step from {FIRST_STEP} of every run on both ranks; "
         f"monitor.rules={rules}), {took:.0f} s"
     )
     print(f"  {'kind':<22} {'caught':>8} {'at step':>8} {'missed':>8}")
@@ -314,7 +358,7 @@ def print_candidates(result: dict) -> None:
             "detection_rate": result["detection_rate"],
         }
     }
-    for name, row in {**rows, **result["candidates"]}.items():
+    for name, row in {**rows, **result["candidates"]}.items():  # long sweep only
         cells = " ".join(f"{row['detection_rate'][k]:>9.1%}" for k in SPIKES)
         print(f"  {name:<58} {row['false_alarms_per_1000']:>7.2f} {cells}")
 
@@ -329,7 +373,44 @@ def real_steps_to_detect(trials: list[dict]) -> dict[str, dict[str, int]]:
     return out
 
 
-def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict:
+def per_1k(count: int, steps: int) -> float:
+    return round(1000 * count / steps, 3) if steps else 0.0
+
+
+def by_phase(steps: list[int]) -> dict[str, int]:
+    return {f"{a}-{b}": sum(a <= s <= b for s in steps) for a, b in PHASES}
+
+
+def sweep_summary(traces: list[Trace], sims, solo) -> dict:
+    """One sweep's healthy replays (simulated on 2 ranks and on one process, and the runs' own,
+    one process) and its one-tensor catch rates, over whole runs."""
+    steps = sum(len(t.loss) for t in traces)
+    simulated = [s for sim in sims for s in sim.suspicions]
+    real = [e["step"] for t in traces for e in t.suspicions]
+    return {
+        "runs": len(traces),
+        "steps": steps,
+        "model": traces[0].spec.name.split("-")[0] if traces else None,
+        "suspicions_per_1k": per_1k(len(simulated), steps),
+        "suspicions_real_per_1k": per_1k(len(real), steps),
+        "suspicions_one_process_per_1k": per_1k(sum(len(s.suspicions) for s in solo), steps),
+        "suspicions_by_phase": by_phase(simulated),
+        "suspicions_real_by_phase": by_phase(real),
+        "suspicion_steps": [
+            [t.name, s] for t, sim in zip(traces, sims, strict=True) for s in sim.suspicions
+        ],
+        "suspicion_steps_real": [
+            [t.name, e["step"], e["tensors"][0][0]] for t in traces for e in t.suspicions
+        ],
+        "detection_rate": rates([s.caught for s in sims], TIER_KINDS) if sims else {},
+        "detection_rate_one_process": rates([s.caught for s in solo], ONE_TENSOR) if solo else {},
+    }
+
+
+def summary(args, sweeps: dict, checked: dict, found: dict) -> dict:
+    traces = [t for ts, _, _ in sweeps.values() for t in ts]
+    sims = [s for _, ss, _ in sweeps.values() for s in ss]
+    solo = [s for _, _, ss in sweeps.values() for s in ss]
     healthy_steps = sum(len(t.loss) for t in traces)
     alarms = [
         [t.name, a["step"], a.get("type"), a.get("metric"), a.get("value"), a.get("threshold")]
@@ -356,15 +437,18 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
         "false_alarms": len(alarms),
         "false_alarms_per_1000": round(1000 * len(alarms) / healthy_steps, 3),
         "false_alarms_simulated": sum(len(s.false_alarms) for s in sims),
-        "suspicions_per_1k": round(1000 * sum(len(s.suspicions) for s in sims) / healthy_steps, 3),
-        "suspicions_real_per_1k": round(
-            1000 * sum(len(t.suspicions) for t in traces) / healthy_steps, 3
+        "suspicions_per_1k": per_1k(sum(len(s.suspicions) for s in sims), healthy_steps),
+        "suspicions_real_per_1k": per_1k(sum(len(t.suspicions) for t in traces), healthy_steps),
+        "suspicions_one_process_per_1k": per_1k(
+            sum(len(s.suspicions) for s in solo), healthy_steps
         ),
         "transient_verdicts": sum(  # on healthy runs: each would be a false one
             e["verdict"] == "transient" for t in traces for e in t.suspicions
         ),
         "false_alarm_events": alarms,
         "detection_rate": rates(caught, order),
+        "one_process": {"detection_rate": rates([s.caught for s in solo], ONE_TENSOR)},
+        "sweeps": {name: sweep_summary(*parts) for name, parts in sweeps.items() if parts[0]},
         "steps_to_detect": steps_to_detect(caught),
         "steps_to_detect_real": real_steps_to_detect(checked["trials"]),
         "validated": checked["validated"],
@@ -373,6 +457,7 @@ def summary(args, traces: list[Trace], sims, checked: dict, found: dict) -> dict
         "rules": {
             "rules": list(monitor.rules),
             **{m: asdict(getattr(monitor, m)) for m in ("loss", "grad_norm", *ROUTER_RULES)},
+            "suspicion": asdict(monitor.suspicion),
         },
         "healthy_dynamics": {
             k: max((j[k] for j in jumps), key=lambda v: v["ratio"]) for k in jumps[0]
@@ -384,19 +469,28 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)  # one thread: no OpenMP spinning on a shared machine
     seconds, started = {}, time.perf_counter()
+    long_specs, short_specs = sweep_specs(args)
     with tempfile.TemporaryDirectory() as out_root:
         print("healthy runs:", flush=True)
-        traces = healthy_sweep(args, out_root)
+        traces = healthy_sweep(long_specs, out_root)
+        short = []
+        if short_specs:
+            print(f"short runs (whole lives of {args.short_steps} steps):", flush=True)
+            short = healthy_sweep(short_specs, out_root)
         if args.save_traces is not None:  # for studying rules offline
-            args.save_traces.write_bytes(pickle.dumps(traces))
+            args.save_traces.write_bytes(pickle.dumps(traces + short))
         seconds["healthy"] = time.perf_counter() - started
         sims = [simulate(t, t.monitor) for t in traces]
+        short_sims = [simulate(t, t.monitor) for t in short]
+        solo = [simulate(one_process(t), t.monitor, ONE_TENSOR) for t in traces]
+        short_solo = [simulate(one_process(t), t.monitor, ONE_TENSOR) for t in short]
         seconds["simulate"] = time.perf_counter() - started - seconds["healthy"]
         checked = validation(traces, sims, args.validate, args.steps, out_root, args.router_drills)
         seconds["validate"] = time.perf_counter() - started - sum(seconds.values())
     healthy_steps = sum(len(t.loss) for t in traces)
     found = {} if args.no_candidates else candidates(traces, healthy_steps)
-    result = summary(args, traces, sims, checked, found)
+    sweeps = {"long": (traces, sims, solo), "short": (short, short_sims, short_solo)}
+    result = summary(args, sweeps, checked, found)
     if args.save_fixtures is not None:
         for path in save_fixtures(traces, args.save_fixtures):
             print(f"fixture {path} ({path.stat().st_size} bytes)")

@@ -93,7 +93,8 @@ class RunSpec:
     @property
     def name(self) -> str:
         size = ("micro" if self.micro else "tiny") + ("-moe" if self.moe else "")
-        return f"{size}-{self.style}-{self.precision}-{self.corpus}-lr{self.lr_mult}x-s{self.seed}"
+        name = f"{size}-{self.style}-{self.precision}-{self.corpus}-lr{self.lr_mult}x-s{self.seed}"
+        return name + (f"-{self.steps}steps" if self.steps != 300 else "")
 
     def overrides(self, out_dir: str, world_size: int = 1) -> list[str]:
         """The run's config overrides on configs/tiny.yaml; `world_size` 2: the same global batch

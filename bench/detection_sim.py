@@ -29,13 +29,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from detection_runs import RANKS, Trace
 
 from bigtrain.config.schema import MonitorConfig
-from bigtrain.monitor.levels import EMPTY
+from bigtrain.monitor.levels import EMPTY, PAIR_MIN_VALUES
 from bigtrain.monitor.monitor import Health
 from bigtrain.resilience.detect import Detector
 
@@ -88,15 +88,37 @@ def lower_median(values: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(np.where(count > 0, picked, np.nan), axis=axis)
 
 
+def partners(values: np.ndarray, neighbours: int) -> tuple[np.ndarray, np.ndarray]:
+    """bigtrain/monitor/levels.py's `partners` in NumPy (the same offsets, medians and ties)."""
+    num = values.shape[1]
+    offsets = np.array([o for d in range(1, neighbours + 1) for o in (-d, d)])
+    columns = np.arange(num)[None] + offsets[:, None]
+    inside = (columns >= 0) & (columns < num)
+    columns = np.clip(columns, 0, max(num - 1, 0))
+    with np.errstate(invalid="ignore"):
+        diff = values[:, None, :] - values[:, columns]
+        center = lower_median(diff, axis=0)
+        spread = lower_median(np.abs(diff - center), axis=0)
+    spread = np.where(inside & np.isfinite(spread), spread, np.inf)
+    best = np.argmin(spread, axis=0)[None]
+    found = np.isfinite(np.take_along_axis(spread, best, 0)[0])
+    partner = np.where(found, np.take_along_axis(columns, best, 0)[0], -1)
+    return partner, np.where(found, np.take_along_axis(center, best, 0)[0], np.nan)
+
+
 class RankShards:
     """The emulated ranks' side of the suspicion tier (bigtrain/monitor/levels.py in NumPy, the
-    same medians): each rank's history of accepted shard levels, and its statistics of a step
-    reduced over the ranks as the MAX all-reduce does."""
+    same medians and partners): each rank's history of accepted shard levels, and its statistics
+    of a step reduced over the ranks as the MAX all-reduce does."""
 
-    def __init__(self, sizes: np.ndarray, window: int) -> None:
+    def __init__(self, sizes: np.ndarray, window: int, neighbours: int = 4) -> None:
         self.sizes = sizes  # [tensor, rank]
+        self.neighbours = neighbours
         self.history: deque[np.ndarray] = deque(maxlen=window)
+        self.count = 0  # levels accepted so far, as the device ring counts them
         self.center = np.full(sizes.shape, np.nan)
+        self.partner = np.full(sizes.shape, -1)
+        self.pair_center = np.full(sizes.shape, np.nan)
 
     def levels(self, halves: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -105,17 +127,27 @@ class RankShards:
 
     def shards(self, halves: np.ndarray) -> list[float]:
         """Health.shards of a step with these halves."""
-        rise = self.levels(halves) - self.center
+        levels = self.levels(halves)
+        rise = levels - self.center
         alone = rise - lower_median(rise, axis=0)[None, :]
+        paired = np.take_along_axis(levels, np.maximum(self.partner, 0), axis=0)
+        pair = np.where(self.partner >= 0, levels - paired - self.pair_center, np.nan)
+        pair = np.where(np.isfinite(pair), pair, alone)
 
         def most(values: np.ndarray) -> np.ndarray:
             return np.where(np.isnan(values), EMPTY, values).max(axis=1)
 
-        return np.concatenate([most(rise), most(-rise), most(alone)]).tolist()
+        return np.concatenate([most(rise), most(-rise), most(alone), most(pair)]).tolist()
 
     def accept(self, halves: np.ndarray) -> None:
         self.history.append(self.levels(halves))
-        self.center = lower_median(np.stack(self.history), axis=0)
+        self.count += 1
+        ring = np.stack(self.history)
+        self.center = lower_median(ring, axis=0)
+        if self.count >= PAIR_MIN_VALUES:
+            chosen = [partners(ring[:, :, r], self.neighbours) for r in range(ring.shape[2])]
+            self.partner = np.stack([c[0] for c in chosen], axis=1)
+            self.pair_center = np.stack([c[1] for c in chosen], axis=1)
 
 
 def _flip(value: float, bit: int) -> float:
@@ -186,19 +218,19 @@ class Simulated:
     suspicions: list[int] = field(default_factory=list)  # healthy steps the suspicion tier replays
 
 
-def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
+def simulate(trace: Trace, cfg: MonitorConfig, kinds: tuple[str, ...] = KINDS) -> Simulated:
     """Every kind on every rank at every step from FIRST_STEP on, judged by a Detector whose
     windows hold the trace's healthy steps before it (flagged steps stay out, as in a run)."""
     detector = Detector(cfg, trace.names)
     cache_thresholds(detector)
-    steps, ranks = healthy_steps(trace), range(RANKS)
-    shards = RankShards(trace.sizes, cfg.suspicion.window)
+    steps, ranks = healthy_steps(trace), range(trace.sizes.shape[1])
+    shards = RankShards(trace.sizes, cfg.suspicion.window, cfg.suspicion.neighbours)
     out = Simulated()
-    caught = {k: [] for k in KINDS}
+    caught = {k: [] for k in kinds}
     for index, healthy in enumerate(steps):
         step = index + 1
         if step >= FIRST_STEP:
-            for kind in KINDS:
+            for kind in kinds:
                 caught[kind].append([_caught(detector, kind, healthy, r, shards) for r in ranks])
         health = healthy.health(shards)
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
@@ -210,6 +242,17 @@ def simulate(trace: Trace, cfg: MonitorConfig) -> Simulated:
             shards.accept(healthy.halves)
     out.caught = {k: np.asarray(v) for k, v in caught.items()}
     return out
+
+
+def one_process(trace: Trace) -> Trace:
+    """The trace as one process saw it: each tensor one shard, the whole gradient (its halves
+    summed), the loss the ranks' mean; a fault on the one rank multiplies the whole tensor."""
+    return replace(
+        trace,
+        micro_loss=[[float(np.mean(m))] for m in trace.micro_loss],
+        halves=[h.sum(axis=1, keepdims=True) for h in trace.halves],
+        sizes=trace.sizes.sum(axis=1, keepdims=True),
+    )
 
 
 def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, shards: RankShards):

@@ -33,27 +33,45 @@ class SpikeRuleConfig:
 @dataclass
 class SuspicionConfig:
     """The suspicion tier (resilience/suspect.py): a gradient shard that rose over its own
-    history beyond the other ranks' shards of the same tensor and beyond its rank's other
-    shards replays the step, nothing else."""
+    history beyond the other ranks' shards of the same tensor, beyond its rank's other shards and
+    beyond its closest companion, while no other tensor rose nearly as much, replays the step,
+    nothing else."""
 
     enabled: bool = True
     """Watch every gradient tensor's shards each step (one more small MAX all-reduce) and replay
     a suspicious step; needs resilience.replay."""
-    factor: float = 6.0
+    factor: float = 5.0
     """The least jump of a tensor's split (its shards' largest rise over their own history
     minus the smallest; a lone holder's rise), as a ratio of gradient norms (> 1)."""
-    sigmas: float = 6.0
+    sigmas: float = 4.0
     """Robust standard deviations (of the split's own log history) a jump must also exceed
     once `min_values` values are known."""
-    alone_factor: float = 4.0
+    alone_factor: float = 3.0
     """The least jump of a shard's rise beyond the median rise of its rank's shards, as a
-    ratio of gradient norms (> 1); a tensor must pass both."""
+    ratio of gradient norms (> 1); a tensor must pass all three series."""
     alone_sigmas: float = 2.0
     """Robust standard deviations of that series' history it must also exceed."""
+    pair_factor: float = 4.0
+    """The least jump of a shard's rise beyond its partner's (the neighbour, within
+    `neighbours`, whose level moved most like its own over the window), as a ratio of gradient
+    norms (> 1)."""
+    pair_sigmas: float = 2.0
+    """Robust standard deviations of that series' history it must also exceed."""
+    neighbours: int = 4
+    """Tensors registered just before and after a tensor (its layer's others) among which its
+    partner is chosen."""
+    excursion: float = 1.0
+    """A jump must also exceed this many times the largest rise over its median that the
+    series' window holds (the tensor's own recent healthy excursions); 0: off."""
+    lead: float = 1.75
+    """How many times a suspicious tensor's jump (the lesser of its split's and its alone's, in
+    log squares) must exceed any other tensor's in the same step (>= 1): one tensor moved, not a
+    layer waking up or a loss spike."""
     window: int = 20
     """Healthy steps of history per tensor (and of each rank's shard levels)."""
     min_values: int = 10
-    """Values in the history before the spread counts; until then the factor alone."""
+    """Values in the history before the spread counts; until then the factor and the largest
+    excursion the history holds."""
 
 
 @dataclass
@@ -186,15 +204,28 @@ def check_rules(monitor: MonitorConfig) -> None:
             f"{', '.join(SPIKE_RULES)}"
         )
     suspicion = monitor.suspicion
-    if not suspicion.alone_factor > 1.0:
+    for key in ("alone_factor", "pair_factor"):
+        if not getattr(suspicion, key) > 1.0:
+            raise ConfigError(
+                f"key 'monitor.suspicion.{key}' got {getattr(suspicion, key)}, expected a value > 1"
+            )
+    for key in ("alone_sigmas", "pair_sigmas"):
+        if not getattr(suspicion, key) >= 0.0:
+            raise ConfigError(
+                f"key 'monitor.suspicion.{key}' got {getattr(suspicion, key)}, expected a "
+                "value >= 0"
+            )
+    if not suspicion.excursion >= 0.0:
         raise ConfigError(
-            f"key 'monitor.suspicion.alone_factor' got {suspicion.alone_factor}, expected a "
-            "value > 1"
+            f"key 'monitor.suspicion.excursion' got {suspicion.excursion}, expected a value >= 0"
         )
-    if not suspicion.alone_sigmas >= 0.0:
+    if not suspicion.lead >= 1.0:
         raise ConfigError(
-            f"key 'monitor.suspicion.alone_sigmas' got {suspicion.alone_sigmas}, expected a "
-            "value >= 0"
+            f"key 'monitor.suspicion.lead' got {suspicion.lead}, expected a value >= 1"
+        )
+    if suspicion.neighbours < 1:
+        raise ConfigError(
+            f"key 'monitor.suspicion.neighbours' got {suspicion.neighbours}, expected a value >= 1"
         )
     for name in (*SPIKE_RULES, "suspicion"):  # the suspicion tier has the same four settings
         rule, key = getattr(monitor, name), f"monitor.{name}"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
-from bigtrain.monitor.levels import ShardHistory, shard_levels, shard_statistics
+from bigtrain.monitor.levels import ShardHistory, shard_levels
 from bigtrain.monitor.routers import RouterStats
 from bigtrain.monitor.stats import (
     GradStats,
@@ -51,7 +51,8 @@ class Health:
     stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
     shards: list[float] | None = None
     """With the suspicion tier, per tensor over the ranks (levels.py): the largest rise of a
-    shard, the negated smallest, the largest rise beyond its rank's median (EMPTY: unknown)."""
+    shard, the negated smallest, the largest rise beyond its rank's median, the largest rise
+    beyond its partner's (EMPTY: unknown)."""
     grad_factor: float = 1.0  # the loss scale the gradients still carried
     levels: torch.Tensor | None = None
     """With the suspicion tier: this rank's shard levels, kept in its history if the step is."""
@@ -106,7 +107,9 @@ class GradMonitor:
         self.across_groups = across_groups
         self.routers = routers
         self.sizes: torch.Tensor | None = None  # values per local shard, kept from the first step
-        self.history = ShardHistory(cfg.suspicion.window, len(names), device)
+        self.history = ShardHistory(
+            cfg.suspicion.window, len(names), device, cfg.suspicion.neighbours
+        )
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
@@ -132,7 +135,7 @@ class GradMonitor:
             sums, extremes = self.routers.take(self.device)
             flags = torch.cat([flags, sums])
         levels = self._levels(named_grads, stats.sum_sq, grad_factor)
-        shards = None if levels is None else shard_statistics(levels, self.history.center())
+        shards = None if levels is None else self.history.statistics(levels)
         parts = [t for t in (shards, extremes) if t is not None]
         stats = weighted_stats(stats, self.weights)
         stats, loss, flags, maxima = reduce_grad_stats(
@@ -153,7 +156,7 @@ class GradMonitor:
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n : f + 3 * n] if full else None
         at = f + (3 if full else 2) * n
-        host_shards = host[at : at + 3 * n] if shards is not None else None
+        host_shards = host[at : at + 4 * n] if shards is not None else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
             ends = host[len(host) - extremes.numel() :]

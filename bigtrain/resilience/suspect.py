@@ -6,22 +6,28 @@ replays the step (replay.py): corruption does not come back, the data's own spik
 skipped and no LR is cut.
 
 Each rank measures its shards against their own history (monitor/levels.py: a shard's rise over
-the median of its last `window` levels) and the monitor's MAX all-reduce gives every rank, per
-tensor, the largest and the smallest rise over the ranks that hold it and the largest rise beyond
-its rank's median rise. Two series per tensor follow, identical on every rank:
+the median of its last `window` levels, beyond its rank's median rise, beyond its partner's) and
+the monitor's MAX all-reduce gives every rank, per tensor, the largest and the smallest rise over
+the ranks that hold it, the largest rise alone and the largest rise over a partner. Three series
+per tensor follow, identical on every rank:
 
     split  the largest rise minus the smallest where two or more ranks hold the tensor: the ranks
            see one tensor's gradient move the same way, step after step, so a split means one
            shard moved alone; a tensor one rank holds whole (one process, DDP, a small tensor):
            its rise
     alone  the largest rise beyond the rank's median: one shard moved, not its rank's gradient
+    pair   the largest rise beyond the shard's partner (the neighbour that moved most like it)
 
-A tensor is suspicious when both are above the median of their last `window` values by
-2 log(factor) (the factors apply to norms, the values are log squares: `factor` for the split,
-`alone_factor` for the other) and, once `min_values` are known, by `sigmas` (`alone_sigmas`)
-robust standard deviations. Each series alone mistakes healthy moves for corruption: a head that
-wakes up rises alone across ranks but with its layer on its rank; the other rank's head falling
-silent makes a split without any rise beyond the rank. The measured suspicions per 1,000 healthy
+A tensor is suspicious when all three are above the median of their last `window` values by
+2 log(factor) (the factors apply to norms, the values are log squares: `factor`, `alone_factor`,
+`pair_factor`), by the largest rise over that median the window holds (`excursion` times: the
+tensor's own recent healthy excursions) and, once `min_values` are known, by `sigmas`
+(`alone_sigmas`, `pair_sigmas`) robust standard deviations; and when it rose alone in the step:
+its jump (the lesser of split and alone) exceeds `lead` times any other tensor's. Each series
+alone mistakes healthy moves for corruption: a head that wakes up rises alone across ranks but
+with its layer on its rank, and with its partner (q with k); the other rank's head falling
+silent makes a split without any rise beyond the rank; a loss spike or a layer waking in warm-up
+moves several tensors at once, most of them far. The measured suspicions per 1,000 healthy
 steps and catch rates are in docs/healing.md (bench/detection.py).
 """
 
@@ -38,37 +44,47 @@ from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.monitor.levels import EMPTY
 from bigtrain.resilience.rules import MAD_TO_SIGMA
 
+SERIES = 3  # split, alone, pair
+
 
 def series(shards: list[float]) -> np.ndarray:
-    """[split, alone] per tensor (module docstring) from the reduced shard statistics; NaN
+    """[split, alone, pair] per tensor (module docstring) from the reduced shard statistics; NaN
     where unknown (no rank holds the tensor, or no history yet)."""
-    rows = np.asarray(shards, dtype=np.float64).reshape(3, -1)
-    high, low, alone = rows[0], -rows[1], rows[2]
+    rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
+    high, low, alone, pair = rows[0], -rows[1], rows[2], rows[3]
     known = rows[0] > EMPTY / 2
     split = np.where(high > low, high - low, high)  # equal: one holder (or equal rises)
-    return np.stack([np.where(known, split, np.nan), np.where(alone > EMPTY / 2, alone, np.nan)])
+    return np.stack(
+        [
+            np.where(known, split, np.nan),
+            np.where(alone > EMPTY / 2, alone, np.nan),
+            np.where(pair > EMPTY / 2, pair, np.nan),
+        ]
+    )
 
 
 class Suspicion:
     def __init__(self, cfg: SuspicionConfig, names: list[str]) -> None:
         self.cfg, self.names = cfg, names
         self.values: deque[np.ndarray] = deque(maxlen=cfg.window)
-        self.factors = 2 * np.log([[cfg.factor], [cfg.alone_factor]])
-        self.sigmas = np.array([[cfg.sigmas], [cfg.alone_sigmas]])
+        self.factors = 2 * np.log([[cfg.factor], [cfg.alone_factor], [cfg.pair_factor]])
+        self.sigmas = np.array([[cfg.sigmas], [cfg.alone_sigmas], [cfg.pair_sigmas]])
         self.limits: tuple[np.ndarray, np.ndarray] | None = None  # until the next add
 
     def baseline(self) -> tuple[np.ndarray, np.ndarray]:
         """Per series and tensor the median of its history and the margin above it (NaN: no
-        history)."""
+        history): the factor, the largest excursion over the median the window holds and, from
+        `min_values` values on, the sigmas."""
         if self.limits is None:
             history = np.stack(self.values)
             with np.errstate(invalid="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: a tensor no one holds
                 center = np.nanmedian(history, axis=0)
-                margin = np.broadcast_to(self.factors, center.shape)
+                excursion = self.cfg.excursion * np.nanmax(history - center, axis=0)
+                margin = np.fmax(self.factors, excursion)
                 if len(history) >= self.cfg.min_values:
                     spread = MAD_TO_SIGMA * np.nanmedian(np.abs(history - center), axis=0)
-                    margin = np.maximum(margin, self.sigmas * spread)
+                    margin = np.fmax(margin, self.sigmas * spread)
             self.limits = center, margin
         return self.limits
 
@@ -80,7 +96,10 @@ class Suspicion:
         center, margin = self.baseline()
         jump = series(shards) - center
         with np.errstate(invalid="ignore"):
-            hit = np.flatnonzero((np.nan_to_num(jump - margin, nan=-1.0) > 0).all(axis=0))
+            above = (np.nan_to_num(jump - margin, nan=-1.0) > 0).all(axis=0)
+            moved = np.nan_to_num(jump[:2].min(axis=0), nan=-np.inf)  # split and alone
+        alone = moved > self.cfg.lead * np.maximum(runner_up(moved), 0.0)
+        hit = np.flatnonzero(above & alone)
         order = hit[np.argsort(-jump[0, hit], kind="stable")]
         return [[self.names[i], float(math.exp(jump[0, i] / 2))] for i in order]
 
@@ -94,11 +113,19 @@ class Suspicion:
         return {"values": [np.nan_to_num(v, nan=EMPTY).ravel().tolist() for v in self.values]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A history of this model's tensors; another (an earlier bigtrain's single series)
+        """A history of this model's tensors; another (an earlier bigtrain's one or two series)
         starts empty, as at a run's start."""
         self.values.clear()
         self.limits = None
         for v in state.get("values", []):
-            if len(v) == 2 * len(self.names):
-                row = np.asarray(v, dtype=np.float64).reshape(2, -1)
+            if len(v) == SERIES * len(self.names):
+                row = np.asarray(v, dtype=np.float64).reshape(SERIES, -1)
                 self.values.append(np.where(row <= EMPTY / 2, np.nan, row))
+
+
+def runner_up(values: np.ndarray) -> np.ndarray:
+    """Per entry the largest of the others (-inf: none)."""
+    if len(values) < 2:
+        return np.full(len(values), -np.inf)
+    top2 = np.sort(values)[-2:]
+    return np.where(values >= top2[1], top2[0], top2[1])

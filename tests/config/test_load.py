@@ -124,6 +124,26 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             ["monitor.suspicion.alone_sigmas=-2"],
             "key 'monitor.suspicion.alone_sigmas' got -2.0, expected a value >= 0",
         ),
+        (
+            ["monitor.suspicion.pair_factor=1"],
+            "key 'monitor.suspicion.pair_factor' got 1.0, expected a value > 1",
+        ),
+        (
+            ["monitor.suspicion.pair_sigmas=-1"],
+            "key 'monitor.suspicion.pair_sigmas' got -1.0, expected a value >= 0",
+        ),
+        (
+            ["monitor.suspicion.excursion=-1"],
+            "key 'monitor.suspicion.excursion' got -1.0, expected a value >= 0",
+        ),
+        (
+            ["monitor.suspicion.lead=0.5"],
+            "key 'monitor.suspicion.lead' got 0.5, expected a value >= 1",
+        ),
+        (
+            ["monitor.suspicion.neighbours=0"],
+            "key 'monitor.suspicion.neighbours' got 0, expected a value >= 1",
+        ),
         (["monitor.loss.window=0"], "key 'monitor.loss.window' got 0, expected a value >= 1"),
         (["monitor.tensor_window=0"], "key 'monitor.tensor_window' got 0, expected a value > 0"),
         (

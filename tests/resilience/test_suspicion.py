@@ -5,7 +5,9 @@ nothing."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch
 
 from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.errors import ConfigError
-from bigtrain.monitor.levels import EMPTY, ShardHistory, shard_levels, shard_statistics
+from bigtrain.monitor.levels import EMPTY, ShardHistory, shard_levels
 from bigtrain.parallel.env import DistEnv
 from bigtrain.resilience.suspect import Suspicion, series
 from bigtrain.runner import run
@@ -22,12 +24,19 @@ from bigtrain.store.rundir import read_jsonl
 from tests.distributed import run_distributed, train_run
 
 TENSOR = "blocks.1.mlp.up.weight"
+ALWAYS = [
+    f"monitor.suspicion.{key}={value}"
+    for key, value in (("factor", 1.000001), ("sigmas", 0), ("alone_factor", 1.000001))
+    + (("alone_sigmas", 0), ("pair_factor", 1.000001), ("pair_sigmas", 0))
+    + (("excursion", 0), ("lead", 1))
+]
+"""A tier that suspects most steps (no margins; the most risen tensor, where its pair rose too)."""
 
 
-def shards(high: list[float], low: list[float], alone: list[float]) -> list[float]:
+def shards(high: list[float], low: list[float], alone: list[float], pair=None) -> list[float]:
     """Health.shards: the largest and smallest rise over the ranks, the largest rise beyond a
-    rank's median."""
-    return high + [-v for v in low] + alone
+    rank's median, the largest rise beyond a partner (default: the alone values)."""
+    return high + [-v for v in low] + alone + (alone if pair is None else pair)
 
 
 @pytest.mark.unit
@@ -38,18 +47,27 @@ def test_shard_levels_are_log_mean_squares_without_the_loss_scale():
 
 
 @pytest.mark.unit
-def test_a_shard_rises_over_its_own_median_and_beyond_its_ranks_median_rise():
-    history = ShardHistory(window=3, num_tensors=3, device=torch.device("cpu"))
+def test_a_shard_rises_over_its_own_median_beyond_its_ranks_median_rise_and_its_partner():
+    history = ShardHistory(window=3, num_tensors=3, device=torch.device("cpu"), neighbours=1)
     nan = math.nan
     assert torch.isnan(history.center()).all()  # no accepted step yet
-    for row in ([1.0, 5.0, nan], [2.0, 7.0, nan], [9.0, 6.0, nan], [3.0, 4.0, nan]):
+    for row in ([1.0, 5.0, nan], [2.0, 7.0, nan]):
+        history.add(torch.tensor(row))
+    assert history.partners()[0].tolist() == [-1, -1, -1]  # fewer than 3 steps: no partners
+    rows = history.statistics(torch.tensor([4.0, 5.0, nan])).reshape(4, 3)
+    assert rows[3, :2].tolist() == rows[2, :2].tolist()  # the alone values stand in
+    for row in ([9.0, 6.0, nan], [3.0, 4.0, nan]):
         history.add(torch.tensor(row))  # the window keeps the last 3: [2, 7], [9, 6], [3, 4]
     assert history.center()[:2].tolist() == [3.0, 6.0] and math.isnan(history.center()[2])
-    packed = shard_statistics(torch.tensor([4.0, 5.0, nan]), history.center())
-    rise, neg, alone = packed.reshape(3, 3).tolist()
-    assert rise[:2] == [1.0, -1.0] and neg[:2] == [-1.0, 1.0]
-    assert alone[:2] == [2.0, 0.0]  # minus the lower median of the rises (1, -1): -1
-    assert [rise[2], neg[2], alone[2]] == pytest.approx([EMPTY] * 3)  # not held (FP32)
+    partner, pair_center = history.partners()
+    assert partner.tolist() == [1, 0, -1]  # each other's only neighbour held; none for 2
+    assert pair_center[:2].tolist() == [-1.0, 1.0]  # the median of 2-7, 9-6, 3-4
+    packed = history.statistics(torch.tensor([6.0, 4.0, nan]))
+    rise, neg, alone, pair = packed.reshape(4, 3).tolist()
+    assert rise[:2] == [3.0, -2.0] and neg[:2] == [-3.0, 2.0]
+    assert alone[:2] == [5.0, 0.0]  # minus the lower median of the rises (3, -2): -2
+    assert pair[:2] == [3.0, -3.0]  # 6 - 4 = 2 against the pair's median -1: rose by 3
+    assert [rise[2], neg[2], alone[2], pair[2]] == pytest.approx([EMPTY] * 4)  # not held (FP32)
     saved = history.state_dict()
     history.add(torch.tensor([0.0, 0.0, nan]))  # a copy: the saved ring does not move with it
     assert saved["levels"].device.type == "cpu" and 0.0 not in saved["levels"][:, :2]
@@ -64,37 +82,102 @@ def test_a_shard_rises_over_its_own_median_and_beyond_its_ranks_median_rise():
 
 
 @pytest.mark.unit
-def test_series_is_the_split_of_the_rises_or_a_lone_holders_rise_and_the_rise_alone():
-    values = series(shards([1.0, 2.0, EMPTY], [-1.0, 2.0, -EMPTY], [0.5, 3.0, EMPTY]))
-    assert values[0, 0] == 2.0  # two ranks: 1 - (-1)
-    assert values[0, 1] == 2.0  # one holder (or equal rises): its rise
-    assert values[1, :2].tolist() == [0.5, 3.0]
-    assert np.isnan(values[:, 2]).all()  # no holder
+def test_a_partner_is_the_neighbour_that_moved_most_alike():
+    """q and k wake up together, 1000x over a few steps; the bias beside them is noise: each of
+    q and k picks the other, and their joint rise leaves the pair series still."""
+    rng = np.random.default_rng(0)
+    history = ShardHistory(window=20, num_tensors=3, device=torch.device("cpu"), neighbours=2)
+    for step in range(20):
+        wake = 0.4 * step  # both grow together, in log squares
+        noise = rng.normal(0, 0.05, 2)
+        history.add(torch.tensor([wake + noise[0], 1.0 + wake + noise[1], rng.normal(0, 2.0)]))
+    assert history.partners()[0][:2].tolist() == [1, 0]
+    together = history.statistics(torch.tensor([12.0, 13.0, 0.0])).reshape(4, 3)
+    assert together[0, 0] > 5.0 and abs(together[3, 0].item()) < 0.5  # risen, but with k
+    alone = history.statistics(torch.tensor([12.0, 8.6, 0.0])).reshape(4, 3)
+    assert alone[3, 0] > 3.0  # q rose 3.4 beyond k
 
 
 @pytest.mark.unit
-def test_a_tensor_is_suspected_only_when_it_jumps_past_both_series_limits():
-    cfg = SuspicionConfig(factor=5.0, sigmas=6.0, alone_factor=3.0, window=20, min_values=10)
-    watch = Suspicion(cfg, ["a", "b"])
+def test_series_is_the_split_of_the_rises_or_a_lone_holders_rise_the_rise_alone_and_paired():
+    values = series(
+        shards([1.0, 2.0, EMPTY], [-1.0, 2.0, -EMPTY], [0.5, 3.0, EMPTY], [0.2, 1.0, EMPTY])
+    )
+    assert values[0, 0] == 2.0  # two ranks: 1 - (-1)
+    assert values[0, 1] == 2.0  # one holder (or equal rises): its rise
+    assert values[1, :2].tolist() == [0.5, 3.0] and values[2, :2].tolist() == [0.2, 1.0]
+    assert np.isnan(values[:, 2]).all()  # no holder
+
+
+def quiet_history(watch: Suspicion, rng, steps: int = 20, tensors: int = 3) -> None:
+    for _ in range(steps):
+        noise = list(rng.normal(0, 0.1, tensors))
+        watch.add(shards(noise, [-3.0] * tensors, list(rng.normal(0, 0.1, tensors))))
+
+
+@pytest.mark.unit
+def test_a_tensor_is_suspected_only_when_it_jumps_past_all_three_series_limits():
+    cfg = SuspicionConfig(factor=5.0, sigmas=6.0, alone_factor=3.0, pair_factor=4.0)
+    watch = Suspicion(cfg, ["a", "b", "c"])
     rng = np.random.default_rng(0)
-    assert watch.check(shards([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])) == []  # no history yet
-    for _ in range(20):
-        watch.add(shards(list(rng.normal(0, 0.1, 2)), [-3.0, -3.0], list(rng.normal(0, 0.1, 2))))
+    assert watch.check(shards([0.0] * 3, [0.0] * 3, [0.0] * 3)) == []  # no history yet
+    quiet_history(watch, rng)
     split = 2 * math.log(5.0)  # the split's median is about 3: x5 in norm on top
-    alone = 2 * math.log(3.0) + 0.3
-    assert watch.check(shards([0.0, split - 0.2], [-3.0, -3.0], [0.0, alone])) == []
-    assert watch.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone - 0.6])) == []
-    (hit,) = watch.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone]))
+    alone, pair = 2 * math.log(3.0) + 0.3, 2 * math.log(4.0) + 0.3
+    low = [-3.0] * 3
+    assert watch.check(shards([0.0, split - 0.2, 0.0], low, [0.0, alone, 0.0])) == []
+    assert watch.check(shards([0.0, split + 0.5, 0.0], low, [0.0, alone - 0.6, 0.0])) == []
+    assert watch.check(shards([0.0, split + 0.5, 0.0], low, [0.0, pair, 0.0])) != []
+    paired = [0.0, pair - 0.6, 0.0]  # it rose with its partner
+    assert watch.check(shards([0.0, split + 0.5, 0.0], low, [0.0, pair, 0.0], paired)) == []
+    (hit,) = watch.check(shards([0.0, split + 0.5, 0.0], low, [0.0, pair, 0.0]))
     assert hit[0] == "b" and 5.0 < hit[1] < 8.0
-    again = Suspicion(cfg, ["a", "b"])
+    again = Suspicion(cfg, ["a", "b", "c"])
     again.load_state_dict(watch.state_dict())
-    assert again.check(shards([0.0, split + 0.5], [-3.0, -3.0], [0.0, alone]))[0][0] == "b"
-    earlier = Suspicion(cfg, ["a", "b"])  # an earlier bigtrain's history: one series
-    earlier.load_state_dict({"values": [[0.0, 0.0]] * 20})
+    assert again.check(shards([0.0, split + 0.5, 0.0], low, [0.0, pair, 0.0]))[0][0] == "b"
+    earlier = Suspicion(cfg, ["a", "b", "c"])  # an earlier bigtrain's history: two series
+    earlier.load_state_dict({"values": [[0.0] * 6] * 20})
     assert not earlier.values
-    off = Suspicion(SuspicionConfig(enabled=False), ["a", "b"])
+    off = Suspicion(SuspicionConfig(enabled=False), ["a", "b", "c"])
     off.values = watch.values
-    assert off.check(shards([0.0, 99.0], [-3.0, -3.0], [0.0, 99.0])) == []
+    assert off.check(shards([0.0, 99.0, 0.0], low, [0.0, 99.0, 0.0])) == []
+
+
+@pytest.mark.unit
+def test_a_tensor_that_rose_with_another_is_not_suspected():
+    """A layer waking up in warm-up (or a loss spike) moves several tensors at once: the one that
+    rose most must lead the next by `lead` (1.75) times its jump."""
+    watch = Suspicion(SuspicionConfig(), ["q", "k", "mlp"])
+    quiet_history(watch, np.random.default_rng(1))
+    low, big = [-3.0] * 3, 2 * math.log(50.0)  # x50 in norm
+    assert watch.check(shards([big, 0.0, 0.0], low, [big, 0.0, 0.0]))[0][0] == "q"
+    assert watch.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0])) == []
+    assert watch.check(shards([big, 0.5 * big, 0.0], low, [big, 0.5 * big, 0.0]))[0][0] == "q"
+    solo = Suspicion(SuspicionConfig(lead=1.0), ["q", "k", "mlp"])
+    solo.values = watch.values  # lead 1: the larger of two rises is enough
+    assert solo.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0]))[0][0] == "q"
+
+
+@pytest.mark.unit
+def test_a_tensors_own_recent_excursions_raise_its_margin():
+    """A tensor whose window holds a 20x healthy rise (in norm) is not suspected of a 15x one; x50
+    still is; with `excursion` 0 the 15x one is."""
+    cfg = SuspicionConfig(sigmas=0.0, alone_sigmas=0.0, pair_sigmas=0.0)
+    watch = Suspicion(cfg, ["a", "b", "c"])
+    rng = np.random.default_rng(2)
+    quiet_history(watch, rng, steps=10)
+    earlier = 2 * math.log(20.0)
+    watch.add(shards([earlier, 0.0, 0.0], [-3.0] * 3, [earlier, 0.0, 0.0]))
+    quiet_history(watch, rng, steps=9)
+
+    def suspects(watcher: Suspicion, factor: float) -> list[str]:
+        rise = 2 * math.log(factor)
+        return [n for n, _ in watcher.check(shards([rise, 0, 0], [-3.0] * 3, [rise, 0, 0]))]
+
+    assert suspects(watch, 15.0) == [] and suspects(watch, 50.0) == ["a"]
+    forgetful = Suspicion(replace(cfg, excursion=0.0), ["a", "b", "c"])
+    forgetful.values = watch.values
+    assert suspects(forgetful, 15.0) == ["a"]
 
 
 def local_run(micro, name: str, *extra: str) -> tuple[dict, list[dict]]:
@@ -116,15 +199,14 @@ def at_step(events: list[dict], kind: str, step: int) -> dict:
 
 
 @pytest.mark.e2e
-def test_replaying_every_healthy_step_changes_nothing(micro):
-    """A tier that suspects every step (factor ~1, no sigmas) replays them all, reproduced: the
+def test_replaying_healthy_steps_changes_nothing(micro):
+    """A tier that suspects most steps (factors ~1, no sigmas) replays them, reproduced: the
     run ends where the run without the tier does."""
     off, _ = local_run(micro, "off", "monitor.suspicion.enabled=false")
-    always = ["monitor.suspicion.factor=1.000001", "monitor.suspicion.sigmas=0"]
-    always += ["monitor.suspicion.alone_factor=1.000001", "monitor.suspicion.alone_sigmas=0"]
+    always = ALWAYS
     on, events = local_run(micro, "on", *always)
     suspicions = of_kind(events, "suspicion")
-    assert len(suspicions) >= 20 and {e["verdict"] for e in suspicions} == {"reproduced"}
+    assert len(suspicions) >= 12 and {e["verdict"] for e in suspicions} == {"reproduced"}
     assert on["fingerprint"] == off["fingerprint"] and on["loss"] == off["loss"]
     replays = on["costs"]["replays"]  # their time is counted as replays, not as work
     assert replays["count"] == len(suspicions) and off["costs"]["replays"]["count"] == 0
@@ -136,8 +218,7 @@ def test_a_resumed_run_suspects_what_the_straight_run_does(micro):
     """Each rank's shard history travels in its own checkpoint file (local_rank0.pt): after a
     resume the tier judges every step from the same history, naming the same tensors with the
     same jumps (without it, the step after the resume would have no rises at all)."""
-    always = ["monitor.suspicion.factor=1.000001", "monitor.suspicion.sigmas=0"]
-    always += ["monitor.suspicion.alone_factor=1.000001", "monitor.suspicion.alone_sigmas=0"]
+    always = ALWAYS
     _, straight = local_run(micro, "straight", *always)
     stopped = micro("train.max_steps=24", "train.stop_at_step=12", *always, out="resumed")
     run(stopped, DistEnv())
@@ -204,3 +285,56 @@ def test_on_two_fsdp_ranks_the_corrupted_rank_is_named_and_the_data_spike_is_not
     assert (by_step[18]["verdict"], by_step[18]["rank"]) == ("reproduced", None)
     assert (by_step[22]["verdict"], by_step[22]["rank"]) == ("transient", 1)
     assert result["final"]["anomalies"] == 0 and result["final"]["rollbacks"] == 0
+
+
+WARMUP = Path(__file__).parent / "shards" / "tiny-gpt2-bf16-shakespeare-lr2x-s1.json"
+"""Steps 1-50 of a healthy configs/tiny.yaml run (GPT-2 style, BF16, LR 2x), as the detection
+bench records them (bench/detection.py --save-traces): per step each tensor's sum of squares in
+the two row halves two FSDP2 ranks would hold. The rule before issue 49 replayed 5 of its steps
+on one process (9, 10, 14, 37, 41): heads waking up, loss spikes."""
+
+
+def judge_trace(
+    halves: np.ndarray, sizes: np.ndarray, names: list[str], cfg: SuspicionConfig | None = None
+) -> dict[int, list]:
+    """The tier over recorded steps as the monitor runs it (one ShardHistory per rank in FP32,
+    their statistics MAX-reduced, every step accepted): {step: suspects}."""
+    ranks = [ShardHistory(20, len(names), torch.device("cpu")) for _ in range(sizes.shape[1])]
+    watch = Suspicion(cfg or SuspicionConfig(), names)
+    out = {}
+    for step, row in enumerate(halves, start=1):
+        levels = [
+            shard_levels(torch.tensor(row[:, r]), torch.tensor(sizes[:, r]), 1.0)
+            for r in range(len(ranks))
+        ]
+        packed = torch.stack([h.statistics(lv) for h, lv in zip(ranks, levels, strict=True)])
+        shards = packed.max(dim=0).values.tolist()
+        if found := watch.check(shards):
+            out[step] = found
+        watch.add(shards)
+        for history, lv in zip(ranks, levels, strict=True):
+            history.add(lv)
+    return out
+
+
+@pytest.mark.unit
+def test_a_healthy_warm_up_is_not_suspected_and_one_corrupted_tensor_in_it_is():
+    trace = json.loads(WARMUP.read_text())
+    names, sizes = trace["names"], np.asarray(trace["sizes"])
+    halves = np.asarray(trace["halves"], dtype=np.float64)  # [step, tensor, rank]
+    assert judge_trace(halves, sizes, names) == {}  # 2 ranks
+    whole = (halves.sum(axis=2, keepdims=True), sizes.sum(axis=1, keepdims=True))
+    assert judge_trace(*whole, names) == {}  # one process
+    # Without the pair series, the excursions and the lead, warm-up steps are replayed again.
+    bare = SuspicionConfig(pair_factor=1.000001, pair_sigmas=0, excursion=0, lead=1)
+    assert {9, 10} <= set(judge_trace(*whole, names, bare))
+    # One tensor x10 or x50 in rank 0's half (or in the whole tensor on one process), early on.
+    drills = [((halves, sizes), 5, "blocks.2.norm2.weight", 10)]
+    drills += [((halves, sizes), 8, "blocks.1.attn.v.weight", 10)]
+    drills += [((halves, sizes), 30, "blocks.1.mlp.down.weight", 50)]
+    drills += [(whole, 5, "blocks.2.norm2.weight", 10), (whole, 30, "blocks.1.mlp.down.weight", 10)]
+    for (recorded, held), step, tensor, factor in drills:
+        faulty = recorded[:step].copy()
+        faulty[-1, names.index(tensor), 0] *= factor**2
+        found = judge_trace(faulty, held, names)
+        assert list(found) == [step] and found[step][0][0] == tensor

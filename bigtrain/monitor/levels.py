@@ -61,17 +61,25 @@ def shard_statistics(
     return packed.nan_to_num(nan=EMPTY)
 
 
-def partners(values: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tensor (column of `values`, a history of levels, NaN rows unfilled) the neighbour within
-    `neighbours` columns whose level difference with it has the least median absolute deviation,
-    and that difference's median; -1 and NaN where none has one. Ties go to the first offset
-    (the nearest before, then after)."""
-    num = values.shape[1]
+def neighbour_columns(
+    num: int, neighbours: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[offset, tensor] the columns of each tensor's `neighbours` before and after it (nearest
+    first, before then after; clamped) and whether each lies inside the table. Made once: a
+    host-to-device copy each step would be a host synchronization."""
     offsets = [o for d in range(1, neighbours + 1) for o in (-d, d)]
-    offsets = torch.tensor(offsets, device=values.device)
-    columns = torch.arange(num, device=values.device)[None] + offsets[:, None]  # [offset, tensor]
+    columns = torch.arange(num)[None] + torch.tensor(offsets)[:, None]
     inside = (columns >= 0) & (columns < num)
-    columns = columns.clamp(0, max(num - 1, 0))
+    return columns.clamp(0, max(num - 1, 0)).to(device), inside.to(device)
+
+
+def partners(
+    values: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor (column of `values`, a history of levels, NaN rows unfilled) the neighbour
+    (`neighbour_columns`) whose level difference with it has the least median absolute
+    deviation, and that difference's median; -1 and NaN where none has one. Ties go to the
+    first neighbour."""
     diff = values[:, None, :] - values[:, columns]  # [step, offset, tensor]
     center = lower_median(diff, 0)
     spread = lower_median((diff - center).abs(), 0)
@@ -90,8 +98,9 @@ class ShardHistory:
     def __init__(
         self, window: int, num_tensors: int, device: torch.device, neighbours: int = 4
     ) -> None:
-        self.window, self.device, self.neighbours = window, device, neighbours
+        self.window, self.device = window, device
         self.values = torch.full((window, num_tensors), torch.nan, device=device)
+        self.columns, self.inside = neighbour_columns(num_tensors, neighbours, device)
         self.count = 0  # levels added so far (the ring's next row is count % window)
         self.center_cache: torch.Tensor | None = None
         self.partner_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -110,7 +119,7 @@ class ShardHistory:
                 none = torch.full((self.values.shape[1],), -1, device=self.device)
                 self.partner_cache = none, torch.full_like(self.values[0], torch.nan)
             else:
-                self.partner_cache = partners(self.values, self.neighbours)
+                self.partner_cache = partners(self.values, self.columns, self.inside)
         return self.partner_cache
 
     def statistics(self, levels: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,10 @@ def test_a_partner_is_the_neighbour_that_moved_most_alike():
     assert together[0, 0] > 5.0 and abs(together[3, 0].item()) < 0.5  # risen, but with k
     alone = history.statistics(torch.tensor([12.0, 8.6, 0.0])).reshape(4, 3)
     assert alone[3, 0] > 3.0  # q rose 3.4 beyond k
+    meta = ShardHistory(window=20, num_tensors=3, device=torch.device("meta"), neighbours=2)
+    for _ in range(4):  # every tensor it makes follows its device (no host copy per step)
+        meta.add(torch.zeros(3, device="meta"))
+    assert meta.statistics(torch.zeros(3, device="meta")).device.type == "meta"
 
 
 @pytest.mark.unit

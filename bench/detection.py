@@ -4,6 +4,7 @@
                               [--short-runs N] [--short-steps 100]
                               [--no-candidates] [--save-fixtures DIR] [--threads T]
                               [--moe] [--router-drills N]
+                              [--save-traces FILE] [--load-traces FILE ...]
 
 1. Healthy sweep: real runs in this process, detection on as configured (monitor.*): seeds x
    FP32/BF16 x GPT-2/Llama style x two corpora (the embedded Shakespeare and the Python standard
@@ -32,6 +33,10 @@
    simulated verdicts, and their steps from fault to detection.
 4. Candidates (default on; cheap): other rules' false alarms and detection rates on the same
    traces, against bigtrain's configured monitor.rules.
+
+--save-traces keeps the healthy runs' traces; --load-traces judges saved ones again with this
+checkout's rules instead of training (the simulated numbers only: the runs' own were the
+recording's): how a rule is compared with another on the same runs.
 
 --moe: the same matrix with every block a mixture of 4 experts (top 2): false alarms of every
 rule (the router rules included), the fault sweep on the MoE traces, and `--router-drills` real
@@ -66,7 +71,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from detection_runs import ROUTER_KEYS, Trace, Trial, healthy_run, matrix, validate  # noqa: E402
+from detection_runs import (  # noqa: E402
+    ROUTER_KEYS,
+    TINY,
+    Trace,
+    Trial,
+    healthy_run,
+    matrix,
+    validate,
+)
 from detection_sim import (  # noqa: E402
     CANDIDATES,
     FIRST_STEP,
@@ -77,6 +90,7 @@ from detection_sim import (  # noqa: E402
     simulate,
 )
 
+from bigtrain.config import load_config  # noqa: E402
 from bigtrain.resilience.detect import ROUTER_VALUES  # noqa: E402
 
 ISSUE_KINDS = ("nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10")
@@ -104,6 +118,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-candidates", action="store_true")
     ap.add_argument("--save-fixtures", type=Path, default=None, metavar="DIR")
     ap.add_argument("--save-traces", type=Path, default=None, metavar="FILE", help="pickle")
+    ap.add_argument(
+        "--load-traces",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="judge saved traces with this checkout's rules instead of training (no real runs)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the healthy runs")
     ap.add_argument("--moe", action="store_true", help="MoE models (4 experts, top 2) + drills")
     ap.add_argument("--router-drills", type=int, default=None, help="real router-bias runs")
@@ -272,6 +294,10 @@ def save_fixtures(traces: list[Trace], directory: Path) -> list[Path]:
     return written
 
 
+def num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def print_table(result: dict, seconds: dict[str, float]) -> None:
     runs, steps = result["healthy_runs"], result["healthy_steps"]
     model, took = result["model"], seconds["healthy"]
@@ -279,8 +305,9 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
         f"\nhealthy sweeps: {runs} runs, {steps} steps ({model} model, short: tiny), {took:.0f} s"
     )
     print(
-        f"  false alarms: {result['false_alarms']} ({result['false_alarms_per_1000']:.2f} per 1000 "
-        f"steps); the simulation's replay of the same steps: {result['false_alarms_simulated']}"
+        f"  false alarms: {result['false_alarms']} ({num(result['false_alarms_per_1000'])} per "
+        f"1000 steps); the simulation's replay of the same steps: "
+        f"{result['false_alarms_simulated']}"
     )
     for alarm in result["false_alarm_events"]:
         print(f"    {alarm}")
@@ -288,7 +315,7 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
         f"  suspicions (a replay each) per 1000 healthy steps, whole runs: "
         f"{result['suspicions_per_1k']:.2f} on 2 emulated ranks (simulated), "
         f"{result['suspicions_one_process_per_1k']:.2f} on one process (simulated), "
-        f"{result['suspicions_real_per_1k']:.2f} in the runs (one process); transient verdicts: "
+        f"{num(result['suspicions_real_per_1k'])} in the runs (one process); transient verdicts: "
         f"{result['transient_verdicts']}"
     )
     for name, s in result["sweeps"].items():
@@ -296,7 +323,7 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
         print(
             f"    {name}: {s['runs']} {s['model']} runs x {s['steps'] // max(s['runs'], 1)} steps: "
             f"{s['suspicions_per_1k']:.2f} / {s['suspicions_one_process_per_1k']:.2f} / "
-            f"{s['suspicions_real_per_1k']:.2f} (by steps, 2 ranks {s['suspicions_by_phase']}, "
+            f"{num(s['suspicions_real_per_1k'])} (by steps, 2 ranks {s['suspicions_by_phase']}, "
             f"real {s['suspicions_real_by_phase']}); one tensor x50 / x10 "
             f"{r['grad_spike_x50']:.1%} / {r['grad_spike_x10']:.1%} on 2 ranks, "
             f"{solo['grad_spike_x50']:.1%} / {solo['grad_spike_x10']:.1%} on one process"
@@ -465,18 +492,38 @@ def summary(args, sweeps: dict, checked: dict, found: dict) -> dict:
     }
 
 
+def loaded(args: argparse.Namespace, long_specs: list, short_specs: list) -> tuple[list, list]:
+    """The saved traces of these sweeps' runs (--load-traces), judged by this checkout's
+    settings: the simulation's numbers are this checkout's; the runs' own events (their
+    suspicions and alarms) were the recording's, and are dropped."""
+    saved = {t.name: t for path in args.load_traces for t in pickle.loads(path.read_bytes())}
+    missing = [s.name for s in long_specs + short_specs if s.name not in saved]
+    if missing:
+        raise SystemExit(f"--load-traces: no trace of {', '.join(missing)}")
+    sweeps = []
+    for specs in (long_specs, short_specs):
+        traces = [saved[s.name] for s in specs]
+        for trace in traces:
+            trace.monitor, trace.anomalies, trace.suspicions = load_config([TINY]).monitor, [], []
+        sweeps.append(traces)
+    return sweeps[0], sweeps[1]
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)  # one thread: no OpenMP spinning on a shared machine
     seconds, started = {}, time.perf_counter()
     long_specs, short_specs = sweep_specs(args)
     with tempfile.TemporaryDirectory() as out_root:
-        print("healthy runs:", flush=True)
-        traces = healthy_sweep(long_specs, out_root)
-        short = []
-        if short_specs:
-            print(f"short runs (whole lives of {args.short_steps} steps):", flush=True)
-            short = healthy_sweep(short_specs, out_root)
+        if args.load_traces:
+            traces, short = loaded(args, long_specs, short_specs)
+        else:
+            print("healthy runs:", flush=True)
+            traces = healthy_sweep(long_specs, out_root)
+            short = []
+            if short_specs:
+                print(f"short runs (whole lives of {args.short_steps} steps):", flush=True)
+                short = healthy_sweep(short_specs, out_root)
         if args.save_traces is not None:  # for studying rules offline
             args.save_traces.write_bytes(pickle.dumps(traces + short))
         seconds["healthy"] = time.perf_counter() - started
@@ -491,6 +538,17 @@ def main() -> None:
     found = {} if args.no_candidates else candidates(traces, healthy_steps)
     sweeps = {"long": (traces, sims, solo), "short": (short, short_sims, short_solo)}
     result = summary(args, sweeps, checked, found)
+    if args.load_traces:  # the recording's own runs were judged by the rules it had
+        result["runs_trained"] = False
+        for d in (result, *result["sweeps"].values()):
+            for key in (
+                "suspicions_real_per_1k",
+                "suspicions_real_by_phase",
+                "suspicion_steps_real",
+            ):
+                d[key] = None
+        for key in ("false_alarms", "false_alarms_per_1000", "transient_verdicts"):
+            result[key] = None
     if args.save_fixtures is not None:
         for path in save_fixtures(traces, args.save_fixtures):
             print(f"fixture {path} ({path.stat().st_size} bytes)")

@@ -64,20 +64,10 @@ def test_the_simulated_ranks_shard_statistics_are_the_monitors(monkeypatch):
 
 
 @pytest.mark.e2e
-def test_detection_bench_reports_the_issues_keys(cache_dir):
-    report = detection_bench(
-        cache_dir,
-        "--runs",
-        "2",
-        "--steps",
-        "40",
-        "--short-runs",
-        "1",
-        "--short-steps",
-        "30",
-        "--validate",
-        "0",
-    )
+def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
+    sweeps = ["--runs", "2", "--steps", "40", "--short-runs", "1", "--short-steps", "30"]
+    saved = str(tmp_path / "traces.pkl")
+    report = detection_bench(cache_dir, *sweeps, "--validate", "0", "--save-traces", saved)
     assert report["bench"] == "detection" and report["mode"] == "quick"
     assert (report["healthy_runs"], report["healthy_steps"]) == (3, 2 * 40 + 30)
     assert ISSUE_KINDS <= set(report["detection_rate"]) <= set(report["steps_to_detect"])
@@ -114,6 +104,14 @@ def test_detection_bench_reports_the_issues_keys(cache_dir):
         assert len(real) == round(sweep["suspicions_real_per_1k"] * sweep["steps"] / 1000)
         assert all(1 < step <= 40 and "." in tensor for _, step, tensor in real)
     assert report["rules"]["suspicion"]["lead"] > 1.0
+    # The saved traces judged again (how a rule is studied offline): the same simulated numbers,
+    # and none of the runs' own, which the recording's rules made.
+    again = detection_bench(
+        cache_dir, *sweeps, "--validate", "0", "--no-candidates", "--load-traces", saved
+    )
+    assert again["runs_trained"] is False and again["suspicions_real_per_1k"] is None
+    for key in ("suspicions_per_1k", "suspicions_one_process_per_1k", "detection_rate"):
+        assert again[key] == report[key]
 
 
 @pytest.mark.e2e

@@ -67,6 +67,10 @@ class SuspicionConfig:
     """How many times a suspicious tensor's jump (the lesser of its split's and its alone's, in
     log squares) must exceed any other tensor's in the same step (>= 1): one tensor moved, not a
     layer waking up or a loss spike."""
+    rival_share: float = 0.5
+    """Another tensor counts against a lead only when its split and alone jumps reached this
+    share of their own margins (0: every tensor): a volatile tensor's ordinary noise, far within
+    its margins, does not hide a corruption elsewhere."""
     window: int = 20
     """Healthy steps of history per tensor (and of each rank's shard levels)."""
     min_values: int = 10
@@ -218,6 +222,11 @@ def check_rules(monitor: MonitorConfig) -> None:
     if not suspicion.excursion >= 0.0:
         raise ConfigError(
             f"key 'monitor.suspicion.excursion' got {suspicion.excursion}, expected a value >= 0"
+        )
+    if not suspicion.rival_share >= 0.0:
+        raise ConfigError(
+            f"key 'monitor.suspicion.rival_share' got {suspicion.rival_share}, expected a value "
+            ">= 0"
         )
     if not suspicion.lead >= 1.0:
         raise ConfigError(

@@ -23,7 +23,8 @@ A tensor is suspicious when all three are above the median of their last `window
 `pair_factor`), by the largest rise over that median the window holds (`excursion` times: the
 tensor's own recent healthy excursions) and, once `min_values` are known, by `sigmas`
 (`alone_sigmas`, `pair_sigmas`) robust standard deviations; and when it rose alone in the step:
-its jump (the lesser of split and alone) exceeds `lead` times any other tensor's. Each series
+its jump (the lesser of split and alone) exceeds `lead` times any other tensor's that reached
+`rival_share` of its own margins (a volatile tensor's ordinary noise hides nothing). Each series
 alone mistakes healthy moves for corruption: a head that wakes up rises alone across ranks but
 with its layer on its rank, and with its partner (q with k); the other rank's head falling
 silent makes a split without any rise beyond the rank; a loss spike or a layer waking in warm-up
@@ -98,7 +99,9 @@ class Suspicion:
         with np.errstate(invalid="ignore"):
             above = (np.nan_to_num(jump - margin, nan=-1.0) > 0).all(axis=0)
             moved = np.nan_to_num(jump[:2].min(axis=0), nan=-np.inf)  # split and alone
-        alone = moved > self.cfg.lead * np.maximum(runner_up(moved), 0.0)
+            reach = np.nan_to_num((jump[:2] / margin[:2]).min(axis=0), nan=-np.inf)
+        rivals = np.where(reach >= self.cfg.rival_share, moved, -np.inf)
+        alone = moved > self.cfg.lead * np.maximum(runner_up(rivals), 0.0)
         hit = np.flatnonzero(above & alone)
         order = hit[np.argsort(-jump[0, hit], kind="stable")]
         return [[self.names[i], float(math.exp(jump[0, i] / 2))] for i in order]

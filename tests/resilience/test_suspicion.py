@@ -160,6 +160,20 @@ def test_a_tensor_that_rose_with_another_is_not_suspected():
     solo = Suspicion(SuspicionConfig(lead=1.0), ["q", "k", "mlp"])
     solo.values = watch.values  # lead 1: the larger of two rises is enough
     assert solo.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0]))[0][0] == "q"
+    # A tensor whose own history is noisy (its margins wide) is no rival while within half of
+    # them: its ordinary noise does not hide a corruption of another tensor (one process here).
+    noisy = Suspicion(SuspicionConfig(), ["q", "k", "mlp"])
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        rises = [rng.normal(0, 0.1), rng.normal(0, 8.0), rng.normal(0, 0.1)]
+        noisy.add(shards(rises, rises, rises))
+    center, margin = noisy.baseline()
+    k_jump = center[:2, 1].max() + 0.45 * margin[:2, 1].min()  # within 45% of k's margins
+    rises = [big, k_jump, 0.0]
+    assert noisy.check(shards(rises, rises, rises))[0][0] == "q"
+    strict = Suspicion(SuspicionConfig(rival_share=0.0), ["q", "k", "mlp"])
+    strict.values = noisy.values
+    assert strict.check(shards(rises, rises, rises)) == []  # as a rival, k's rise vetoes q
 
 
 @pytest.mark.unit

@@ -387,7 +387,7 @@ def print_candidates(result: dict) -> None:
     }
     for name, row in {**rows, **result["candidates"]}.items():  # long sweep only
         cells = " ".join(f"{row['detection_rate'][k]:>9.1%}" for k in SPIKES)
-        print(f"  {name:<58} {row['false_alarms_per_1000']:>7.2f} {cells}")
+        print(f"  {name:<58} {num(row['false_alarms_per_1000']):>7} {cells}")
 
 
 def real_steps_to_detect(trials: list[dict]) -> dict[str, dict[str, int]]:

@@ -12,7 +12,8 @@ Kinds, as the drills of bigtrain/callbacks/fault_injection.py inject them on ran
     nan_loss             r's loss and every gradient it holds
     spike_xF             r's loss and all its gradient halves x F (a bad batch: fault.spike_step)
     loss_spike_xF        r's reported loss x F
-    grad_spike_xF        one tensor's half on r x F, averaged over every tensor; grad_spike_first
+    grad_spike_xF        one tensor's half on r x F, averaged over every tensor (but those whose
+                         exact gradient is 0: model/gpt.py gradient_roles); grad_spike_first
                          is the drill's default tensor (the first one r holds); on the first
                          execution only (silent data corruption, as fault.grad_spike)
     bitflip              one exponent bit of the top four (FP32 bits 30-27) of one value of one
@@ -32,9 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from detection_runs import RANKS, Trace
+from detection_runs import RANKS, STYLES, TINY, Trace
 
+from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.model.gpt import gradient_roles
 from bigtrain.monitor.levels import EMPTY, PAIR_MIN_VALUES
 from bigtrain.monitor.monitor import Health
 from bigtrain.resilience.detect import Detector
@@ -221,7 +224,8 @@ class Simulated:
 def simulate(trace: Trace, cfg: MonitorConfig, kinds: tuple[str, ...] = KINDS) -> Simulated:
     """Every kind on every rank at every step from FIRST_STEP on, judged by a Detector whose
     windows hold the trace's healthy steps before it (flagged steps stay out, as in a run)."""
-    detector = Detector(cfg, trace.names)
+    model = load_config([TINY], STYLES[trace.spec.style]).model
+    detector = Detector(cfg, trace.names, gradient_roles(trace.names, model))
     cache_thresholds(detector)
     steps, ranks = healthy_steps(trace), range(trace.sizes.shape[1])
     shards = RankShards(trace.sizes, cfg.suspicion.window, cfg.suspicion.neighbours)
@@ -286,11 +290,14 @@ def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, shards: R
             )
         return float(np.mean(hits)) if hits else math.nan
 
+    # A tensor whose exact gradient is 0 (attention's key bias) is not drilled: nothing the model
+    # computes depends on it, and the tier ignores it (model/gpt.py gradient_roles).
+    drilled = [bool(sizes[t, rank]) and detector.suspicion.watched[t] for t in range(len(sizes))]
     if kind == "bitflip":
-        return [flips(t) if sizes[t, rank] else math.nan for t in range(len(sizes))]
+        return [flips(t) if drilled[t] else math.nan for t in range(len(sizes))]
     if not kind.startswith("grad_spike_x"):
         return caught()
-    return [caught(t) if sizes[t, rank] else math.nan for t in range(len(sizes))]
+    return [caught(t) if drilled[t] else math.nan for t in range(len(sizes))]
 
 
 # --- candidate rules, for comparison: small threshold functions of the values before a step -----

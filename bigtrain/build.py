@@ -43,6 +43,7 @@ from bigtrain.data import (
 )
 from bigtrain.data.prepared_mixture import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
+from bigtrain.model.gpt import gradient_roles
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
@@ -376,6 +377,7 @@ def _assemble(
         monitor.names,
         manager,
         initial,
+        gradient_roles(monitor.names, cfg.model),
     )
     # Last: torchft's manager starts threads and servers, which close() must stop on an error.
     replicas = make_replica_groups(cfg.fault_tolerance, layout, device)

@@ -71,6 +71,10 @@ class SuspicionConfig:
     """Another tensor counts against a lead only when its split and alone jumps reached this
     share of their own margins (0: every tensor): a volatile tensor's ordinary noise, far within
     its margins, does not hide a corruption elsewhere."""
+    company: float = 1.0
+    """No other tensor's split and alone jumps may reach this share of their own margins in the
+    step (inf: off): a corruption moves one tensor; the data moves a tensor's consumers with it
+    (a position table's jump with the first block's experts)."""
     window: int = 20
     """Healthy steps of history per tensor (and of each rank's shard levels)."""
     min_values: int = 10
@@ -227,6 +231,11 @@ def check_rules(monitor: MonitorConfig) -> None:
         raise ConfigError(
             f"key 'monitor.suspicion.rival_share' got {suspicion.rival_share}, expected a value "
             ">= 0"
+        )
+    if not suspicion.company > 0.0:
+        raise ConfigError(
+            f"key 'monitor.suspicion.company' got {suspicion.company}, expected a value > 0 "
+            "(inf: off)"
         )
     if not suspicion.lead >= 1.0:
         raise ConfigError(

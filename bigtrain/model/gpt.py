@@ -11,6 +11,7 @@ earlier ones are kept, so each generated token costs one position, not the whole
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -334,6 +335,30 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         return self.drop(x)
+
+
+class GradientRoles(NamedTuple):
+    """What the suspicion tier (resilience/suspect.py) must know of a model's gradient tensors."""
+
+    inert: frozenset[str] = frozenset()
+    """Those whose gradient is 0 in exact arithmetic, so that what a step computes for them is
+    rounding noise: nothing the model computes depends on them."""
+    unlike: frozenset[str] = frozenset()
+    """Those whose rows are not alike, so that shards cut by rows need not move together: a
+    router or stacked experts (rows are experts, whose loads differ)."""
+
+
+def gradient_roles(names: list[str], cfg: ModelConfig) -> GradientRoles:
+    """The roles of bigtrain's GPT's gradients (none for a Hugging Face model). The key bias of
+    attention whose keys are not rotated is inert: a query's product with it is the same for
+    every key, and softmax does not see a constant."""
+    if cfg.kind != "gpt":
+        return GradientRoles()
+    inert = cfg.bias and cfg.position != "rope"
+    return GradientRoles(
+        frozenset(n for n in names if inert and n.endswith(".attn.k.bias")),
+        frozenset(n for n in names if ".moe.router." in n or ".moe.experts." in n),
+    )
 
 
 def block_list(blocks: nn.ModuleList | nn.ModuleDict) -> list[nn.Module]:

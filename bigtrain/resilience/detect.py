@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.model.gpt import GradientRoles
 from bigtrain.monitor.monitor import Health, weighted_count
 from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
@@ -79,7 +80,10 @@ def _router_of(metric: str, telemetry: dict[str, Any]) -> str | None:
 
 
 class Detector:
-    def __init__(self, cfg: MonitorConfig, names: list[str]) -> None:
+    def __init__(
+        self, cfg: MonitorConfig, names: list[str], roles: GradientRoles = GradientRoles()
+    ) -> None:
+        """`roles`: what the suspicion tier knows of the gradients (suspect.py)."""
         self.cfg, self.names = cfg, names
         self.rules = {
             metric: SpikeRule(metric, r.window, r.factor, r.sigmas, r.min_values)
@@ -87,7 +91,7 @@ class Detector:
             for r in [getattr(cfg, metric)]
         }
         self.tensors = TensorHistory(names, cfg.tensor_window)
-        self.suspicion = Suspicion(cfg.suspicion, names)
+        self.suspicion = Suspicion(cfg.suspicion, names, roles)
 
     def suspects(self, health: Health) -> list[list]:
         """The suspicion tier (suspect.py): [name, jump] of the tensors whose shards jumped."""

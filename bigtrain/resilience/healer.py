@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 from bigtrain.errors import AbortRun
+from bigtrain.model.gpt import GradientRoles
 from bigtrain.monitor.monitor import Health
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience.detect import Anomaly, Detector, Verdict
@@ -63,13 +64,15 @@ class Healer:
         names: list[str],
         manager: CheckpointManager,
         start_weights: Callable[[], None] | None,
+        roles: GradientRoles = GradientRoles(),
     ) -> None:
         """`cfg`: resilience.*; `monitor`: monitor.* (the rules and the actions); checkpoints
         every `checkpoint_every` steps are rollback targets too; a back-off never outlasts
-        `max_steps`; `names`: the monitor's gradient names."""
+        `max_steps`; `names`: the monitor's gradient names; `roles`: what the suspicion tier
+        knows of them (model/gpt.py gradient_roles)."""
         r = cfg
         self.cfg, self.monitor_cfg, self.max_steps = r, monitor, max_steps
-        self.detector = Detector(monitor, names)
+        self.detector = Detector(monitor, names, roles)
         self.replay = Replay(r)
         self.targets = Targets(r.snapshot_every, checkpoint_every, r.snapshots, r.confirm_steps)
         self.recovery = Recovery(manager, start_weights)

@@ -42,19 +42,23 @@ from typing import Any
 import numpy as np
 
 from bigtrain.config.resilience import SuspicionConfig
+from bigtrain.model.gpt import GradientRoles
 from bigtrain.monitor.levels import EMPTY
 from bigtrain.resilience.rules import MAD_TO_SIGMA
 
 SERIES = 3  # split, alone, pair
 
 
-def series(shards: list[float]) -> np.ndarray:
+def series(shards: list[float], unlike: np.ndarray | None = None) -> np.ndarray:
     """[split, alone, pair] per tensor (module docstring) from the reduced shard statistics; NaN
-    where unknown (no rank holds the tensor, or no history yet)."""
+    where unknown (no rank holds the tensor, or no history yet). `unlike` tensors (rows that need
+    not move together) have their largest rise as their split."""
     rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
     high, low, alone, pair = rows[0], -rows[1], rows[2], rows[3]
     known = rows[0] > EMPTY / 2
     split = np.where(high > low, high - low, high)  # equal: one holder (or equal rises)
+    if unlike is not None:
+        split = np.where(unlike, high, split)
     return np.stack(
         [
             np.where(known, split, np.nan),
@@ -65,8 +69,15 @@ def series(shards: list[float]) -> np.ndarray:
 
 
 class Suspicion:
-    def __init__(self, cfg: SuspicionConfig, names: list[str]) -> None:
+    def __init__(
+        self, cfg: SuspicionConfig, names: list[str], roles: GradientRoles = GradientRoles()
+    ) -> None:
+        """`roles` (model/gpt.py `gradient_roles`): an inert tensor's rounding noise is never
+        suspected nor held against another tensor's lead (a corruption of it changes nothing the
+        model computes); an unlike tensor's split is its largest rise, as a lone holder's."""
         self.cfg, self.names = cfg, names
+        self.watched = np.array([n not in roles.inert for n in names], dtype=bool)
+        self.unlike = np.array([n in roles.unlike for n in names], dtype=bool)
         self.values: deque[np.ndarray] = deque(maxlen=cfg.window)
         self.factors = 2 * np.log([[cfg.factor], [cfg.alone_factor], [cfg.pair_factor]])
         self.sigmas = np.array([[cfg.sigmas], [cfg.alone_sigmas], [cfg.pair_sigmas]])
@@ -95,21 +106,24 @@ class Suspicion:
         if shards is None or not self.values or not self.cfg.enabled:
             return []
         center, margin = self.baseline()
-        jump = series(shards) - center
+        jump = series(shards, self.unlike) - center
         with np.errstate(invalid="ignore"):
             above = (np.nan_to_num(jump - margin, nan=-1.0) > 0).all(axis=0)
             moved = np.nan_to_num(jump[:2].min(axis=0), nan=-np.inf)  # split and alone
             reach = np.nan_to_num((jump[:2] / margin[:2]).min(axis=0), nan=-np.inf)
+        moved = np.where(self.watched, moved, -np.inf)
         rivals = np.where(reach >= self.cfg.rival_share, moved, -np.inf)
         alone = moved > self.cfg.lead * np.maximum(runner_up(rivals), 0.0)
-        hit = np.flatnonzero(above & alone)
+        company = np.where(self.watched, reach, -np.inf) >= self.cfg.company
+        alone &= company.sum() - company <= 0  # no other tensor left its own margins
+        hit = np.flatnonzero(above & alone & self.watched)
         order = hit[np.argsort(-jump[0, hit], kind="stable")]
         return [[self.names[i], float(math.exp(jump[0, i] / 2))] for i in order]
 
     def add(self, shards: list[float] | None) -> None:
         """A healthy step's values join the history."""
         if shards is not None:
-            self.values.append(series(shards))
+            self.values.append(series(shards, self.unlike))
             self.limits = None
 
     def state_dict(self) -> dict[str, Any]:

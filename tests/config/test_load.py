@@ -141,6 +141,10 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'monitor.suspicion.rival_share' got -0.5, expected a value >= 0",
         ),
         (
+            ["monitor.suspicion.company=0"],
+            "key 'monitor.suspicion.company' got 0.0, expected a value > 0 (inf: off)",
+        ),
+        (
             ["monitor.suspicion.lead=0.5"],
             "key 'monitor.suspicion.lead' got 0.5, expected a value >= 1",
         ),

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from bigtrain.config.resilience import SuspicionConfig
+from bigtrain.config.schema import ModelConfig
 from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import GradientRoles, gradient_roles
 from bigtrain.monitor.levels import EMPTY, ShardHistory, shard_levels
 from bigtrain.parallel.env import DistEnv
 from bigtrain.resilience.suspect import Suspicion, series
@@ -150,14 +152,15 @@ def test_a_tensor_is_suspected_only_when_it_jumps_past_all_three_series_limits()
 @pytest.mark.unit
 def test_a_tensor_that_rose_with_another_is_not_suspected():
     """A layer waking up in warm-up (or a loss spike) moves several tensors at once: the one that
-    rose most must lead the next by `lead` (1.75) times its jump."""
-    watch = Suspicion(SuspicionConfig(), ["q", "k", "mlp"])
+    rose most must lead the next by `lead` (1.75) times its jump (here alone: without the veto
+    of a second tensor past its margins, `company`)."""
+    watch = Suspicion(SuspicionConfig(company=math.inf), ["q", "k", "mlp"])
     quiet_history(watch, np.random.default_rng(1))
     low, big = [-3.0] * 3, 2 * math.log(50.0)  # x50 in norm
     assert watch.check(shards([big, 0.0, 0.0], low, [big, 0.0, 0.0]))[0][0] == "q"
     assert watch.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0])) == []
     assert watch.check(shards([big, 0.5 * big, 0.0], low, [big, 0.5 * big, 0.0]))[0][0] == "q"
-    solo = Suspicion(SuspicionConfig(lead=1.0), ["q", "k", "mlp"])
+    solo = Suspicion(SuspicionConfig(lead=1.0, company=math.inf), ["q", "k", "mlp"])
     solo.values = watch.values  # lead 1: the larger of two rises is enough
     assert solo.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0]))[0][0] == "q"
     # A tensor whose own history is noisy (its margins wide) is no rival while within half of
@@ -174,6 +177,47 @@ def test_a_tensor_that_rose_with_another_is_not_suspected():
     strict = Suspicion(SuspicionConfig(rival_share=0.0), ["q", "k", "mlp"])
     strict.values = noisy.values
     assert strict.check(shards(rises, rises, rises)) == []  # as a rival, k's rise vetoes q
+
+
+@pytest.mark.unit
+def test_no_tensor_is_suspected_while_another_left_its_own_margins():
+    """A corruption moves one tensor; the data moves a tensor's consumers with it (a position
+    table's jump with the first block's experts): a second tensor past its own margins, however
+    far behind the first one's jump, vetoes it (`company`; inf: off)."""
+    watch = Suspicion(SuspicionConfig(), ["pos", "experts", "mlp"])
+    quiet_history(watch, np.random.default_rng(4))
+    low, big = [-3.0] * 3, 2 * math.log(200.0)
+    past = watch.baseline()[1][:2, 1].max() * 1.05  # just past the experts' margins
+    assert watch.check(shards([big, 0.0, 0.0], low, [big, 0.0, 0.0]))[0][0] == "pos"
+    assert watch.check(shards([big, past, 0.0], low, [big, past, 0.0])) == []
+    lax = Suspicion(SuspicionConfig(company=math.inf), ["pos", "experts", "mlp"])
+    lax.values = watch.values
+    assert lax.check(shards([big, past, 0.0], low, [big, past, 0.0]))[0][0] == "pos"
+
+
+@pytest.mark.unit
+def test_inert_tensors_are_ignored_and_unlike_ones_split_by_their_largest_rise():
+    """A GPT-2 style model's key biases (exact gradient 0) are inert, its routers and experts
+    (rows are experts) unlike; rotary keys make the key bias matter."""
+    names = ["pos_emb.weight", "blocks.0.attn.k.bias", "blocks.0.moe.router.weight"]
+    names += ["blocks.0.moe.experts.w_up", "blocks.0.attn.q.bias"]
+    roles = gradient_roles(names, ModelConfig(bias=True, position="learned"))
+    assert roles.inert == {"blocks.0.attn.k.bias"}
+    assert roles.unlike == {"blocks.0.moe.router.weight", "blocks.0.moe.experts.w_up"}
+    assert gradient_roles(names, ModelConfig(bias=True, position="rope")).inert == set()
+    assert gradient_roles(names, ModelConfig(kind="hf")) == GradientRoles()
+    unlike = np.array([False, True])
+    values = series(shards([1.0, 4.0], [-1.0, 1.0], [0.5, 0.5]), unlike)
+    assert values[0].tolist() == [2.0, 4.0]  # an unlike tensor's split is its largest rise
+    watch = Suspicion(SuspicionConfig(), ["k.bias", "q", "mlp"], GradientRoles({"k.bias"}))
+    quiet_history(watch, np.random.default_rng(5))
+    low, big = [-3.0] * 3, 2 * math.log(50.0)
+    assert watch.check(shards([big, 0.0, 0.0], low, [big, 0.0, 0.0])) == []  # rounding noise
+    both = shards([big, big, 0.0], low, [big, big, 0.0])  # nor does its noise hide q
+    assert watch.check(both)[0][0] == "q"
+    blind = Suspicion(SuspicionConfig(), ["k.bias", "q", "mlp"])
+    blind.values = watch.values
+    assert blind.check(both) == []  # not told, k.bias's noise ties with q: no lead
 
 
 @pytest.mark.unit
@@ -316,9 +360,10 @@ def judge_trace(
     halves: np.ndarray, sizes: np.ndarray, names: list[str], cfg: SuspicionConfig | None = None
 ) -> dict[int, list]:
     """The tier over recorded steps as the monitor runs it (one ShardHistory per rank in FP32,
-    their statistics MAX-reduced, every step accepted): {step: suspects}."""
+    their statistics MAX-reduced, every step accepted; a GPT-2 style model's roles):
+    {step: suspects}."""
     ranks = [ShardHistory(20, len(names), torch.device("cpu")) for _ in range(sizes.shape[1])]
-    watch = Suspicion(cfg or SuspicionConfig(), names)
+    watch = Suspicion(cfg or SuspicionConfig(), names, gradient_roles(names, ModelConfig()))
     out = {}
     for step, row in enumerate(halves, start=1):
         levels = [
@@ -343,8 +388,10 @@ def test_a_healthy_warm_up_is_not_suspected_and_one_corrupted_tensor_in_it_is():
     assert judge_trace(halves, sizes, names) == {}  # 2 ranks
     whole = (halves.sum(axis=2, keepdims=True), sizes.sum(axis=1, keepdims=True))
     assert judge_trace(*whole, names) == {}  # one process
-    # Without the pair series, the excursions and the lead, warm-up steps are replayed again.
+    # Without the pair series, the excursions, the lead and the company of other tensors past
+    # their margins, warm-up steps are replayed again.
     bare = SuspicionConfig(pair_factor=1.000001, pair_sigmas=0, excursion=0, lead=1)
+    bare = replace(bare, company=math.inf)
     assert {9, 10} <= set(judge_trace(*whole, names, bare))
     # One tensor x10 or x50 in rank 0's half (or in the whole tensor on one process), early on.
     drills = [((halves, sizes), 5, "blocks.2.norm2.weight", 10)]

@@ -43,8 +43,9 @@ rule (the router rules included), the fault sweep on the MoE traces, and `--rout
 2-rank runs (quick 4, full 8) whose rank favours expert 0 in every router at a drawn step
 (fault.router_bias), caught at that step or not.
 
-Measured on 2 CPU cores shared with other jobs: --quick took 4-7 minutes (healthy runs 7-24 s
-each, validation 50-75 s). The micro model shows the healthy dynamics the rules were chosen from
+Measured on 2 CPU cores shared with other jobs: --quick took 35 minutes (the 16 micro runs
+22-67 s each, the 16 short tiny runs 23-83 s each, the fault sweep about 7 minutes, validation
+52 s); --load-traces of the same runs 5-7 minutes. The micro model shows the healthy dynamics the rules were chosen from
 on tiny. Largest value over the median of the last 50 (a tensor's norm: of its last 20) in the 16
 micro runs: loss 1.073x, global gradient norm 74x (warm-up step 22 of GPT-2 style, stdlib, LR 2x),
 one tensor 125,000x (blocks.1.attn.q.bias, the same step); in the 6 tiny runs of

@@ -44,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bigtrain.config.fault_tolerance import FaultToleranceConfig  # noqa: E402
 from bigtrain.parallel.env import free_port  # noqa: E402
 from bigtrain.store.rundir import read_jsonl  # noqa: E402
 
@@ -343,7 +344,7 @@ def summary(records: list[dict], heartbeat: float, join: float | None) -> dict:
         "survivors_next_commit_p50_s": quantile(stall, 0.5),
         "survivors_next_commit_p95_s": quantile(stall, 0.95),
         "heartbeat_timeout_s": heartbeat,
-        "join_timeout_s": join,
+        "join_timeout_s": FaultToleranceConfig().join_timeout_s if join is None else join,
         **{
             f"{k.removesuffix('_s')}_median_s": round(statistics.median(r[k] for r in records), 3)
             for k in keys

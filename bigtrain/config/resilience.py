@@ -43,19 +43,19 @@ class SuspicionConfig:
     factor: float = 5.0
     """The least jump of a tensor's split (its shards' largest rise over their own history
     minus the smallest; a lone holder's rise), as a ratio of gradient norms (> 1)."""
-    sigmas: float = 4.0
+    sigmas: float = 3.0
     """Robust standard deviations (of the split's own log history) a jump must also exceed
     once `min_values` values are known."""
     alone_factor: float = 3.0
     """The least jump of a shard's rise beyond the median rise of its rank's shards, as a
     ratio of gradient norms (> 1); a tensor must pass all three series."""
-    alone_sigmas: float = 2.0
+    alone_sigmas: float = 1.5
     """Robust standard deviations of that series' history it must also exceed."""
     pair_factor: float = 4.0
     """The least jump of a shard's rise beyond its partner's (the neighbour, within
     `neighbours`, whose level moved most like its own over the window), as a ratio of gradient
     norms (> 1)."""
-    pair_sigmas: float = 2.0
+    pair_sigmas: float = 1.5
     """Robust standard deviations of that series' history it must also exceed."""
     neighbours: int = 4
     """Tensors registered just before and after a tensor (its layer's others) among which its

@@ -536,7 +536,7 @@ def main() -> None:
         checked = validation(traces, sims, args.validate, args.steps, out_root, args.router_drills)
         seconds["validate"] = time.perf_counter() - started - sum(seconds.values())
     healthy_steps = sum(len(t.loss) for t in traces)
-    found = {} if args.no_candidates else candidates(traces, healthy_steps)
+    found = {} if args.no_candidates or not traces else candidates(traces, healthy_steps)
     sweeps = {"long": (traces, sims, solo), "short": (short, short_sims, short_solo)}
     result = summary(args, sweeps, checked, found)
     if args.load_traces:  # the recording's own runs were judged by the rules it had

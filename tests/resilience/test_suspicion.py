@@ -30,9 +30,10 @@ ALWAYS = [
     f"monitor.suspicion.{key}={value}"
     for key, value in (("factor", 1.000001), ("sigmas", 0), ("alone_factor", 1.000001))
     + (("alone_sigmas", 0), ("pair_factor", 1.000001), ("pair_sigmas", 0))
-    + (("excursion", 0), ("lead", 1))
+    + (("excursion", 0), ("lead", 1), ("company", "inf"))
 ]
-"""A tier that suspects most steps (no margins; the most risen tensor, where its pair rose too)."""
+"""A tier that suspects most steps (no margins, no veto of other tensors past theirs; the most
+risen tensor, where its pair rose too)."""
 
 
 def shards(high: list[float], low: list[float], alone: list[float], pair=None) -> list[float]:

@@ -203,6 +203,9 @@ class ResilienceConfig:
     the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""
 
 
+SUSPICION_NONNEGATIVE = ("alone_sigmas", "pair_sigmas", "excursion", "rival_share")
+
+
 def check_rules(monitor: MonitorConfig) -> None:
     """Spike rules: known names, and settings that can fire at all."""
     unknown = [name for name in monitor.rules if name not in SPIKE_RULES]
@@ -212,39 +215,16 @@ def check_rules(monitor: MonitorConfig) -> None:
             f"{', '.join(SPIKE_RULES)}"
         )
     suspicion = monitor.suspicion
-    for key in ("alone_factor", "pair_factor"):
-        if not getattr(suspicion, key) > 1.0:
+    bounds = [(k, lambda v: v > 1.0, "> 1") for k in ("alone_factor", "pair_factor")]
+    bounds += [(k, lambda v: v >= 0.0, ">= 0") for k in SUSPICION_NONNEGATIVE]
+    bounds += [("company", lambda v: v > 0.0, "> 0 (inf: off)")]
+    bounds += [(k, lambda v: v >= 1, ">= 1") for k in ("lead", "neighbours")]
+    for key, ok, expected in bounds:
+        if not ok(getattr(suspicion, key)):
             raise ConfigError(
-                f"key 'monitor.suspicion.{key}' got {getattr(suspicion, key)}, expected a value > 1"
+                f"key 'monitor.suspicion.{key}' got {getattr(suspicion, key)}, expected a value "
+                f"{expected}"
             )
-    for key in ("alone_sigmas", "pair_sigmas"):
-        if not getattr(suspicion, key) >= 0.0:
-            raise ConfigError(
-                f"key 'monitor.suspicion.{key}' got {getattr(suspicion, key)}, expected a "
-                "value >= 0"
-            )
-    if not suspicion.excursion >= 0.0:
-        raise ConfigError(
-            f"key 'monitor.suspicion.excursion' got {suspicion.excursion}, expected a value >= 0"
-        )
-    if not suspicion.rival_share >= 0.0:
-        raise ConfigError(
-            f"key 'monitor.suspicion.rival_share' got {suspicion.rival_share}, expected a value "
-            ">= 0"
-        )
-    if not suspicion.company > 0.0:
-        raise ConfigError(
-            f"key 'monitor.suspicion.company' got {suspicion.company}, expected a value > 0 "
-            "(inf: off)"
-        )
-    if not suspicion.lead >= 1.0:
-        raise ConfigError(
-            f"key 'monitor.suspicion.lead' got {suspicion.lead}, expected a value >= 1"
-        )
-    if suspicion.neighbours < 1:
-        raise ConfigError(
-            f"key 'monitor.suspicion.neighbours' got {suspicion.neighbours}, expected a value >= 1"
-        )
     for name in (*SPIKE_RULES, "suspicion"):  # the suspicion tier has the same four settings
         rule, key = getattr(monitor, name), f"monitor.{name}"
         if rule.window < 1:

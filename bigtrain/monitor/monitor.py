@@ -156,7 +156,7 @@ class GradMonitor:
         sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
         max_abs = host[f + 2 * n : f + 3 * n] if full else None
         at = f + (3 if full else 2) * n
-        host_shards = host[at : at + 4 * n] if shards is not None else None
+        host_shards = host[at : at + shards.numel()] if shards is not None else None
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
             ends = host[len(host) - extremes.numel() :]

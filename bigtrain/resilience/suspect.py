@@ -113,10 +113,10 @@ class Suspicion:
             reach = np.nan_to_num((jump[:2] / margin[:2]).min(axis=0), nan=-np.inf)
         moved = np.where(self.watched, moved, -np.inf)
         rivals = np.where(reach >= self.cfg.rival_share, moved, -np.inf)
-        alone = moved > self.cfg.lead * np.maximum(runner_up(rivals), 0.0)
+        led = moved > self.cfg.lead * np.maximum(runner_up(rivals), 0.0)  # never an inert one
         company = np.where(self.watched, reach, -np.inf) >= self.cfg.company
-        alone &= company.sum() - company <= 0  # no other tensor left its own margins
-        hit = np.flatnonzero(above & alone & self.watched)
+        led &= company.sum() - company <= 0  # no other tensor left its own margins
+        hit = np.flatnonzero(above & led)
         order = hit[np.argsort(-jump[0, hit], kind="stable")]
         return [[self.names[i], float(math.exp(jump[0, i] / 2))] for i in order]
 

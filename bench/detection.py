@@ -22,7 +22,7 @@
    (a bad batch), of the reported loss only and of one gradient tensor (first execution only:
    silent data corruption), bit flips of one gradient value, on either rank, at every step of
    [2, 300], warm-up included: the detection rate per kind at the faulty step. A first-execution
-   fault counts as caught by an anomaly or by a suspicion (bigtrain/resilience/suspect.py), whose
+   fault counts as caught by an anomaly or by a suspicion (bigtrain/resilience/suspicion.py), whose
    replay comes out clean; `suspicions_per_1k` is the healthy steps the suspicion tier replays
    over every step of every run, both sweeps (simulated on the 2 emulated ranks; the runs' own,
    one process each, beside it, and their transient verdicts, each of which would be false);
@@ -41,7 +41,7 @@ recording's): how a rule is compared with another on the same runs.
 --moe: the same matrix with every block a mixture of 4 experts (top 2): false alarms of every
 rule (the router rules included), the fault sweep on the MoE traces, and `--router-drills` real
 2-rank runs (quick 4, full 8) whose rank favours expert 0 in every router at a drawn step
-(fault.router_bias), caught at that step or not.
+(drill.router_bias), caught at that step or not.
 
 Measured on 2 CPU cores shared with other jobs: --quick took 35 minutes (the 16 micro runs
 22-67 s each, the 16 short tiny runs 23-83 s each, the fault sweep about 7 minutes, validation

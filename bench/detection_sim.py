@@ -7,22 +7,22 @@ step follow without training, and bigtrain's own Detector (bigtrain/resilience/d
 windows filled with the healthy steps before s, gives the verdict. Only step s is seen: a fault
 missed there is counted as missed (the real runs of detection_runs.validate show what follows).
 
-Kinds, as the drills of bigtrain/callbacks/fault_injection.py inject them on rank r:
+Kinds, as the drills of bigtrain/callbacks/drills.py inject them on rank r:
     nan_grad, inf_grad   one value of the first gradient r holds a part of
     nan_loss             r's loss and every gradient it holds
-    spike_xF             r's loss and all its gradient halves x F (a bad batch: fault.spike_step)
+    spike_xF             r's loss and all its gradient halves x F (a bad batch: drill.spike_step)
     loss_spike_xF        r's reported loss x F
     grad_spike_xF        one tensor's half on r x F, averaged over every tensor (but those whose
                          exact gradient is 0: model/gpt.py gradient_roles); grad_spike_first
                          is the drill's default tensor (the first one r holds); on the first
-                         execution only (silent data corruption, as fault.grad_spike)
+                         execution only (silent data corruption, as drill.grad_spike)
     bitflip              one exponent bit of the top four (FP32 bits 30-27) of one value of one
                          tensor's half on r flips, first execution only; the value is taken as
                          the half's root mean square, and only flips that raise it count (the
                          others shrink one value, harmless)
 
 A step is caught by an anomaly, or, for the first-execution-only kinds, by a suspicion (the
-suspicion tier, bigtrain/resilience/suspect.py: its replay comes out clean, a transient).
+suspicion tier, bigtrain/resilience/suspicion.py: its replay comes out clean, a transient).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from detection_runs import RANKS, STYLES, TINY, Trace
 from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.model.gpt import gradient_roles
-from bigtrain.monitor.levels import EMPTY, PAIR_MIN_VALUES
 from bigtrain.monitor.monitor import Health
+from bigtrain.monitor.shards import EMPTY, PAIR_MIN_VALUES
 from bigtrain.resilience.detect import Detector
 
 FACTORS = (10, 50)
@@ -92,7 +92,7 @@ def lower_median(values: np.ndarray, axis: int) -> np.ndarray:
 
 
 def partners(values: np.ndarray, neighbours: int) -> tuple[np.ndarray, np.ndarray]:
-    """bigtrain/monitor/levels.py's `partners` in NumPy (the same offsets, medians and ties)."""
+    """bigtrain/monitor/shards.py's `partners` in NumPy (the same offsets, medians and ties)."""
     num = values.shape[1]
     offsets = np.array([o for d in range(1, neighbours + 1) for o in (-d, d)])
     columns = np.arange(num)[None] + offsets[:, None]
@@ -110,7 +110,7 @@ def partners(values: np.ndarray, neighbours: int) -> tuple[np.ndarray, np.ndarra
 
 
 class RankShards:
-    """The emulated ranks' side of the suspicion tier (bigtrain/monitor/levels.py in NumPy, the
+    """The emulated ranks' side of the suspicion tier (bigtrain/monitor/shards.py in NumPy, the
     same medians and partners): each rank's history of accepted shard levels, and its statistics
     of a step reduced over the ranks as the MAX all-reduce does."""
 

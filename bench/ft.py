@@ -18,8 +18,8 @@ cost when nothing fails, and what a failure costs.
    around it; `loss_outliers`, each with every group's own loss of that step).
 3. The same kills, fewer, with the process-group transport: its transfer MB/s.
 4. No fault, a noisy neighbour: a run of `--jitter-steps` steps with group 1 sleeping up to
-   `--jitter` seconds after each step (`fault.jitter_s`, late for the next quorum), and one with
-   group 2's forward+backward `--slow` seconds slower (`fault.slow_s`): `spurious_drops_per_1k`,
+   `--jitter` seconds after each step (`drill.jitter_s`, late for the next quorum), and one with
+   group 2's forward+backward `--slow` seconds slower (`drill.slow_s`): `spurious_drops_per_1k`,
    the live groups left out of a quorum per 1,000 steps (`group_left` events of the leading
    group; goal 0), the tokens they skipped, and whether the groups ended with one fingerprint.
 
@@ -382,8 +382,8 @@ def main() -> None:
             pg = kills(work, "pg", args.pg_kills, args.heartbeat, "pg", args.join)
             result["pg"] = summary(pg, args.heartbeat, args.join)
         if args.jitter_steps:
-            late = ("fault.group=1", f"fault.jitter_s={args.jitter}")
-            slow = ("fault.group=2", "fault.slow_rank=0", f"fault.slow_s={args.slow}")
+            late = ("drill.group=1", f"drill.jitter_s={args.jitter}")
+            slow = ("drill.group=2", "drill.slow_rank=0", f"drill.slow_s={args.slow}")
             result["jitter"] = noisy(work, "jitter", args.jitter_steps, *late)
             print(f"jitter: {result['jitter']}", flush=True)
             result["slow_group"] = noisy(work, "slow", args.jitter_steps, *slow)

@@ -61,7 +61,7 @@ GPT2=(configs/gpt2-124m.yaml "${RUN[@]}" "${DATA[@]}" train.micro_batch_size=16
 step default 60 $PY -m bigtrain train configs/tiny.yaml "${RUN[@]}" train.max_steps=300 \
     train.out_dir="$OUT/default" checkpoint.every=100 train.eval_every=100
 step rollback 60 $PY -m bigtrain train configs/tiny.yaml "${RUN[@]}" train.max_steps=120 \
-    train.out_dir="$OUT/rollback" fault.nan_grad_step=60 checkpoint.every=-1 train.eval_every=0
+    train.out_dir="$OUT/rollback" drill.nan_grad_step=60 checkpoint.every=-1 train.eval_every=0
 step mfu 150 $PY -m bigtrain train configs/llama-1b.yaml "${RUN[@]}" "${DATA[@]}" \
     train.out_dir="$OUT/llama-1b" train.max_steps=30 train.micro_batch_size=8 \
     train.grad_accum_steps=1 train.log_every=10 precision.compute_dtype=bf16 \

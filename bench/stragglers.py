@@ -9,7 +9,7 @@
    fault, every `--every` steps a timing step (monitor.timing_every). Every `straggler` event is
    a false alarm.
 2. Slow ranks: the first `--slow-runs` runs again with rank 1 sleeping in every forward+backward
-   (fault.slow_rank=1) for (slowdown - 1) x the healthy run's median forward+backward, so that its
+   (drill.slow_rank=1) for (slowdown - 1) x the healthy run's median forward+backward, so that its
    forward+backward takes `slowdown` x rank 0's. A timing step detects when it names rank 1's
    forward_backward; any other name there is a false alarm too.
 3. Rules on the recorded timings: every rule below sees the same per-rank times the runs' own
@@ -82,7 +82,7 @@ class Run:
 def job(spec: RunSpec, out_dir: str, every: int, slow_s: float) -> list[str]:
     args = spec.overrides(out_dir, world_size=RANKS) + [f"monitor.timing_every={every}"]
     if slow_s > 0:
-        args += [f"fault.slow_rank={SLOW_RANK}", f"fault.slow_s={slow_s:.4f}"]
+        args += [f"drill.slow_rank={SLOW_RANK}", f"drill.slow_s={slow_s:.4f}"]
     return args
 
 

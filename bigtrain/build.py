@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from bigtrain.callbacks.checkpointing import CheckpointCallback
-from bigtrain.callbacks.costs import CostLedger
+from bigtrain.callbacks.cost_ledger import CostLedger
+from bigtrain.callbacks.drills import Drills
 from bigtrain.callbacks.evaluate import EvalCallback
-from bigtrain.callbacks.fault_injection import FaultInjector
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.mixture_events import SourceEvents
@@ -41,25 +41,25 @@ from bigtrain.data import (
     from_corpus,
     prepare_corpus,
 )
-from bigtrain.data.prepared_mixture import check_length, open_mixture
+from bigtrain.data.read.sources import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.model.gpt import gradient_roles
 from bigtrain.monitor import kernel
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
-from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
-from bigtrain.parallel.ft import (
+from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.model_setup import ModelFacts, make_model
+from bigtrain.parallel.parallelize import parallelize
+from bigtrain.parallel.replicas.groups import (
     NoReplicaGroups,
     ReplicaGroups,
     check_lighthouse,
     group_index,
     make_replica_groups,
 )
-from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.model_setup import ModelFacts, make_model
-from bigtrain.parallel.parallelize import parallelize
-from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
+from bigtrain.parallel.tensor.plans import dropout_seed, uses_gpt_plan
 from bigtrain.precision import dtype_name
 from bigtrain.resilience import Healer
 from bigtrain.resume import (
@@ -120,7 +120,7 @@ class Run:
     start: StartPoint
     lock: RunLock | None  # None on ranks other than 0
     log_file: logging.Handler
-    costs: CostLedger  # what failures and their insurance cost (callbacks/costs.py)
+    costs: CostLedger  # what failures and their insurance cost (callbacks/cost_ledger.py)
     replicas: ReplicaGroups | NoReplicaGroups  # torchft's manager, with replica groups
 
     def release(self) -> None:
@@ -146,7 +146,9 @@ def build(cfg: Config, env: DistEnv) -> Run:
     # Saved as given: a config with train.global_batch_size runs again at any world size.
     config_yaml = to_yaml(cfg)
     # The one layout of this process; sizes that do not divide: exit 2 before any work.
-    groups = cfg.fault_tolerance.groups  # replica groups: each process is in one (parallel/ft.py)
+    groups = (
+        cfg.fault_tolerance.groups
+    )  # replica groups: each process is in one (parallel/replicas/groups.py)
     layout = Layout.of(cfg.parallel, env.world_size, env.rank, groups, group_index(groups))
     # train.global_batch_size -> grad_accum_steps for the data-parallel ranks (tp shares a batch)
     cfg = dataclasses.replace(cfg, train=layout.batch(cfg.train))
@@ -271,7 +273,7 @@ def make_callbacks(
     """Every callback of a run, in the order they run (train/hooks.py), each with why it is there."""
     order: list[Callback | None] = [
         # Before anything reads the gradients or the loss: a drill's fault is in the step.
-        FaultInjector(cfg.fault, env.rank, built.group),
+        Drills(cfg.drill, env.rank, built.group),
         # The step's activations folded in before checkpoints and the healer's snapshot hold it.
         Int8Calibration(built.int8_layers, cfg.precision.int8) if built.int8_layers else None,
         # Writes result.val_loss, which the metrics record and the sinks read.
@@ -340,7 +342,7 @@ def _assemble(
     )
     _check_run_dir(cfg.checkpoint.resume, run_dir, manager)
     corrupted = None
-    if cfg.fault.corrupt_checkpoint:  # the drill: before the newest checkpoint is verified
+    if cfg.drill.corrupt_checkpoint:  # the drill: before the newest checkpoint is verified
         if env.is_main:
             corrupted = corrupt_newest_checkpoint(run_dir.checkpoints, run_dir.path)
         barrier()

@@ -3,7 +3,7 @@ config (the arguments: cli_args.py).
 
 Exit codes (README, Exit codes): 0 finished; 2 bad config or input (one line, no traceback); 3
 gave up after anomalies (ABORTED marker); 4 preempted after a checkpoint (requeue); 5 a hang; 6 a
-suspect host; 7 ranks ended with different weights; 8 a rank ran out of memory (an `oom` event);
+excluded host; 7 ranks ended with different weights; 8 a rank ran out of memory (an `oom` event);
 anything else is a crash.
 """
 
@@ -21,11 +21,11 @@ from bigtrain.errors import (
     HANG_EXIT_CODE,
     AbortRun,
     ConfigError,
+    HostExcluded,
     OutOfMemory,
     Preempted,
     ReplicaMismatch,
     SharedConfigError,
-    SuspectHost,
 )
 
 PREPARE_SHOWN = 5  # inputs named in the prepare summary (all are in its inputs list)
@@ -77,7 +77,7 @@ def _memory_plan(cfg, env) -> dict:
 
 def _prepare(items: list[str], out: Path) -> int:
     cfg = _load(items)  # before the heavy imports, as in _train
-    from bigtrain.data.prepare import prepare
+    from bigtrain.data.prepare.run import prepare
     from bigtrain.utils.logs import setup_console
 
     setup_console(0)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("plan needs a CONFIG")
             return _plan(args.items, args.world_size, args.gpu_memory, args.propose)
         if args.command == "lighthouse":
-            from bigtrain.parallel.lighthouse import serve_lighthouse
+            from bigtrain.parallel.replicas.lighthouse import serve_lighthouse
 
             return serve_lighthouse(_load(args.items).fault_tolerance, args.port)
         if args.command == "report":
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _ckpt(args.ckpt_command, args.path, args)
-    except (ConfigError, AbortRun, Preempted, ReplicaMismatch, SuspectHost, OutOfMemory) as e:
+    except (ConfigError, AbortRun, Preempted, ReplicaMismatch, HostExcluded, OutOfMemory) as e:
         # One line, no traceback, the documented exit code; an error every rank finds alike
         # (SharedConfigError) once, from rank 0.
         prefix = {AbortRun: "aborted: ", Preempted: ""}.get(type(e), "error: ")

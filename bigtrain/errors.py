@@ -26,9 +26,9 @@ class Preempted(RuntimeError):
     exit_code = 4
 
 
-class SuspectHost(RuntimeError):
+class HostExcluded(RuntimeError):
     """Transient faults kept coming from one host (resilience.max_transient_per_rank): its name is
-    in RUN_DIR/suspect_hosts.txt. Exit 6: requeue without it."""
+    in RUN_DIR/excluded_hosts.txt. Exit 6: requeue without it."""
 
     exit_code = 6
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from bigtrain.checkpoint.export import open_saved_model
 from bigtrain.config import Config, PrecisionConfig
-from bigtrain.data.tokens import load_tokenizer
+from bigtrain.data.prepare.cache import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import num_params
 from bigtrain.model.generate import (

@@ -39,7 +39,7 @@ from bigtrain.config import Config, ModelConfig, TrainConfig, config_changes
 from bigtrain.errors import ConfigError, SharedConfigError
 from bigtrain.model.hf_check import check_hf_config
 from bigtrain.model.hf_mapping import Part, mapping_for
-from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.layout import Layout
 from bigtrain.train import Trainer
 from bigtrain.train.setup import StartPoint

@@ -15,7 +15,7 @@ import torch
 
 from bigtrain.build import Run, build
 from bigtrain.config import Config
-from bigtrain.errors import AbortRun, GroupLeft, SuspectHost
+from bigtrain.errors import AbortRun, GroupLeft, HostExcluded
 from bigtrain.parallel.env import DistEnv, shutdown
 from bigtrain.telemetry.memory import out_of_memory
 
@@ -41,7 +41,7 @@ def run(
             return final
         try:
             state = trainer.fit(resumed=built.start.resume is not None)
-        except (AbortRun, SuspectHost) as e:  # every rank gave up at the same step
+        except (AbortRun, HostExcluded) as e:  # every rank gave up at the same step
             trainer.callbacks.on_stop(trainer, str(e))
             raise
         except GroupLeft as e:  # this replica group, too slow, left; the others go on
@@ -59,7 +59,7 @@ def run(
             clean = True
             return {"step": state.step, "stopped": True}
         final = trainer.final_record(started)
-        final["costs"] = built.costs.summary(trainer)  # measured: callbacks/costs.py
+        final["costs"] = built.costs.summary(trainer)  # measured: callbacks/cost_ledger.py
         trainer.event("finish", **{k: v for k, v in final.items() if k != "step"})
         trainer.run_dir.write_json("final.json", final)
         clean = True

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bigtrain.config import Config, load_config
-from bigtrain.data.corpus import shakespeare_files, strip_play_markup
+from bigtrain.data.text.corpus import shakespeare_files, strip_play_markup
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_KINDS = ("unit", "distributed", "e2e")  # the markers of pyproject.toml

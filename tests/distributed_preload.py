@@ -7,7 +7,7 @@ import torch  # noqa: F401
 import torch._dynamo  # noqa: F401  (building a model under a torch.device context imports it: 1 s)
 
 import bigtrain.build  # noqa: F401
-import bigtrain.parallel.zero  # noqa: F401  (imports deepspeed lazily: import it here)
+import bigtrain.parallel.backends.zero  # noqa: F401  (imports deepspeed lazily: import it here)
 import tests.conftest  # noqa: F401
 
 with contextlib.suppress(ImportError):

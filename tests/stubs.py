@@ -20,9 +20,9 @@ import torch
 
 from bigtrain.checkpoint.manifest import PREFIX, CheckpointError
 from bigtrain.config.schema import Config
-from bigtrain.data.stream import SampleStream
+from bigtrain.data.read.stream import SampleStream
 from bigtrain.parallel.env import DistEnv
-from bigtrain.parallel.ft import NoReplicaGroups
+from bigtrain.parallel.replicas.groups import NoReplicaGroups
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience import Anomaly, Healer
 from bigtrain.store.rundir import RunDir

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.monitor.levels import ShardHistory, shard_levels
+from bigtrain.monitor.shards import ShardHistory, shard_levels
 from tests.conftest import ROOT
 
 ISSUE_KINDS = {"nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10"}
@@ -34,7 +34,7 @@ def detection_bench(cache_dir, *args: str) -> dict:
 
 @pytest.mark.unit
 def test_the_simulated_ranks_shard_statistics_are_the_monitors(monkeypatch):
-    """bench/detection_sim.py's NumPy mirror of monitor/levels.py, MAX-reduced over two emulated
+    """bench/detection_sim.py's NumPy mirror of monitor/shards.py, MAX-reduced over two emulated
     ranks, gives the numbers the monitor's two ranks would (FP32 there, FP64 here), partners
     included: the pair row differs from the alone row once the history holds 3 steps."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))

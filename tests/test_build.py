@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bigtrain.build import BuiltParts, make_callbacks
-from bigtrain.callbacks.costs import CostLedger
+from bigtrain.callbacks.cost_ledger import CostLedger
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config import load_config
 from bigtrain.parallel.env import DistEnv
@@ -28,7 +28,7 @@ def test_the_callbacks_run_in_the_order_the_assembly_states(tmp_path):
     report (step_time_by_rank) and the metrics logger (record) before the console and the sinks;
     preemption, the watchdog and the profiler last."""
     assert callback_names(tmp_path) == [
-        "FaultInjector",
+        "Drills",
         "EvalCallback",
         "CheckpointCallback",
         "StragglerReport",
@@ -40,7 +40,7 @@ def test_the_callbacks_run_in_the_order_the_assembly_states(tmp_path):
     ]
     optional = callback_names(tmp_path, "profile.steps=[2,3]", sinks=[object()])
     assert optional == [
-        "FaultInjector",
+        "Drills",
         "EvalCallback",
         "CheckpointCallback",
         "StragglerReport",

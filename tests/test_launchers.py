@@ -72,8 +72,8 @@ def test_torchrun_fsdp_and_an_elastic_restart_after_a_killed_rank(tmp_path, cach
             "bigtrain",
             "train",
             *tiny(killed, cache_dir, "fsdp"),
-            "fault.rank=1",
-            "fault.kill_step=5",
+            "drill.rank=1",
+            "drill.kill_step=5",
             # step 3's checkpoint committed before the kill: an async write still in flight on a
             # loaded machine would leave nothing to resume (the run restarts from scratch)
             "checkpoint.async_save=false",
@@ -221,7 +221,7 @@ def test_ft_launcher_refuses_bad_options_before_starting_anything(tmp_path, args
 def test_ft_launcher_shows_a_config_error_as_its_one_line(tmp_path):
     """The lighthouse reads the config first: its one line is what the launcher shows."""
     result = subprocess.run(
-        ["bash", "launch/ft.sh", "--groups", "3", "configs/tiny.yaml", "fault.kill_group=5"],
+        ["bash", "launch/ft.sh", "--groups", "3", "configs/tiny.yaml", "drill.kill_group=5"],
         cwd=ROOT,
         env={**os.environ, "FT_LOG_DIR": str(tmp_path / "logs")},
         capture_output=True,
@@ -230,7 +230,7 @@ def test_ft_launcher_shows_a_config_error_as_its_one_line(tmp_path):
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
-        "bigtrain: error: key 'fault.kill_group' got 5, expected -1 (off) or a replica group "
+        "bigtrain: error: key 'drill.kill_group' got 5, expected -1 (off) or a replica group "
         "0..2 (fault_tolerance.groups is 3)\n"
     )
     assert not (tmp_path / "logs" / "group0.log").exists()

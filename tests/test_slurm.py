@@ -147,7 +147,7 @@ def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cac
     and their stacks; the job requeues itself, resumes from step 10 and ends like the one that
     never hung."""
     out = tmp_path / "hang"
-    extra = "fault.rank=1 fault.hang_step=[15] resilience.hang_timeout_s=5 parallel.timeout_s=120"
+    extra = "drill.rank=1 drill.hang_step=[15] resilience.hang_timeout_s=5 parallel.timeout_s=120"
     job_id = submit(slurm, out, cache_dir, extra)
     info = wait_for(slurm, job_id, restarts=1)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
@@ -161,9 +161,9 @@ def test_a_hung_job_is_requeued_and_finishes(slurm, uninterrupted, tmp_path, cac
 
 def test_repeated_transient_faults_requeue_the_job_without_the_host(slurm, tmp_path, cache_dir):
     out = tmp_path / "suspect"
-    extra = "fault.transient_nan_step=[3] resilience.max_transient_per_rank=1"
+    extra = "drill.transient_nan_step=[3] resilience.max_transient_per_rank=1"
     job_id = submit(slurm, out, cache_dir, extra)
-    host = out / "suspect_hosts.txt"
+    host = out / "excluded_hosts.txt"
     # The exclusion appears while the job still ends its first run (COMPLETING); wait for the
     # state the requeue leads to, not for the first moment the exclusion shows.
     info = wait_until(
@@ -187,8 +187,8 @@ def test_ft_sbatch_relaunches_only_the_failed_groups_step(slurm, tmp_path, cache
     overrides = (
         f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=50 model.n_layers=2 "
         "model.d_model=64 train.micro_batch_size=8 train.eval_every=0 checkpoint.every=10 "
-        "wandb.mode=disabled train.log_every=1 fault.kill_group=1 fault.kill_step=5 "
-        "fault.slow_rank=0 fault.slow_s=0.4 fault_tolerance.heartbeat_timeout_s=1"
+        "wandb.mode=disabled train.log_every=1 drill.kill_group=1 drill.kill_step=5 "
+        "drill.slow_rank=0 drill.slow_s=0.4 fault_tolerance.heartbeat_timeout_s=1"
     )
     result = subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", f"--output={out}.log", "slurm/ft.sbatch"],

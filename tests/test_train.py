@@ -119,7 +119,7 @@ def test_resume_is_bit_exact(micro):
 
 @pytest.mark.e2e
 def test_nonfinite_skip_counts_and_goes_on(micro):
-    cfg = micro("train.max_steps=6", "monitor.nonfinite=skip", "fault.nan_grad_step=[3]")
+    cfg = micro("train.max_steps=6", "monitor.nonfinite=skip", "drill.nan_grad_step=[3]")
     final = run(cfg, ENV)
     assert final["skipped_steps"] == 1 and final["anomalies"] == 1
     assert math.isfinite(final["loss"])
@@ -136,7 +136,7 @@ def test_nonfinite_abort_exits_3_and_stays_aborted(micro_args, tmp_path):
     args = micro_args(
         "train.max_steps=12",
         "checkpoint.every=5",
-        "fault.nan_loss_step=[7]",
+        "drill.nan_loss_step=[7]",
         "monitor.nonfinite=abort",
     )
     # The step-5 checkpoint's background write stalls 5 s: it is still in flight at the abort.
@@ -181,9 +181,9 @@ def test_a_gross_gradient_spike_is_skipped_and_names_the_tensor(micro):
     cfg = micro(
         "train.max_steps=30",
         "monitor.on_spike=skip",
-        "fault.data_spike_step=[25]",  # in the replay too: not transient
-        "fault.spike_factor=1e5",
-        "fault.grad_tensor=blocks.1.mlp.up.weight",
+        "drill.data_spike_step=[25]",  # in the replay too: not transient
+        "drill.spike_factor=1e5",
+        "drill.grad_tensor=blocks.1.mlp.up.weight",
     )
     final = run(cfg, ENV)
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
@@ -202,7 +202,7 @@ def test_anomalies_in_a_row_stop_the_run(micro):
         "train.max_steps=10",
         "monitor.nonfinite=skip",
         "monitor.max_consecutive=3",
-        "fault.nan_grad_step=[4,5,6,7]",
+        "drill.nan_grad_step=[4,5,6,7]",
     )
     with pytest.raises(AbortRun, match="3 anomalous steps in a row up to step 6"):
         run(cfg, ENV)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bigtrain.data.mixture import MixtureStream
+from bigtrain.data.read.mixture import MixtureStream
 from bigtrain.telemetry.console import eta, event_line, step_line
 from bigtrain.telemetry.memory import peak_memory_bytes
 from bigtrain.telemetry.mfu import mfu

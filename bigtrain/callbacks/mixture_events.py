@@ -1,9 +1,9 @@
 """Mixture sources in the run's events: `source_exhausted` when the data cursor passes the last
-draw of a source that reached its `max_epochs` (data/mixture.py decides where that is)."""
+draw of a source that reached its `max_epochs` (data/read/mixture.py decides where that is)."""
 
 from __future__ import annotations
 
-from bigtrain.data.mixture import MixtureStream
+from bigtrain.data.read.mixture import MixtureStream
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 

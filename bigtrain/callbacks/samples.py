@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from bigtrain.config.eval import EvalConfig
-from bigtrain.data.tokens import load_tokenizer
+from bigtrain.data.prepare.cache import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model.generate import (
     Sample,

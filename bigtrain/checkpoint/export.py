@@ -24,7 +24,7 @@ from bigtrain.checkpoint.hf_export import check_export, export_hf
 from bigtrain.checkpoint.manager import open_checkpoint
 from bigtrain.checkpoint.sources import Source
 from bigtrain.config import Config, ModelConfig, load_saved_config
-from bigtrain.data.tokens import load_tokenizer
+from bigtrain.data.prepare.cache import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model import architecture_only, build_model
 from bigtrain.model.hf_mapping import HFMapping, mapping_for, mapping_for_hf

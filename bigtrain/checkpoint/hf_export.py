@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigtrain.data.tokens import load_tokenizer
+from bigtrain.data.prepare.cache import load_tokenizer
 from bigtrain.errors import ConfigError
 from bigtrain.model.hf_mapping import HFMapping
 from bigtrain.utils.files import usual_permissions

@@ -240,7 +240,7 @@ class CheckpointManager:
         """Load a verified checkpoint into `backend`; returns the trainer state. Any backend,
         world size and mesh loads any checkpoint (DCP reshards, checkpoint/state.py). Each rank
         gets its own RNG state back, or rank 0's when the world grew, and its own local state
-        (the suspicion tier's shard history, monitor/levels.py) at the same world size. What a
+        (the suspicion tier's shard history, monitor/shards.py) at the same world size. What a
         backend keeps beside its tensors (`backend.json`) goes back to the same backend; another
         takes over its loss scale."""
         manifest = read_manifest(path)
@@ -295,7 +295,7 @@ def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any], CheckpointReader]
 
 
 def corrupt_newest_checkpoint(root: Path, run_dir: Path) -> str | None:
-    """The fault.corrupt_checkpoint drill: flip bytes in the largest file of the newest committed
+    """The drill.corrupt_checkpoint drill: flip bytes in the largest file of the newest committed
     checkpoint under `root`, once per run directory (rank 0 only), so that verification finds it
     and resume falls back. Returns the file corrupted, or None."""
     marker = run_dir / ".fault-corrupted-checkpoint"

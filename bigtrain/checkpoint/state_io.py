@@ -25,7 +25,7 @@ from bigtrain.utils.tensors import host_ready, local_tensor, to_cpu
 
 
 class Holder(Protocol):
-    """What a backend tells about the tensors it holds (parallel/backend.py implements it)."""
+    """What a backend tells about the tensors it holds (parallel/backends/base.py implements it)."""
 
     model: nn.Module
     device: torch.device

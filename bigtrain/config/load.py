@@ -19,9 +19,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from bigtrain.config.data import MixtureSource, check_data
+from bigtrain.config.drills import check_drill_groups
 from bigtrain.config.eval import check_eval
 from bigtrain.config.fault_tolerance import check_fault_tolerance
-from bigtrain.config.faults import check_fault_groups
 from bigtrain.config.model import check_model
 from bigtrain.config.parallel import check_parallel, check_pipeline_batch
 from bigtrain.config.resilience import check_rules
@@ -29,7 +29,7 @@ from bigtrain.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
-    FaultConfig,
+    DrillConfig,
     Int8Config,
     ModelConfig,
     MonitorConfig,
@@ -94,8 +94,8 @@ NON_NEGATIVE = (
     "data.prefetch",
     "monitor.every",
     "monitor.timing_every",
-    "fault.slow_s",
-    "fault.jitter_s",
+    "drill.slow_s",
+    "drill.jitter_s",
     "resilience.snapshot_every",
     "resilience.confirm_steps",
     "resilience.skip_margin",
@@ -149,7 +149,15 @@ REMOVED = {
 """Keys earlier bigtrain versions had: an error says why they went; saved configs drop them."""
 
 
+RENAMED_SECTIONS = {"fault": "drill"}
+"""Sections earlier bigtrain versions named otherwise: an error names the new one; saved configs
+are read under it (`fault.*` were the drills, a word that fault_tolerance.* also used)."""
+
+
 def _closest(key: str) -> str:
+    section, _, rest = key.partition(".")
+    if section in RENAMED_SECTIONS:
+        return f" (the section was renamed: use '{RENAMED_SECTIONS[section]}.{rest}')"
     if key in MOVED:
         return f" (it moved: use '{MOVED[key]}')"
     if key in REMOVED:
@@ -204,16 +212,16 @@ def _parse_override(item: str) -> DictConfig:
     return OmegaConf.from_dotlist([item])
 
 
-STEP_LISTS = tuple(f.name for f in fields(FaultConfig) if f.name.endswith("_step"))
+STEP_LISTS = tuple(f.name for f in fields(DrillConfig) if f.name.endswith("_step"))
 
 
 def _steps_as_lists(cfg: DictConfig) -> DictConfig:
-    """`fault.*_step` accept one step or a list of steps."""
-    fault = cfg.get("fault") if isinstance(cfg, DictConfig) else None
-    if isinstance(fault, DictConfig):
+    """`drill.*_step` accept one step or a list of steps."""
+    drill = cfg.get("drill") if isinstance(cfg, DictConfig) else None
+    if isinstance(drill, DictConfig):
         for name in STEP_LISTS:
-            if isinstance(fault.get(name), int):
-                fault[name] = [fault[name]]
+            if isinstance(drill.get(name), int):
+                drill[name] = [drill[name]]
     return cfg
 
 
@@ -384,7 +392,7 @@ def validate(config: Config) -> None:
         config.parallel.timeout_s,
         config.resilience.hang_timeout_s,
     )
-    check_fault_groups(config.fault, config.fault_tolerance.groups)
+    check_drill_groups(config.drill, config.fault_tolerance.groups)
     _check_train(config.train, config.model)
 
 

@@ -47,7 +47,7 @@ class ParallelConfig:
     v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
     projections), for nn.Linear and transformers Conv1D layers alike; `colwise_qkv` for GPT-2's
     fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
-    stay whole on every tp rank, see parallel/tp_conv1d.py). A colwise layer's output must feed
+    stay whole on every tp rank, see parallel/tensor/conv1d.py). A colwise layer's output must feed
     the next rowwise one. At start."""
     pipeline_parallel: int = 1
     """Pipeline stages (docs/parallelism.md): the transformer blocks split into this many
@@ -72,7 +72,7 @@ class ParallelConfig:
     """The first block of each stage after the first (pp x pp_stages_per_rank - 1 increasing
     block indices), e.g. [5] for two stages of a 10-block model split 5/5; empty: balanced
     by each block's parameter and FLOP share, the embedding counted with the first stage and
-    the final norm and output layer with the last (parallel/pipeline_split.py)."""
+    the final norm and output layer with the last (parallel/pipeline/split.py)."""
     expert_parallel: int = 1
     """fsdp with an MoE model (model.moe): the experts of each MoE block split over this many
     consecutive shard ranks, tokens sent to their experts' rank and back with all-to-all

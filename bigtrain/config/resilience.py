@@ -32,7 +32,7 @@ class SpikeRuleConfig:
 
 @dataclass
 class SuspicionConfig:
-    """The suspicion tier (resilience/suspect.py): a gradient shard that rose over its own
+    """The suspicion tier (resilience/suspicion.py): a gradient shard that rose over its own
     history beyond the other ranks' shards of the same tensor, beyond its rank's other shards and
     beyond its closest companion, while no other tensor rose nearly as much, replays the step,
     nothing else."""
@@ -197,7 +197,7 @@ class ResilienceConfig:
     anomaly takes the action above."""
     max_transient_per_rank: int = 3
     """After this many transient faults on one host, stop with exit 6 and its name in
-    RUN_DIR/suspect_hosts.txt (requeue without it)."""
+    RUN_DIR/excluded_hosts.txt (requeue without it)."""
     hang_timeout_s: float | None = None
     """No step finishing within this long is a hang: stacks to RUN_DIR/hang/, exit 5. None: 10x
     the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""

@@ -8,15 +8,28 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from bigtrain.config.load import MOVED, REMOVED, _merge_one, flatten, to_dict, validate
+from bigtrain.config.load import (
+    MOVED,
+    REMOVED,
+    RENAMED_SECTIONS,
+    _merge_one,
+    flatten,
+    to_dict,
+    validate,
+)
 from bigtrain.config.schema import Config
+
+
+def renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's sections under their current names (RENAMED_SECTIONS)."""
+    return {RENAMED_SECTIONS.get(k, k): v for k, v in data.items()}
 
 
 def load_saved_config(path: Path) -> Config:
     """The config.yaml a run saved (in its run directory or a checkpoint), written by this or an
     earlier bigtrain: keys that moved since (MOVED) are read at their new place, keys removed
     since (REMOVED) are dropped."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = renamed(yaml.safe_load(Path(path).read_text()) or {})
     for old, new in MOVED.items():
         section, key = old.split(".")
         value = (data.get(section) or {}).pop(key, None)
@@ -35,7 +48,7 @@ def load_saved_config(path: Path) -> Config:
 def config_changes(saved_yaml: str, config: Config) -> dict[str, list[Any]]:
     """Every key whose value differs between a saved config.yaml and `config`: {key: [old, new]}
     (a key that one side lacks counts as None there)."""
-    saved = flatten(yaml.safe_load(saved_yaml) or {})
+    saved = flatten(renamed(yaml.safe_load(saved_yaml) or {}))
     current = flatten(to_dict(config))
     return {
         key: [saved.get(key), current.get(key)]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bigtrain.config.data import DataConfig
+from bigtrain.config.drills import DrillConfig
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
-from bigtrain.config.faults import FaultConfig
 from bigtrain.config.model import ModelConfig, default_d_ff
 from bigtrain.config.parallel import ParallelConfig
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
@@ -264,8 +264,8 @@ class Config:
     """Profiler traces of chosen steps and CUDA memory snapshots; off by default."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Replica groups that fail and rejoin alone (torchft); off by default."""
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    """Injected faults for drills and tests; off by default."""
+    drill: DrillConfig = field(default_factory=DrillConfig)
+    """Faults injected on purpose, for drills and tests; off by default."""
 
 
 __all__ = [
@@ -273,7 +273,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "EvalConfig",
-    "FaultConfig",
+    "DrillConfig",
     "FaultToleranceConfig",
     "LogConfig",
     "ModelConfig",

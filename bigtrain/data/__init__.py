@@ -1,10 +1,11 @@
-"""Data: corpus -> prepared token shards with a manifest (prepare.py) -> packed samples -> a
-deterministic, resumable, skippable stream per data-parallel rank (stream.py); mixtures of
-prepared directories, tokenizers, the one prepared-data reader."""
+"""Data, in three stages: text in (text/: documents from files, rows or the shipped plays), text
+to token shards with a manifest (prepare/: tokenizer, encoding, shards, `bigtrain prepare`, a run's
+own cached corpus), and token shards to batches (read/: the one prepared-data reader, mixtures, the
+deterministic, resumable, skippable stream per data-parallel rank)."""
 
-from bigtrain.data.corpus import Documents, strip_play_markup
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.stream import (
+from bigtrain.data.prepare.cache import TokenCorpus, load_tokenizer, prepare_corpus
+from bigtrain.data.read.prepared import PreparedData
+from bigtrain.data.read.stream import (
     BatchLoader,
     PackedSamples,
     SampleStream,
@@ -13,7 +14,7 @@ from bigtrain.data.stream import (
     from_corpus,
     split_samples,
 )
-from bigtrain.data.tokens import TokenCorpus, load_tokenizer, prepare_corpus
+from bigtrain.data.text.corpus import Documents, strip_play_markup
 
 __all__ = [
     "BatchLoader",

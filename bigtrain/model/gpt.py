@@ -98,7 +98,7 @@ class CausalSelfAttention(nn.Module):
         new tokens only and mask is KVCache.mask's (None: one new token, which sees them all).
 
         Head counts come from the projections' outputs: under tensor parallelism each rank holds
-        its share of the heads (parallel/tensor_parallel.py)."""
+        its share of the heads (parallel/tensor/plans.py)."""
         batch, seq, _ = x.shape
         q, k, v = (
             t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -234,7 +234,7 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.takes_tokens = True
-        """False on a pipeline stage after the first (parallel/pipeline_split.py): the input is
+        """False on a pipeline stage after the first (parallel/pipeline/split.py): the input is
         the previous stage's hidden states, the embedding is elsewhere."""
         self.gives_logits = True
         """False on a pipeline stage before the last: the output is the hidden states."""
@@ -338,7 +338,7 @@ class GPT(nn.Module):
 
 
 class GradientRoles(NamedTuple):
-    """What the suspicion tier (resilience/suspect.py) must know of a model's gradient tensors."""
+    """What the suspicion tier (resilience/suspicion.py) must know of a model's gradient tensors."""
 
     inert: frozenset[str] = frozenset()
     """Those whose gradient is 0 in exact arithmetic, so that what a step computes for them is

@@ -131,7 +131,7 @@ HF_STAGE_FAMILIES = {
         ("hf.transformer.ln_f", "hf.lm_head"),
     ),
 }
-"""The transformers architectures a pipeline stage can be cut from (parallel/pipeline_split.py);
+"""The transformers architectures a pipeline stage can be cut from (parallel/pipeline/split.py);
 config/parallel.py's PP_HF_TYPES lists the same types."""
 
 

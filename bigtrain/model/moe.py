@@ -14,7 +14,7 @@ the gradient `aux_grad_scale` (the factor the backend applies to the language-mo
 loss scale over the micro-batches). So they reach the weights on every backend, across pipeline
 stages and through activation checkpointing, as if added to the loss.
 
-Under expert parallelism (parallel/expert_parallel.py sets `ep_group`) each rank holds
+Under expert parallelism (parallel/experts.py sets `ep_group`) each rank holds
 experts / ep of them; the sorted pairs are sent to the rank that holds their expert and back
 with all-to-all.
 """
@@ -184,7 +184,7 @@ class MoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
         """Set by expert parallelism: the ranks this layer's experts are split over."""
         self.router_bias: torch.Tensor | None = None
-        """Added to the router logits when set (the `fault.router_bias` drill)."""
+        """Added to the router logits when set (the `drill.router_bias` drill)."""
         width = 2 * cfg.experts + STATS_EXTRA
         self.register_buffer("stats", torch.zeros(width), persistent=False)
         """Sums over the step's training forwards: load per expert, aux, z, dropped, forwards,

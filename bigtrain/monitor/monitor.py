@@ -2,7 +2,7 @@
 
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
 with the local loss packed in, one MAX all-reduce (max |g| on full steps; every step, the
-suspicion tier's shard statistics (levels.py) and an MoE model's router extremes), one host read
+suspicion tier's shard statistics (shards.py) and an MoE model's router extremes), one host read
 of the reduced numbers. Every rank then holds the same numbers, so the detection rules
 (bigtrain/resilience) reach the same verdict on every rank. The global gradient norm for clipping is the square root of
 the summed squares: no second pass over the gradients.
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
-from bigtrain.monitor.levels import ShardHistory, shard_levels
 from bigtrain.monitor.routers import RouterStats
+from bigtrain.monitor.shards import ShardHistory, shard_levels
 from bigtrain.monitor.stats import (
     GradStats,
     layer_stats,
@@ -50,7 +50,7 @@ class Health:
     telemetry: dict[str, Any]
     stop_requested: bool = False  # some rank got a preemption signal: all checkpoint and stop
     shards: list[float] | None = None
-    """With the suspicion tier, per tensor over the ranks (levels.py): the largest rise of a
+    """With the suspicion tier, per tensor over the ranks (shards.py): the largest rise of a
     shard, the negated smallest, the largest rise beyond its rank's median, the largest rise
     beyond its partner's (EMPTY: unknown)."""
     grad_factor: float = 1.0  # the loss scale the gradients still carried
@@ -91,7 +91,7 @@ class GradMonitor:
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
         its HSDP replicas are compared on full steps (one more small collective).
         `across_groups`: the loss averaged, the HSDP probe's flags summed and the router
-        extremes maxed over fault-tolerant replica groups (parallel/ft.py), whose gradients were
+        extremes maxed over fault-tolerant replica groups (parallel/replicas/groups.py), whose gradients were
         averaged before the monitor reads them; the preemption flag stays the group's.
         `routers`: an MoE model's router sums (monitor/routers.py), summed over ranks (and
         groups) in the same all-reduce, and their extremes in the MAX one."""
@@ -202,7 +202,7 @@ class GradMonitor:
         self.history.load_state_dict(state.get("shards", {}))
 
     def accept(self, health: Health) -> None:
-        """The step is kept: its shard levels join this rank's history (levels.py)."""
+        """The step is kept: its shard levels join this rank's history (shards.py)."""
         if health.levels is not None:
             self.history.add(health.levels)
 

@@ -13,7 +13,7 @@ get the tokens), `router_logits` the worst layer's z-loss (the squared log-sum-e
 The spread compares the forwards of one step, which ran the same router weights on samples of
 the same data: each expert's importance (its mean score over a forward's tokens, the
 probabilities the balancing loss reads) agrees between them up to sampling noise. A rank whose
-routers compute something else (a faulty device, the `fault.router_bias` drill) stands out
+routers compute something else (a faulty device, the `drill.router_bias` drill) stands out
 however many healthy ranks there are, where the averaged losses dilute it. Each layer keeps the
 largest importance per expert over its forwards and 1 - the smallest (`extremes`); they ride a
 MAX all-reduce (the monitor's max |g| one), and the spread is the widest max - min of an expert:

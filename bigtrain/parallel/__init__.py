@@ -1,6 +1,7 @@
 """Parallelism: where this process sits (env.py), the one parallel Layout of the run (layout.py:
 every dimension's size, this rank's coordinates, the DeviceMesh), where the model is built
-(model_setup.py, meta_init.py), one `parallelize` that applies tensor parallelism, activation
-checkpointing, compile and FSDP2 or DeepSpeed (parallelize.py, tensor_parallel.py, tp_conv1d.py,
-apply.py), the backends behind one protocol (backend.py; local, FSDP2, ZeRO), and fault-tolerant
-replica groups on torchft (ft.py)."""
+(model_setup.py, meta_init.py) and the one `parallelize()` that turns a built model into a trained
+one (parallelize.py: pipeline split, tensor parallelism, experts, activation checkpointing and
+compile from transforms.py, FSDP2 or DeepSpeed). One subpackage per subject: backends/ (the step
+and its state behind one protocol), tensor/ (tensor-parallel plans), pipeline/ (stages and their
+schedule), replicas/ (torchft replica groups); experts.py places each MoE layer's experts."""

@@ -277,7 +277,7 @@ class Layout:
         same as without it)."""
         if not dist.is_initialized():
             return self
-        # The mesh is this job's: replica groups meet only through torchft (parallel/ft.py).
+        # The mesh is this job's: replica groups meet only through torchft (parallel/replicas/groups.py).
         axes = (("pp",) if self.pp > 1 else ()) + self.mesh_axes
         sizes = ((self.pp,) if self.pp > 1 else ()) + self.mesh_sizes
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=axes)

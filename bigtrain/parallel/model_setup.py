@@ -51,7 +51,7 @@ def build(
     device: torch.device,
     partitioned: Callable[[Callable[[], nn.Module]], nn.Module] | None = None,
 ) -> nn.Module:
-    """The model, built at `site`; `partitioned`: ZeRO-3's build of it (zero.py)."""
+    """The model, built at `site`; `partitioned`: ZeRO-3's build of it (backends/zero.py)."""
     if site == "partitioned":
         assert partitioned is not None
         return partitioned(lambda: build_model(model_cfg, vocab_size, init_seed=None))
@@ -106,7 +106,7 @@ def make_model(
     site = build_site(cfg.parallel, cfg.model.kind, n_params)
     zero3 = None
     if site == "partitioned":  # inside deepspeed.zero.Init with the run's DeepSpeed config
-        from bigtrain.parallel.zero import build_partitioned, deepspeed_config
+        from bigtrain.parallel.backends.zero import build_partitioned, deepspeed_config
 
         ds_config = deepspeed_config(cfg, policy, layout)
         zero3 = lambda build_fn: build_partitioned(build_fn, ds_config, policy)  # noqa: E731

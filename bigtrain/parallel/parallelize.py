@@ -4,20 +4,20 @@
 
 The layout (layout.py) was decided and connected to its DeviceMesh in the run's assembly:
 1. tensor parallelism (parallel.tensor_parallel > 1): bigtrain's GPT by its own plan, other
-   models by parallel.tp_plan (tensor_parallel.py), over the layout's tp axis;
+   models by parallel.tp_plan (tensor/plans.py), over the layout's tp axis;
 2. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
-   per transformer block (apply.py);
+   per transformer block (transforms.py);
 3. data parallelism: expert parallelism first (parallel.expert_parallel > 1: each MoE layer's
-   experts split over the ep ranks, expert_parallel.py), then FSDP2's fully_shard per block and
+   experts split over the ep ranks, experts.py), then FSDP2's fully_shard per block and
    the root with the policy's mixed precision over the layout's (replicate, shard) mesh (fsdp),
    or the model handed to DeepSpeed, which partitions it (zero), or nothing (local); a model
    built on the meta device gets its shards' values here.
 
 With pipeline stages (parallel.pipeline_parallel > 1) the model is first cut into this rank's
-stages (pipeline_split.py), and each goes through 1-3 as a model of its own; the backend holds them
-with their schedule (pipeline.py, pipelined.py).
+stages (pipeline/split.py), and each goes through 1-3 as a model of its own; the backend holds them
+with their schedule (pipeline/schedule.py, pipeline/stage_backends.py).
 
-The Backend returned (backend.py) then owns the model and its optimizer: the step and its state.
+The Backend returned (backends/base.py) then owns the model and its optimizer: the step and its state.
 Where the model was built (whole, meta, partitioned) is decided before, in model_setup.py.
 """
 
@@ -29,21 +29,21 @@ from torch.distributed.fsdp import fully_shard
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
-from bigtrain.parallel.apply import (
+from bigtrain.parallel.backends.base import Backend
+from bigtrain.parallel.backends.fsdp import FSDPBackend, fsdp_mixed_precision
+from bigtrain.parallel.backends.local import LocalBackend
+from bigtrain.parallel.experts import apply_expert_parallel
+from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.meta_init import materialize
+from bigtrain.parallel.pipeline.schedule import Pipeline, StageChunks, rank_stages
+from bigtrain.parallel.pipeline.split import stage_bounds, stage_module, stage_of_names
+from bigtrain.parallel.pipeline.stage_backends import PipelinedFSDP, PipelinedLocal
+from bigtrain.parallel.tensor.plans import apply_tensor_parallel
+from bigtrain.parallel.transforms import (
     apply_activation_checkpointing,
     apply_compile,
     transformer_blocks,
 )
-from bigtrain.parallel.backend import Backend
-from bigtrain.parallel.expert_parallel import apply_expert_parallel
-from bigtrain.parallel.fsdp import FSDPBackend, fsdp_mixed_precision
-from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.local import LocalBackend
-from bigtrain.parallel.meta_init import materialize
-from bigtrain.parallel.pipeline import Pipeline, StageChunks, rank_stages
-from bigtrain.parallel.pipeline_split import stage_bounds, stage_module, stage_of_names
-from bigtrain.parallel.pipelined import PipelinedFSDP, PipelinedLocal
-from bigtrain.parallel.tensor_parallel import apply_tensor_parallel
 from bigtrain.precision.policy import PrecisionPolicy
 
 
@@ -65,7 +65,9 @@ def parallelize(
         return FSDPBackend(model, policy, cfg.optim, cfg.precision, device, layout, seed)
     _block_transforms(model, cfg.parallel)
     if cfg.parallel.backend == "zero":
-        from bigtrain.parallel.zero import ZeroBackend  # imports deepspeed: only when asked for
+        from bigtrain.parallel.backends.zero import (
+            ZeroBackend,
+        )  # imports deepspeed: only when asked for
 
         return ZeroBackend(model, policy, cfg, device, layout)  # DeepSpeed partitions it
     return LocalBackend(model, policy, cfg.optim, cfg.precision, device)
@@ -117,7 +119,7 @@ def _pipelined(
 ) -> Pipeline:
     """This rank's pipeline chunks, cut from the model (a GPT on the meta device, a transformers
     model whole) and then parallelized and materialized one by one as a whole model would be,
-    with their schedule (pipeline.py)."""
+    with their schedule (pipeline/schedule.py)."""
     p, seed = parallel, train.seed
     chunks_per_rank = pp_stages_per_rank(p)
     num_stages = layout.pp * chunks_per_rank

@@ -17,9 +17,9 @@ from torch import nn
 
 from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.config.schema import ParallelConfig
-from bigtrain.parallel.apply import transformer_blocks
 from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.tensor_parallel import GPT_PLAN, block_plan, uses_gpt_plan
+from bigtrain.parallel.tensor.plans import GPT_PLAN, block_plan, uses_gpt_plan
+from bigtrain.parallel.transforms import transformer_blocks
 
 
 def ring_bytes(elements: float, group: int, itemsize: int, all_reduce: bool = False) -> float:

@@ -216,7 +216,7 @@ def largest_micro_batch(
 
 def gathered_dtype_bytes(policy: PrecisionPolicy) -> int:
     """Bytes per element of the weights FSDP2 all-gathers (its MixedPrecisionPolicy)."""
-    from bigtrain.parallel.fsdp import fsdp_mixed_precision
+    from bigtrain.parallel.backends.fsdp import fsdp_mixed_precision
 
     return fsdp_mixed_precision(policy).param_dtype.itemsize  # type: ignore[union-attr]
 
@@ -244,7 +244,7 @@ def transient_weight_bytes(
 def residual_bytes(backend: str, policy: PrecisionPolicy) -> int:
     """Bytes per value of the residual stream: the compute dtype's where the backend casts the
     weights (ZeRO, FSDP2 gathering in the compute dtype), else FP32 (autocast over FP32 weights)."""
-    from bigtrain.parallel.fsdp import gathers_in_compute_dtype
+    from bigtrain.parallel.backends.fsdp import gathers_in_compute_dtype
 
     casts = backend == "zero" or (backend == "fsdp" and gathers_in_compute_dtype(policy))
     return policy.compute_dtype.itemsize if casts else 4

@@ -4,7 +4,7 @@ The inputs of the simulation (goodput_inputs.py) come from, in order: defaults (
 report's failure rates, public cost figures), the config (the checkpoint bytes per GPU and the
 step time of `bigtrain plan`'s model, stages.checkpoint_bytes_per_gpu and step_time.step_time:
 the numbers its memory table, per-stage table, step line and `--propose` print; the snapshot and
-checkpoint cadence), costs measured in a run directory (telemetry/run_costs.py), and the user's
+checkpoint cadence), costs measured in a run directory (telemetry/costs.py), and the user's
 `--set`. A measured fixed cost (the restart, a small checkpoint's write and stall) is taken only
 from a run at least as large as the plan: a 2-rank restart says nothing of a 16,384-GPU one;
 bandwidths, steps and timeouts carry over.
@@ -42,7 +42,7 @@ from bigtrain.plan.simulation import (
 from bigtrain.plan.stages import checkpoint_bytes_per_gpu, most_states
 from bigtrain.plan.step_time import step_time
 from bigtrain.precision.policy import Hardware
-from bigtrain.telemetry.run_costs import measured_costs
+from bigtrain.telemetry.costs import measured_costs
 from bigtrain.utils.sizes import count_text
 
 SMALL_STEP_S = 0.01  # a step shorter than this: a model far too small for the planned GPUs

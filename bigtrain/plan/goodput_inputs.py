@@ -2,7 +2,7 @@
 
 Every input has a default (the Llama 3 report's failure rates, public figures for the costs, or
 the config's own cadence), may be replaced by a cost measured in a run directory (`--from`,
-telemetry/run_costs.py), and may be set by the user (`--set key=value`, last). Costs are kept in
+telemetry/costs.py), and may be set by the user (`--set key=value`, last). Costs are kept in
 units that carry over from the run that measured them to the planned scale: bandwidths (applied
 to the planned checkpoint size per GPU), steps, and fixed seconds.
 

@@ -9,10 +9,10 @@ import torch
 
 from bigtrain.config.data import DataConfig
 from bigtrain.config.schema import ModelConfig
-from bigtrain.data.prepared import PreparedData
+from bigtrain.data.read.prepared import PreparedData
 from bigtrain.model import build_model, num_params
 from bigtrain.model.moe import Experts
-from bigtrain.parallel.apply import transformer_blocks
+from bigtrain.parallel.transforms import transformer_blocks
 
 
 def vocab_size_for_plan(model: ModelConfig, data: DataConfig) -> int:
@@ -22,7 +22,7 @@ def vocab_size_for_plan(model: ModelConfig, data: DataConfig) -> int:
         return PreparedData.open(data.mixture[0].path, verify=False).vocab_size
     if data.tokenizer == "bpe":
         return data.vocab_size
-    from bigtrain.data.tokens import load_tokenizer
+    from bigtrain.data.prepare.cache import load_tokenizer
 
     return len(load_tokenizer(data.tokenizer))
 

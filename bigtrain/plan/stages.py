@@ -4,7 +4,7 @@ dimension: what each pipeline rank holds and moves, and the bubble of its schedu
 
 Without stages the one rank's states, transient weights and activations of a micro-batch are
 footprint.py's accounting of the whole model. Per pipeline rank (its chunks' blocks, from the
-same split a run makes: parallel/pipeline_split.py):
+same split a run makes: parallel/pipeline/split.py):
 - states: its parameters x the backend's bytes per parameter, sharded over the stage's ranks;
 - transient weights: its blocks as FSDP2 gathers them (all of them: a stage stays gathered from
   its first forward to its last backward), an MoE block's experts over expert parallelism;
@@ -30,9 +30,9 @@ from torch import nn
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank
 from bigtrain.model.gpt import num_params
-from bigtrain.parallel.apply import transformer_blocks
-from bigtrain.parallel.pipeline import rank_stages
-from bigtrain.parallel.pipeline_split import end_params, stage_bounds
+from bigtrain.parallel.pipeline.schedule import rank_stages
+from bigtrain.parallel.pipeline.split import end_params, stage_bounds
+from bigtrain.parallel.transforms import transformer_blocks
 from bigtrain.plan.footprint import (
     PlannedRun,
     activation_bytes_per_token,

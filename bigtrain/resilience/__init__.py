@@ -3,7 +3,7 @@
     detect.py   the verdict on the monitor's reduced numbers: non-finite values, disagreeing HSDP
                 replicas, spikes by the rules of rules.py (loss, gradient norm)
     replay.py   one more run of an anomalous step: a transient fault or a reproduced one
-    suspect.py  the suspicion tier: a gradient shard that rose alone replays the step, nothing else
+    suspicion.py  the suspicion tier: a gradient shard that rose alone replays the step, nothing else
     targets.py  the states a rollback may return to, the same whether or not the run restarted
     recover.py  restoring a target: from memory, from its checkpoint, or rebuilt by training forward
     healer.py   the state machine below, and its calls from the loop
@@ -12,9 +12,9 @@ States of the run and what moves it between them (one step at a time; every rank
 numbers, so every rank takes the same transitions in the same step, with no extra agreement):
 
     HEALTHY   the step is applied; its values join the rules' windows (each rank's shard levels
-              its own ring, monitor/levels.py); targets count it towards their confirmation;
+              its own ring, monitor/shards.py); targets count it towards their confirmation;
               at cadence steps a new target is taken (held in memory when snapshots are on).
-      -- a gradient shard rose alone (suspect.py) -->  SUSPICIOUS
+      -- a gradient shard rose alone (suspicion.py) -->  SUSPICIOUS
       -- a spike, a non-finite value or disagreeing replicas -->  SUSPECT
     SUSPICIOUS  the step is run once more from the same state and RNG (resilience.replay):
       -- some rank's statistics differ -->  HEALTHY, the replayed step applied: silent data
@@ -42,7 +42,7 @@ numbers, so every rank takes the same transitions in the same step, with no extr
               end --> HEALTHY (an `lr_restore` event)
     ABORTED   the ABORTED marker and exit 3; checkpoints stay as they were.
 
-With fault-tolerant replica groups (parallel/ft.py) the same machine runs in every group, in step:
+With fault-tolerant replica groups (parallel/replicas/groups.py) the same machine runs in every group, in step:
 the monitor's numbers are the whole job's (gradients averaged over the live groups before it
 reads them, the loss averaged across groups), so every group takes every transition above in the
 same step. Two more things can happen to a step:

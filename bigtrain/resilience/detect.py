@@ -17,7 +17,7 @@ from bigtrain.model.gpt import GradientRoles
 from bigtrain.monitor.monitor import Health, weighted_count
 from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
-from bigtrain.resilience.suspect import Suspicion
+from bigtrain.resilience.suspicion import Suspicion
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Detector:
     def __init__(
         self, cfg: MonitorConfig, names: list[str], roles: GradientRoles = GradientRoles()
     ) -> None:
-        """`roles`: what the suspicion tier knows of the gradients (suspect.py)."""
+        """`roles`: what the suspicion tier knows of the gradients (suspicion.py)."""
         self.cfg, self.names = cfg, names
         self.rules = {
             metric: SpikeRule(metric, r.window, r.factor, r.sigmas, r.min_values)
@@ -94,7 +94,7 @@ class Detector:
         self.suspicion = Suspicion(cfg.suspicion, names, roles)
 
     def suspects(self, health: Health) -> list[list]:
-        """The suspicion tier (suspect.py): [name, jump] of the tensors whose shards jumped."""
+        """The suspicion tier (suspicion.py): [name, jump] of the tensors whose shards jumped."""
         return self.suspicion.check(health.shards)
 
     def verdict(self, health: Health, loss_scaled: bool) -> Verdict:

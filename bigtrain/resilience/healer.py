@@ -113,7 +113,7 @@ class Healer:
     def judge(
         self, trainer, result: R, health: Health, rng: dict | None, rerun: Callable
     ) -> tuple[R, Health, Verdict]:
-        """The step's verdict; an anomaly the ladder would act on, or a suspicion (suspect.py),
+        """The step's verdict; an anomaly the ladder would act on, or a suspicion (suspicion.py),
         is replayed once first."""
         loss_scaled = trainer.backend.loss_scale() is not None
         verdict = self.detector.verdict(health, loss_scaled)
@@ -163,7 +163,7 @@ class Healer:
     def _healthy(self, trainer, result: StepOutcome) -> None:
         if not result.overflow and self.health is not None:
             self.detector.add(self.health)
-            trainer.monitor.accept(self.health)  # this rank's shard levels (monitor/levels.py)
+            trainer.monitor.accept(self.health)  # this rank's shard levels (monitor/shards.py)
         if self.arrival is None:  # a rebuild replays counted steps: they count once
             self.targets.healthy_step()
         step = trainer.step

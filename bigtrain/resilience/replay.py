@@ -4,7 +4,7 @@ The monitor decides before the optimizer step, so when it finds a non-finite val
 weights and optimizer states are still those the step started from: a replay needs only the step's
 micro-batches (still in hand) and its RNG state (taken before its forward). Every rank discards its
 gradients, restores the RNG and runs forward and backward again, deterministically; fault drills
-that model bad data fire again, `fault.transient_nan_step` does not.
+that model bad data fire again, `drill.transient_nan_step` does not.
 
 - The anomaly comes back: `reproduced`. The step is handled as before (rollback, skip window, LR
   back-off, per monitor.nonfinite / on_spike).
@@ -12,7 +12,7 @@ that model bad data fire again, `fault.transient_nan_step` does not.
   skipped, the LR is not cut, and the weights end as if the fault never happened. The rank whose
   local statistics (per-tensor sums of squares, non-finite counts, its loss) moved between the two
   runs is named; after `resilience.max_transient_per_rank` transients on one host the run stops
-  with exit 6 and the host's name in RUN_DIR/suspect_hosts.txt (requeue without it).
+  with exit 6 and the host's name in RUN_DIR/excluded_hosts.txt (requeue without it).
 
 Every rank reaches the same verdict: the monitor's numbers are reduced over all ranks, and the
 ranks' distances are gathered (one small collective, on replays only).
@@ -29,7 +29,7 @@ import torch
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.schema import ResilienceConfig
-from bigtrain.errors import SuspectHost
+from bigtrain.errors import HostExcluded
 from bigtrain.monitor.monitor import Health
 from bigtrain.resilience.detect import Anomaly, Verdict
 from bigtrain.utils.dist import all_gather_objects
@@ -143,7 +143,7 @@ class Replay:
         if counts[host] < self.cfg.max_transient_per_rank:
             return
         if trainer.env.is_main:
-            path = trainer.run_dir.path / "suspect_hosts.txt"
+            path = trainer.run_dir.path / "excluded_hosts.txt"
             known = path.read_text().split() if path.is_file() else []
             if host not in known:
                 with open(path, "a") as f:
@@ -153,5 +153,7 @@ class Replay:
             f"{trainer.step + 1} (resilience.max_transient_per_rank="
             f"{self.cfg.max_transient_per_rank})"
         )
-        trainer.event("suspect_host", host=host, rank=rank, transients=counts[host])
-        raise SuspectHost(f"{reason}; its name is in suspect_hosts.txt, exit 6: requeue without it")
+        trainer.event("host_excluded", host=host, rank=rank, transients=counts[host])
+        raise HostExcluded(
+            f"{reason}; its name is in excluded_hosts.txt, exit 6: requeue without it"
+        )

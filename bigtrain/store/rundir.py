@@ -32,7 +32,7 @@ def _clean(value: Any) -> Any:
 
 class RunDir:
     def __init__(self, path: Path, is_main: bool, group: int | None = None) -> None:
-        """`group`: this process's fault-tolerant replica group (parallel/ft.py), which every
+        """`group`: this process's fault-tolerant replica group (parallel/replicas/groups.py), which every
         event line carries; each group's rank 0 writes its events, and only the group that
         leads the current quorum (`leader`, set each step) writes metrics, samples and
         final.json. None: a run without replica groups (rank 0 writes everything)."""
@@ -58,7 +58,7 @@ class RunDir:
 
     @property
     def differ_marker(self) -> Path:
-        """Replica groups ended with different weights (parallel/ft.py): a restarted group
+        """Replica groups ended with different weights (parallel/replicas/groups.py): a restarted group
         exits 7 at once instead of finishing alone with its own."""
         return self.path / DIFFER
 

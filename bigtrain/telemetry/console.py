@@ -145,8 +145,8 @@ FORMATS: dict[str, Callable[[Record], str]] = {
     "hang": lambda r: (
         f"hang: rank {r['rank']} ended no step for {r['waited_s']:.0f} s; stacks in {r['stacks']}"
     ),
-    "suspect_host": lambda r: (
-        f"suspect host {r['host']} (rank {r['rank']}): {r['transients']} transient faults"
+    "host_excluded": lambda r: (
+        f"excluded host {r['host']} (rank {r['rank']}): {r['transients']} transient faults"
     ),
     "source_exhausted": lambda r: (
         f"data source {r['source']} used up at sample {r['position']} ({r['samples']} samples, "

@@ -1,4 +1,4 @@
-"""What replica groups (parallel/ft.py) did in a run, read from its events: the quorum's size over
+"""What replica groups (parallel/replicas/groups.py) did in a run, read from its events: the quorum's size over
 time, and each failure with what it cost.
 
 Each group's rank 0 writes its own `quorum` events (one per membership change it saw, with its

@@ -46,8 +46,8 @@ from matplotlib.ticker import PercentFormatter
 
 from bigtrain.errors import ConfigError
 from bigtrain.store.rundir import read_jsonl
+from bigtrain.telemetry.costs import time_lost, time_lost_table
 from bigtrain.telemetry.ft_report import failures, failures_html, quorum_series
-from bigtrain.telemetry.run_costs import time_lost, time_lost_table
 from bigtrain.telemetry.trajectory import split_trajectory
 
 # Vertical markers by event kind, drawn in this order. A rollback happens at its anomaly's step:
@@ -108,7 +108,7 @@ def build_report(run_dir: Path) -> Path:
 
 
 def _time_lost_html(rows: dict[str, float] | None) -> str:
-    """The time-lost table (telemetry/run_costs.py): productive step time and each loss, in
+    """The time-lost table (telemetry/costs.py): productive step time and each loss, in
     seconds and as a fraction of the wall time."""
     if rows is None:
         return ""
@@ -139,7 +139,7 @@ def _figures(logs: RunLogs) -> Iterator[tuple[str, Figure, dict[str, Any]]]:
     if rows:  # an MoE model's routers (monitor/routers.py)
         yield "expert_load", _expert_load_figure(rows), {}
     steps, sizes = quorum_series(logs.events)
-    if steps:  # replica groups (parallel/ft.py)
+    if steps:  # replica groups (parallel/replicas/groups.py)
         yield "quorum", _quorum_figure(steps, sizes), {"failures": failures(logs.events)}
 
 

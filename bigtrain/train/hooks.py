@@ -19,7 +19,7 @@ the loop calls bigtrain/resilience's Healer by name. Order of one run (loop.py):
     on_event(trainer, record)              whenever an event is written (any time)
     on_finish(trainer)                     after the last step, before final.json
     on_stop(trainer, reason)               instead of on_finish when every rank gives up at the
-                                           same step (an abort, exit 3; a suspect host, exit 6):
+                                           same step (an abort, exit 3; an excluded host, exit 6):
                                            finish what must not be lost
 
 A callback with a `state_key` also has `state_dict()`/`load_state_dict()`: its state travels in the

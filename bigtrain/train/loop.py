@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from bigtrain.config.schema import Config, OptimConfig
-from bigtrain.data.stream import BatchLoader
+from bigtrain.data.read.stream import BatchLoader
 from bigtrain.errors import ReplicaMismatch
 from bigtrain.monitor.monitor import GradMonitor, Health
-from bigtrain.parallel.backend import Backend
+from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.env import DistEnv
-from bigtrain.parallel.ft import NoReplicaGroups, ReplicaGroups
+from bigtrain.parallel.replicas.groups import NoReplicaGroups, ReplicaGroups
 from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
 from bigtrain.store.rundir import RunDir
@@ -43,7 +43,7 @@ class TrainState:
     clip_scale: float = 1.0  # the clipping threshold's factor, likewise
     backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
     transients: dict[str, int] = field(default_factory=dict)  # transient faults by host (replay)
-    # replica groups (parallel/ft.py): tokens of the steps a group missed, by group
+    # replica groups (parallel/replicas/groups.py): tokens of the steps a group missed, by group
     tokens_skipped_by_group: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,7 +87,7 @@ class Trainer:
         )
         self.callbacks, self.device, self.monitor = callbacks, device, monitor
         self.healer = healer  # detect, replay, decide, roll back: called by name (resilience/)
-        # fault-tolerant replica groups (parallel/ft.py): the quorum, cross-group means, commit
+        # fault-tolerant replica groups (parallel/replicas/groups.py): the quorum, cross-group means, commit
         self.replicas = replicas if replicas is not None else NoReplicaGroups()
         self.setup = setup  # what was built: policy, shapes, FLOPs per token, identity, corpus
         self.state = TrainState()
@@ -275,7 +275,9 @@ class Trainer:
         self.callbacks.on_after_backward(self, result)
         # This rank's own work ends here; the wait for other replica groups counts as `sync`.
         self.timer.mark("forward_backward")
-        self.replicas.average_grads(backend)  # over the live replica groups (parallel/ft.py)
+        self.replicas.average_grads(
+            backend
+        )  # over the live replica groups (parallel/replicas/groups.py)
         self.ranges.begin("monitor")
         grad_factor = backend.unscale_grads()
         log_step = step % self.cfg.train.log_every == 0 or step >= self.end_step

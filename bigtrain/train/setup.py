@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bigtrain.data.summary import CorpusSummary
+from bigtrain.data.prepare.summary import CorpusSummary
 from bigtrain.parallel.layout import Layout
 from bigtrain.precision import PrecisionPolicy
 
@@ -40,4 +40,4 @@ class StartPoint:
     resume: dict[str, Any] | None = None
     init_from: dict[str, Any] | None = None
     invalid_checkpoints: tuple[dict[str, str], ...] = ()  # committed, but failed verification
-    fault_corrupted: str | None = None  # the file fault.corrupt_checkpoint damaged
+    fault_corrupted: str | None = None  # the file drill.corrupt_checkpoint damaged

@@ -63,7 +63,7 @@ class StepResult:
     """Each rank's peak memory (telemetry/memory.py), on timing steps (the straggler report)."""
     slow_groups: dict[int, int] | None = None
     """Replica groups named the straggler at this timing step, with how many timing steps in a
-    row (the straggler report); the replica groups' policy reads it (parallel/ft.py)."""
+    row (the straggler report); the replica groups' policy reads it (parallel/replicas/groups.py)."""
     record: dict[str, Any] | None = None
     """The metrics line written at this step, if one was (console and wandb read it)."""
     samples: list[Sample] | None = None

@@ -1,4 +1,4 @@
-"""Clocks for what a failure costs (telemetry/run_costs.py reads what they record).
+"""Clocks for what a failure costs (telemetry/costs.py reads what they record).
 
 `StartupClock`: where the time from process start to the first step goes, by phase. `Tally`: a
 count, seconds and bytes of a repeated cost (snapshots). `last_event_time`: when the previous

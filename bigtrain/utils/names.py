@@ -17,7 +17,7 @@ def canonical_name(name: str) -> str:
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
 PIPELINE_CHUNK = re.compile(r"pp_chunk\d+")
-"""A pipeline rank's model chunk under its root (parallel/pipeline.py's StageChunks)."""
+"""A pipeline rank's model chunk under its root (parallel/pipeline/schedule.py's StageChunks)."""
 
 
 def compress_names(names: list[str]) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from bigtrain.callbacks.watchdog import HangWatchdog
 from bigtrain.config.schema import ResilienceConfig
-from bigtrain.errors import SuspectHost
+from bigtrain.errors import HostExcluded
 from bigtrain.parallel.env import DistEnv, free_port
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
@@ -39,14 +39,14 @@ def test_a_transient_fault_is_replayed_and_leaves_no_trace(
         "train.max_steps=20",
         "train.eval_every=0",
         "checkpoint.every=-1",
-        "fault.rank=1",
+        "drill.rank=1",
     ]
 
     def args(name: str, *extra: str) -> list[str]:
         return micro_overrides(tmp_path / name, corpus_files, cache_dir) + common + list(extra)
 
     clean = run_distributed(train_run, 2, args("clean"))[0]
-    faulty = run_distributed(train_run, 2, args("faulty", "fault.transient_nan_step=[15]"))[0]
+    faulty = run_distributed(train_run, 2, args("faulty", "drill.transient_nan_step=[15]"))[0]
     (replay,) = kinds(faulty["events"], "replay")
     assert (replay["verdict"], replay["rank"], replay["step"]) == ("transient", 1, 15)
     assert (replay["metric"], replay["first"], replay["second"]) == ("grads", 1.0, None)
@@ -61,16 +61,16 @@ def test_three_transients_on_one_host_exit_6_naming_it(micro):
         "train.max_steps=10",
         "train.eval_every=0",
         "checkpoint.every=-1",
-        "fault.transient_nan_step=[4,6,8]",
+        "drill.transient_nan_step=[4,6,8]",
     )
-    with pytest.raises(SuspectHost, match="3 transient faults on host") as err:
+    with pytest.raises(HostExcluded, match="3 transient faults on host") as err:
         run(cfg, DistEnv())
     assert err.value.exit_code == 6
     out = Path(cfg.train.out_dir)
-    assert (out / "suspect_hosts.txt").read_text().split() == [socket.gethostname()]
+    assert (out / "excluded_hosts.txt").read_text().split() == [socket.gethostname()]
     events = read_jsonl(out / "events.jsonl")
     assert [e["step"] for e in kinds(events, "replay")] == [4, 6, 8]
-    assert kinds(events, "suspect_host")[0]["transients"] == 3
+    assert kinds(events, "host_excluded")[0]["transients"] == 3
 
 
 @pytest.mark.distributed
@@ -80,8 +80,8 @@ def test_hang_on_rank_1_dumps_both_ranks_stacks_and_exits_5(micro_args, tmp_path
         "train.max_steps=20",
         "train.eval_every=0",
         "checkpoint.every=-1",
-        "fault.rank=1",
-        "fault.hang_step=[5]",
+        "drill.rank=1",
+        "drill.hang_step=[5]",
         "resilience.hang_timeout_s=8",
         "parallel.timeout_s=300",  # the collective waits longer than the watchdog
     )
@@ -179,8 +179,8 @@ def test_a_slow_rank_is_reported_as_a_straggler(tmp_path, corpus_files, cache_di
         "train.eval_every=0",
         "checkpoint.every=-1",
         "monitor.timing_every=5",
-        "fault.slow_rank=1",
-        "fault.slow_s=0.2",
+        "drill.slow_rank=1",
+        "drill.slow_s=0.2",
     ]
     r0, _ = run_distributed(train_run, 2, args)
     stragglers = kinds(r0["events"], "straggler")
@@ -233,7 +233,7 @@ def test_a_repeat_after_a_rollback_to_the_start_goes_back_to_the_start_again(mic
         "train.max_steps=14",
         "train.eval_every=0",
         "checkpoint.every=-1",
-        "fault.nan_grad_step=[6,9]",
+        "drill.nan_grad_step=[6,9]",
     )
     final = run(cfg, DistEnv())
     events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")

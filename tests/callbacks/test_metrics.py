@@ -14,7 +14,7 @@ import torch
 from bigtrain.callbacks import metrics
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.config.schema import Config
-from bigtrain.data.stream import SampleStream
+from bigtrain.data.read.stream import SampleStream
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.layout import Layout
 from bigtrain.store.rundir import RunDir, read_jsonl

@@ -28,7 +28,7 @@ def events_of(cfg, kind: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
-    cfg = micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
+    cfg = micro("train.max_steps=20", *ROLLBACK, "drill.nan_grad_step=12")
     final = run(cfg, ENV)
     assert final["step"] == 20 and final["rollbacks"] == 1 and final["anomalies"] == 1
     (anomaly,) = events_of(cfg, "anomaly")
@@ -57,8 +57,8 @@ def test_nan_rolls_back_to_the_newest_good_snapshot_and_skips_the_data(micro):
 
 @pytest.mark.e2e
 def test_the_skip_window_survives_a_restart_bit_exactly(micro):
-    straight = run(micro("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12"), ENV)
-    args = ("train.max_steps=20", *ROLLBACK, "fault.nan_grad_step=12")
+    straight = run(micro("train.max_steps=20", *ROLLBACK, "drill.nan_grad_step=12"), ENV)
+    args = ("train.max_steps=20", *ROLLBACK, "drill.nan_grad_step=12")
     run(micro(*args, "train.stop_at_step=16", out="restarted"), ENV)
     resumed = run(micro(*args, out="restarted"), ENV)
     assert resumed["fingerprint"] == straight["fingerprint"]
@@ -67,7 +67,7 @@ def test_the_skip_window_survives_a_restart_bit_exactly(micro):
 
 @pytest.mark.e2e
 def test_a_repeat_within_the_window_goes_one_snapshot_further_back(micro):
-    cfg = micro("train.max_steps=30", *ROLLBACK, "fault.nan_grad_step=[22,25]")
+    cfg = micro("train.max_steps=30", *ROLLBACK, "drill.nan_grad_step=[22,25]")
     final = run(cfg, ENV)
     assert final["step"] == 30 and final["rollbacks"] == 2
     rollbacks = events_of(cfg, "rollback")
@@ -83,7 +83,7 @@ def test_anomalies_at_every_step_exit_3_with_the_last_good_checkpoint_intact(mic
     args = micro_args(
         "train.max_steps=30",
         *ROLLBACK,
-        "fault.nan_grad_step=[" + ",".join(str(s) for s in range(12, 31)) + "]",
+        "drill.nan_grad_step=[" + ",".join(str(s) for s in range(12, 31)) + "]",
     )
     result = run_cli("train", *args)
     assert result.returncode == 3, result.stderr[-2000:]
@@ -97,7 +97,7 @@ def test_anomalies_at_every_step_exit_3_with_the_last_good_checkpoint_intact(mic
 
 @pytest.mark.e2e
 def test_preemption_checkpoints_exits_4_and_resumes_bit_exactly(micro_args, micro, tmp_path):
-    args = micro_args("train.max_steps=12", "checkpoint.every=100", "fault.sigterm_step=7")
+    args = micro_args("train.max_steps=12", "checkpoint.every=100", "drill.sigterm_step=7")
     result = run_cli("train", *args)
     assert result.returncode == 4, result.stderr[-2000:]
     out = tmp_path / "run"
@@ -115,7 +115,7 @@ def test_preemption_checkpoints_exits_4_and_resumes_bit_exactly(micro_args, micr
 @pytest.mark.e2e
 def test_corrupt_checkpoint_drill_resumes_from_the_one_before(micro):
     run(micro("train.max_steps=20", "checkpoint.every=10", "train.stop_at_step=20"), ENV)
-    cfg = micro("train.max_steps=25", "checkpoint.every=10", "fault.corrupt_checkpoint=true")
+    cfg = micro("train.max_steps=25", "checkpoint.every=10", "drill.corrupt_checkpoint=true")
     final = run(cfg, ENV)
     assert final["step"] == 25
     (fault,) = [e for e in events_of(cfg, "fault") if e["type"] == "corrupt_checkpoint"]
@@ -144,7 +144,7 @@ def test_sigkill_between_write_and_commit_never_loads_the_half_checkpoint(micro_
         "train.max_steps=6",
         "checkpoint.every=3",
         "train.eval_every=0",
-        "fault.kill_step=4",
+        "drill.kill_step=4",
     )
     result = run_cli("train", *args)
     assert result.returncode == -9, result.stderr[-2000:]

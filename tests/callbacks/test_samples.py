@@ -13,7 +13,7 @@ import torch
 from bigtrain.callbacks.samples import SampleCallback
 from bigtrain.config.eval import EvalConfig
 from bigtrain.config.schema import ModelConfig
-from bigtrain.data.tokens import train_bpe
+from bigtrain.data.prepare.cache import train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.inference import load_checkpoint_model
 from bigtrain.model.generate import Sample, Sampling, cached_step, decode, encode_prompt

@@ -17,7 +17,7 @@ from bigtrain.callbacks.straggler import (
     Streaks,
     find_stragglers,
 )
-from bigtrain.parallel.ft import NoReplicaGroups
+from bigtrain.parallel.replicas.groups import NoReplicaGroups
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import StepTimer
 

@@ -201,7 +201,7 @@ def test_wandb_history_is_the_kept_trajectory_after_a_rollback(micro, monkeypatc
         "train.log_every=1",
         "resilience.snapshot_every=5",
         "resilience.confirm_steps=3",  # hold_steps: 5 + 3
-        "fault.nan_grad_step=12",
+        "drill.nan_grad_step=12",
         "wandb.mode=offline",
     )
     assert run(cfg, DistEnv())["rollbacks"] == 1

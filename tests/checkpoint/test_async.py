@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bigtrain.build import build_trainer
+from bigtrain.parallel.backends.local import LocalBackend
 from bigtrain.parallel.env import DistEnv
-from bigtrain.parallel.local import LocalBackend
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import micro_overrides, run_cli, slow_writer_env
 from tests.distributed import run_distributed, train_run
@@ -57,7 +57,7 @@ def test_sigkill_during_the_background_write_never_loads_it(micro_args, tmp_path
         "train.max_steps=8",
         "checkpoint.every=5",
         "train.eval_every=0",
-        "fault.kill_step=6",
+        "drill.kill_step=6",
     )
     result = run_cli("train", *args, env=slow_writer_env(tmp_path, 60))
     assert result.returncode == -9, result.stderr[-2000:]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from bigtrain.checkpoint.hf_export import check_export, export_hf, plan_shards
 from bigtrain.config.model import MoEConfig
 from bigtrain.config.schema import ModelConfig
-from bigtrain.data.tokens import train_bpe
+from bigtrain.data.prepare.cache import train_bpe
 from bigtrain.errors import ConfigError
 from bigtrain.model import build_model
 from bigtrain.model.gpt import GPT

@@ -22,7 +22,7 @@ from bigtrain.checkpoint.manifest import CheckpointError
 from bigtrain.checkpoint.state import CheckpointReader
 from bigtrain.config import load_config
 from bigtrain.optim.optimizer import MOMENTS
-from bigtrain.parallel.backend import weights_fingerprint
+from bigtrain.parallel.backends.base import weights_fingerprint
 from bigtrain.parallel.env import read_env
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl

@@ -164,7 +164,7 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             ["resilience.lr_cooldown_steps=-5"],
             "key 'resilience.lr_cooldown_steps' got -5, expected a value >= 0",
         ),
-        (["fault.kill_step=soon"], "key 'fault.kill_step"),
+        (["drill.kill_step=soon"], "key 'drill.kill_step"),
         (["max_steps"], "override 'max_steps' must look like key.sub=value"),
         (["checkpoint.every=-2"], "key 'checkpoint.every' got -2, expected N >= 0 or -1 (never)"),
         (["eval.sample_every=-1"], "key 'eval.sample_every' got -1, expected N >= 0 (0: off)"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.tokenizer import load_tokenizer, train_bpe
+from bigtrain.data.prepare.tokenizer import load_tokenizer, train_bpe
 from tests.data.prepared_dirs import random_documents, write_prepared
 
 

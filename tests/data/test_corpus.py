@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.corpus import (
+from bigtrain.data.text.corpus import (
     Documents,
     expand_paths,
     shakespeare_files,

@@ -1,4 +1,4 @@
-"""Weighted mixtures of prepared directories (data/mixture.py, data/prepared_mixture.py): the order
+"""Weighted mixtures of prepared directories (data/read/mixture.py, data/read/sources.py): the order
 as a pure function of (seed, position), proportions, world sizes, skip windows and resume,
 max_epochs, tokens_by_source, and the checks of the sources and the config keys."""
 
@@ -15,16 +15,16 @@ import torch
 from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.config import load_config
 from bigtrain.config.data import DataConfig, MixtureSource
-from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.prepared_mixture import build_mixture, check_length, open_mixture
-from bigtrain.data.stream import BatchLoader, SampleStream
-from bigtrain.data.tokenizer import (
+from bigtrain.data.prepare.tokenizer import (
     load_tokenizer,
     tokenizer_identity,
     tokenizer_sha256,
     train_bpe,
 )
+from bigtrain.data.read.mixture import MixedSamples, MixtureStream, SourceSpec
+from bigtrain.data.read.prepared import PreparedData
+from bigtrain.data.read.sources import build_mixture, check_length, open_mixture
+from bigtrain.data.read.stream import BatchLoader, SampleStream
 from bigtrain.errors import ConfigError
 from bigtrain.plan.shapes import vocab_size_for_plan
 from bigtrain.telemetry.sinks import flat_record

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from bigtrain.config.data import DataConfig
-from bigtrain.data.prepare import prepare
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.tokenizer import load_tokenizer, tokenizer_sha256
+from bigtrain.data.prepare.run import prepare
+from bigtrain.data.prepare.tokenizer import load_tokenizer, tokenizer_sha256
+from bigtrain.data.read.prepared import PreparedData
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run

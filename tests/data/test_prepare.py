@@ -16,11 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data import encode, rows, shards
-from bigtrain.data.prepare import prepare
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.tokenizer import tokenizer_sha256
-from bigtrain.data.tokens import prepare_corpus
+from bigtrain.data.prepare import encode, shards
+from bigtrain.data.prepare.cache import prepare_corpus
+from bigtrain.data.prepare.run import prepare
+from bigtrain.data.prepare.tokenizer import tokenizer_sha256
+from bigtrain.data.read.prepared import PreparedData
+from bigtrain.data.text import rows
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import sha256_file
 from tests.conftest import ROOT, run_cli
@@ -104,8 +105,8 @@ def test_the_token_cache_is_the_same_writer_with_a_trained_bpe(tmp_path, corpus_
 KILL_IN_SECOND_SHARD = """
 import json, os, signal, sys
 from bigtrain.config.schema import DataConfig
-from bigtrain.data import shards
-from bigtrain.data.prepare import prepare
+from bigtrain.data.prepare import shards
+from bigtrain.data.prepare.run import prepare
 
 write = shards._OpenShard.write
 

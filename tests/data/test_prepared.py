@@ -9,12 +9,12 @@ import pickle
 import numpy as np
 import pytest
 
-from bigtrain.data import prepared
-from bigtrain.data.prepare import prepare
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.stream import split_samples
-from bigtrain.data.summary import CorpusSummary
-from bigtrain.data.tokens import TokenCorpus
+from bigtrain.data.read import prepared
+from bigtrain.data.prepare.cache import TokenCorpus
+from bigtrain.data.prepare.run import prepare
+from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.read.prepared import PreparedData
+from bigtrain.data.read.stream import split_samples
 from bigtrain.errors import ConfigError
 from tests.data.conftest import expected_tokens, jsonl_cfg, write_jsonl
 from tests.data.prepared_dirs import fake_tokenizer, random_documents, write_prepared

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from bigtrain.data.stream import BatchLoader, PackedSamples, SampleStream, split_samples
-from bigtrain.data.summary import CorpusSummary
-from bigtrain.data.tokens import TokenCorpus
+from bigtrain.data.prepare.cache import TokenCorpus
+from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.read.stream import BatchLoader, PackedSamples, SampleStream, split_samples
 from bigtrain.errors import ConfigError
 
 pytestmark = pytest.mark.unit

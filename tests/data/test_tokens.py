@@ -9,7 +9,7 @@ import pytest
 
 from bigtrain.config.schema import DataConfig
 from bigtrain.data import load_tokenizer, prepare_corpus
-from bigtrain.data.summary import CorpusSummary
+from bigtrain.data.prepare.summary import CorpusSummary
 from bigtrain.errors import ConfigError
 from tests.conftest import run_cli
 

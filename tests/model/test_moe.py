@@ -248,7 +248,7 @@ def test_gpt_places_moe_blocks_from_first_every_nth_and_counts_stats_in_training
 
 
 def test_activation_checkpointing_recompute_is_not_counted_twice():
-    from bigtrain.parallel.apply import apply_activation_checkpointing
+    from bigtrain.parallel.transforms import apply_activation_checkpointing
 
     model = GPT(model_cfg())
     apply_activation_checkpointing(model, "full")

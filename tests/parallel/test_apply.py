@@ -7,12 +7,12 @@ import torch
 from bigtrain.build import build_trainer
 from bigtrain.config.schema import ModelConfig
 from bigtrain.model.gpt import GPT
-from bigtrain.parallel.apply import (
+from bigtrain.parallel.env import DistEnv
+from bigtrain.parallel.transforms import (
     apply_activation_checkpointing,
     apply_compile,
     transformer_blocks,
 )
-from bigtrain.parallel.env import DistEnv
 from bigtrain.runner import run
 from bigtrain.utils.names import canonical_name
 

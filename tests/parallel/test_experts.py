@@ -1,4 +1,4 @@
-"""Expert parallelism (parallel/expert_parallel.py, model/moe.py's all-to-all) on 2 gloo ranks, FP32:
+"""Expert parallelism (parallel/experts.py, model/moe.py's all-to-all) on 2 gloo ranks, FP32:
 experts split over ep=2 train the per-step losses of ep=1 (every rank holding every expert),
 route the same tokens to the same experts, resume on one process from an ep=2 checkpoint, and a
 router-collapse drill on one rank is caught and rolled back on both."""
@@ -89,9 +89,9 @@ def test_router_collapse_drill_on_one_rank_rolls_back_both(tmp_path, corpus_file
         "train.max_steps=14",
         "resilience.snapshot_every=5",
         "resilience.confirm_steps=1",
-        "fault.rank=1",
-        "fault.router_bias=3",
-        "fault.router_bias_step=12",
+        "drill.rank=1",
+        "drill.router_bias=3",
+        "drill.router_bias_step=12",
         "monitor.rules=[router_spread]",  # the one-rank rule alone catches it
     )
     results = run_distributed(train_run, 2, args)

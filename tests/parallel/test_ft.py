@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (parallel/ft.py) through launch/ft.sh: separate jobs on gloo that
+"""Fault-tolerant replica groups (parallel/replicas/groups.py) through launch/ft.sh: separate jobs on gloo that
 average their gradients over torchft's managed group, survive a killed group, and heal together.
 
 Every run is FP32 so that the FT run and the plain fsdp run with the same data-parallel size can
@@ -132,14 +132,14 @@ def test_a_killed_or_preempted_group_restarts_alone_and_rejoins_from_a_live_peer
     args = micro_args(
         *FP32,
         "train.max_steps=60",
-        "fault.kill_group=1",
-        "fault.kill_step=12",
-        "fault.group=2",
-        "fault.sigterm_step=32",
+        "drill.kill_group=1",
+        "drill.kill_step=12",
+        "drill.group=2",
+        "drill.sigterm_step=32",
         # slow steps, so that the killed group's restart (a new interpreter, ~5-10 s here)
         # comes back before the survivors finish
-        "fault.slow_rank=0",
-        "fault.slow_s=0.4",
+        "drill.slow_rank=0",
+        "drill.slow_s=0.4",
     )
     ft(3, 1, args, tmp_path / "logs")
     done = finishes(out, 3)
@@ -200,18 +200,18 @@ def test_a_group_joining_during_a_rollback_cooldown_takes_the_backed_off_state(
     still backed off: it receives the lowered LR scale and the healer's windows with the
     weights, and every group ends equal."""
     out, plain_out = tmp_path / "run", tmp_path / "plain"
-    healing = ("fault.nan_grad_step=[6]", "resilience.lr_cooldown_steps=200")
+    healing = ("drill.nan_grad_step=[6]", "resilience.lr_cooldown_steps=200")
     args = micro_args(
         *FP32,
         *healing,
         "train.max_steps=50",
-        "fault.kill_group=2",
-        "fault.kill_step=8",
-        "fault.slow_rank=0",
-        "fault.slow_s=0.4",
+        "drill.kill_group=2",
+        "drill.kill_step=8",
+        "drill.slow_rank=0",
+        "drill.slow_s=0.4",
     )
     ft(3, 1, args, tmp_path / "logs")
-    plain(3, micro_args(*FP32, *healing, "train.max_steps=7", "fault.rank=0", out="plain"))
+    plain(3, micro_args(*FP32, *healing, "train.max_steps=7", "drill.rank=0", out="plain"))
     done = finishes(out, 3)
     assert len({e["fingerprint"] for e in done.values()}) == 1
     rollbacks = events(out, "rollback")
@@ -271,10 +271,10 @@ def test_a_group_of_pipeline_stages_dies_and_rejoins_stage_by_stage(micro_args, 
         "model.n_layers=4",
         "parallel.pipeline_parallel=2",
         "train.max_steps=30",
-        "fault.kill_group=1",
-        "fault.kill_step=5",
-        "fault.slow_rank=0",
-        "fault.slow_s=0.3",
+        "drill.kill_group=1",
+        "drill.kill_step=5",
+        "drill.slow_rank=0",
+        "drill.slow_s=0.3",
     )
     ft(2, 2, args, tmp_path / "logs")
     done = finishes(out, 2)
@@ -293,8 +293,8 @@ def test_a_late_and_slow_group_is_waited_for_and_left_out_only_past_the_join_tim
     out: the leading group and the late group itself say so (`group_left`, reason `late`), its
     slices are counted as skipped, it takes a peer's state at the next step, and every group
     still ends with one fingerprint."""
-    late = ("train.max_steps=12", "fault.group=2", "fault.jitter_s=1.5", "train.eval_every=0")
-    slow = ("monitor.timing_every=2", "fault.slow_rank=0", "fault.slow_s=0.4")
+    late = ("train.max_steps=12", "drill.group=2", "drill.jitter_s=1.5", "train.eval_every=0")
+    slow = ("monitor.timing_every=2", "drill.slow_rank=0", "drill.slow_s=0.4")
     waited, dropped = tmp_path / "waited", tmp_path / "dropped"
     ft(3, 1, micro_args(*FP32, *late, *slow, out="waited"), tmp_path / "logs1")
     assert not events(waited, "group_left") and not events(waited, "group_joined")
@@ -333,8 +333,8 @@ def test_groups_compare_weights_after_checkpoints_and_at_the_end(micro_args, tmp
         *FP32,
         "train.max_steps=8",
         "checkpoint.every=4",
-        "fault.diverge_group=1",
-        "fault.diverge_step=4",
+        "drill.diverge_group=1",
+        "drill.diverge_step=4",
         out="healed",
     )
     ft(2, 1, args, tmp_path / "logs1")
@@ -345,7 +345,7 @@ def test_groups_compare_weights_after_checkpoints_and_at_the_end(micro_args, tmp
     assert len({e["fingerprint"] for e in finishes(healed, 2).values()}) == 1
 
     out = tmp_path / "run"
-    args = micro_args(*FP32, "train.max_steps=4", "fault.diverge_group=1")
+    args = micro_args(*FP32, "train.max_steps=4", "drill.diverge_group=1")
     result = ft(2, 1, args, tmp_path / "logs2", ok=False)
     assert result.returncode != 0
     errors = [e for e in events(out, "error") if e.get("final")]
@@ -361,9 +361,9 @@ def test_a_slow_group_is_let_go_by_the_policy(micro_args, tmp_path):
     slow = (
         "train.max_steps=12",
         "monitor.timing_every=2",
-        "fault.group=2",
-        "fault.slow_rank=0",
-        "fault.slow_s=0.4",
+        "drill.group=2",
+        "drill.slow_rank=0",
+        "drill.slow_s=0.4",
         "train.eval_every=0",
     )
     let_go = tmp_path / "let_go"

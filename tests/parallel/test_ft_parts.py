@@ -1,4 +1,4 @@
-"""The parts of parallel/ft.py that need no lighthouse: group indices, gradient buckets, the
+"""The parts of parallel/replicas/groups.py that need no lighthouse: group indices, gradient buckets, the
 group-aware run directory and lock, and the kill drill's once-per-run-directory marker."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 from torch.distributed import ReduceOp
 
 from bigtrain.build import BuiltParts, make_callbacks, writes_run_files
-from bigtrain.callbacks.costs import CostLedger
+from bigtrain.callbacks.cost_ledger import CostLedger
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
-from bigtrain.parallel import ft
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.replicas import groups as ft
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.store.runlock import lock_run_dir
 from bigtrain.utils.clock import StartupClock
@@ -268,7 +268,7 @@ def test_a_rollback_after_a_join_restores_the_same_target_from_the_same_source(m
         "checkpoint.every=0",
         "resilience.snapshot_every=2",
         "resilience.confirm_steps=1",
-        "fault.nan_grad_step=[7]",
+        "drill.nan_grad_step=[7]",
         "resilience.replay=false",
     )
     peer = build_trainer(micro(*common, "train.stop_at_step=5", out="peer"), DistEnv())

@@ -129,8 +129,8 @@ def test_a_nan_on_one_replica_rolls_every_rank_back_together(tmp_path, corpus_fi
         "resilience.snapshot_every=5",
         "resilience.confirm_steps=3",
         "monitor.every=1",
-        "fault.rank=3",
-        "fault.nan_grad_step=12",
+        "drill.rank=3",
+        "drill.nan_grad_step=12",
     )
     ranks = run_distributed(train_run, 4, args)
     assert len({r["final"]["fingerprint"] for r in ranks}) == 1

@@ -119,7 +119,7 @@ def check_saved_model(run_dir: Path, fingerprint: str) -> None:
     from bigtrain.checkpoint.export import export_checkpoint, open_saved_model
     from bigtrain.inference import load_checkpoint_model
     from bigtrain.model.generate import Sampling
-    from bigtrain.parallel.backend import weights_fingerprint
+    from bigtrain.parallel.backends.base import weights_fingerprint
 
     saved = open_saved_model(run_dir)
     model = saved.model()

@@ -98,10 +98,10 @@ def test_nan_on_one_rank_is_skipped_by_both(tmp_path, corpus_files, cache_dir, b
         f"parallel.backend={backend}",
         "train.max_steps=6",
         "monitor.nonfinite=skip",
-        "fault.rank=1",
-        "fault.nan_grad_step=[3]",
-        "fault.grad_tensor=blocks.1.mlp.down.weight",  # in rank 1's half on both backends
-        "fault.nan_loss_step=[5]",
+        "drill.rank=1",
+        "drill.nan_grad_step=[3]",
+        "drill.grad_tensor=blocks.1.mlp.down.weight",  # in rank 1's half on both backends
+        "drill.nan_loss_step=[5]",
         "train.eval_every=0",
         "checkpoint.every=0",
     )

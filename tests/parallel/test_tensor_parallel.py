@@ -140,8 +140,8 @@ def test_a_nan_on_one_tp_rank_rolls_every_rank_back(tmp_path, corpus_files, cach
         "resilience.snapshot_every=5",
         "resilience.confirm_steps=3",
         "monitor.every=1",
-        "fault.rank=1",  # tp rank 1 of the first tp group
-        "fault.nan_grad_step=12",
+        "drill.rank=1",  # tp rank 1 of the first tp group
+        "drill.nan_grad_step=12",
         "model.dropout=0.1",  # masks drawn per tp rank in the sequence-parallel region
         "parallel.activation_checkpointing=block",  # the plan reaches inside the wrapper
     )

@@ -29,7 +29,7 @@ def split_block() -> dict:
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from bigtrain.parallel.tp_conv1d import parallelize_conv1d, qkv_columns
+    from bigtrain.parallel.tensor.conv1d import parallelize_conv1d, qkv_columns
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

@@ -83,7 +83,7 @@ def test_kv_heads_that_do_not_split_over_tp_are_a_config_error():
     from types import SimpleNamespace
 
     from bigtrain.errors import ConfigError
-    from bigtrain.parallel.tensor_parallel import check_divisible
+    from bigtrain.parallel.tensor.plans import check_divisible
 
     config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     model = SimpleNamespace(hf=SimpleNamespace(config=config))

@@ -98,7 +98,7 @@ def test_colwise_qkv_on_a_linear_and_an_int8_conv1d_are_config_errors():
     from transformers.pytorch_utils import Conv1D
 
     from bigtrain.errors import ConfigError
-    from bigtrain.parallel.tensor_parallel import block_plan, check_styles
+    from bigtrain.parallel.tensor.plans import block_plan, check_styles
     from bigtrain.precision.int8 import Int8Layer
 
     block = nn.Module()

@@ -14,10 +14,10 @@ from bigtrain.checkpoint.sources import InitialValues
 from bigtrain.config import load_config
 from bigtrain.model import build_model, num_params
 from bigtrain.model.init import initial_value
+from bigtrain.parallel.backends.zero import is_partitioned
 from bigtrain.parallel.env import init_process_group, read_env, shutdown
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.model_setup import make_model
-from bigtrain.parallel.zero import is_partitioned
 from bigtrain.utils.names import canonical_name
 from tests.conftest import micro_overrides
 from tests.distributed import run_distributed

@@ -13,8 +13,8 @@ import torch
 
 from bigtrain.config import load_config
 from bigtrain.model import build_model, num_params
-from bigtrain.parallel.pipeline import rank_stages, stage_rank, tied_table
-from bigtrain.parallel.pipeline_split import (
+from bigtrain.parallel.pipeline.schedule import rank_stages, stage_rank, tied_table
+from bigtrain.parallel.pipeline.split import (
     StageCosts,
     balanced_bounds,
     stage_bounds,

@@ -38,8 +38,8 @@ def test_fp16_overflow_is_skipped_by_every_rank_and_backs_off(
         "precision.loss_scale_growth_interval=1000",
         "train.max_steps=6",
         "train.log_every=1",
-        "fault.rank=1",
-        "fault.inf_grad_step=[3]",
+        "drill.rank=1",
+        "drill.inf_grad_step=[3]",
         "train.eval_every=0",
         "checkpoint.every=0",
     ]
@@ -153,7 +153,7 @@ def test_fsdp_schedule_runs(tmp_path, corpus_files, cache_dir):
 
 @pytest.mark.unit
 def test_zero_refuses_a_schedule_and_fp32_modules(micro):
-    from bigtrain.parallel.zero import check_zero_precision
+    from bigtrain.parallel.backends.zero import check_zero_precision
     from bigtrain.precision import Hardware, resolve_policy
 
     cpu = Hardware("cpu", "cpu", cpu_bf16=True)
@@ -217,7 +217,7 @@ def test_overflow_at_the_minimum_scale_is_an_anomaly(micro):
         "precision.loss_scale_min=2",
         "precision.loss_scale_hysteresis=1",
         "monitor.nonfinite=abort",
-        "fault.inf_grad_step=[2]",
+        "drill.inf_grad_step=[2]",
         "train.max_steps=4",
         "checkpoint.every=0",
         "train.eval_every=0",

@@ -19,9 +19,9 @@ LADDER = (
     "resilience.snapshot_every=5",
     "resilience.confirm_steps=3",
     "resilience.window=0",  # each anomaly on its own, not a repeat of the one before
-    "fault.nan_grad_step=3",
-    "fault.spike_step=14",
-    "fault.spike_factor=50",
+    "drill.nan_grad_step=3",
+    "drill.spike_step=14",
+    "drill.spike_factor=50",
 )
 BACKENDS = {
     "fsdp": (2, ["parallel.backend=fsdp"]),
@@ -37,7 +37,7 @@ BACKENDS = {
             "parallel.backend=fsdp",
             "parallel.pipeline_parallel=2",
             "parallel.pp_microbatches=4",
-            "fault.rank=3",
+            "drill.rank=3",
         ],
     ),
 }
@@ -59,14 +59,14 @@ def rollbacks(result: dict) -> list[tuple]:
 @pytest.fixture(scope="module")
 def local(tmp_path_factory, corpus_files, cache_dir) -> dict:
     tmp = tmp_path_factory.mktemp("local")
-    args = mesh_run_args(tmp, "local", corpus_files, cache_dir, *LADDER, "fault.rank=0")
+    args = mesh_run_args(tmp, "local", corpus_files, cache_dir, *LADDER, "drill.rank=0")
     return train_run(args)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_every_backend_rolls_back_like_one_process(tmp_path, corpus_files, cache_dir, local, name):
     world, extra = BACKENDS[name]
-    args = mesh_run_args(tmp_path, name, corpus_files, cache_dir, *LADDER, "fault.rank=1", *extra)
+    args = mesh_run_args(tmp_path, name, corpus_files, cache_dir, *LADDER, "drill.rank=1", *extra)
     ranks = run_distributed(train_run, world, args)
     assert len({r["final"]["fingerprint"] for r in ranks}) == 1  # every rank, the same weights
     result = ranks[0]
@@ -88,8 +88,8 @@ def test_fsdp_heals_after_a_resume_like_the_run_that_never_stopped(
         "train.max_steps=40",
         "checkpoint.every=10",
         "checkpoint.async_save=false",
-        "fault.nan_grad_step=37",
-        "fault.rank=1",
+        "drill.nan_grad_step=37",
+        "drill.rank=1",
     ]
     straight_args = mesh_run_args(tmp_path, "straight", corpus_files, cache_dir, *common)
     stopped_args = mesh_run_args(tmp_path, "stopped", corpus_files, cache_dir, *common)

@@ -54,7 +54,7 @@ def test_a_rolled_back_run_equals_a_fresh_run_resumed_from_its_restored_state(
         "precision.int8.calibration_steps=8",
         *precision,
     )
-    healed = micro("train.max_steps=24", *EXACT, *ladder, "fault.nan_grad_step=12", out="healed")
+    healed = micro("train.max_steps=24", *EXACT, *ladder, "drill.nan_grad_step=12", out="healed")
     first = run(healed, ENV)
     (rollback,) = events(healed, "rollback")
     assert (rollback["to_step"], rollback["source"]) == (5, "memory")
@@ -95,7 +95,7 @@ def test_a_run_stopped_and_resumed_heals_like_one_that_never_stopped(
         "train.max_steps=40",
         *EXACT,
         "checkpoint.every=10",
-        f"fault.nan_grad_step={fault}",
+        f"drill.nan_grad_step={fault}",
         *precision,
     )
     straight = micro(*args, out="straight")

@@ -1,4 +1,4 @@
-"""The suspicion tier (resilience/suspect.py): the shard statistics it reads, its verdicts, and the
+"""The suspicion tier (resilience/suspicion.py): the shard statistics it reads, its verdicts, and the
 replays it asks for: silent data corruption comes out transient and leaves no trace, a spike of
 the data's is reproduced and never called transient, and replaying healthy steps changes
 nothing."""
@@ -18,9 +18,9 @@ from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import GradientRoles, gradient_roles
-from bigtrain.monitor.levels import EMPTY, ShardHistory, shard_levels
+from bigtrain.monitor.shards import EMPTY, ShardHistory, shard_levels
 from bigtrain.parallel.env import DistEnv
-from bigtrain.resilience.suspect import Suspicion, series
+from bigtrain.resilience.suspicion import Suspicion, series
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
 from tests.distributed import run_distributed, train_run
@@ -300,18 +300,18 @@ def test_a_resumed_run_suspects_what_the_straight_run_does(micro):
 @pytest.mark.e2e
 def test_corruption_is_transient_and_leaves_no_trace_a_data_spike_is_reproduced(micro):
     clean, _ = local_run(micro, "clean")
-    drill = [f"fault.grad_tensor={TENSOR}", "fault.spike_factor=1000"]
-    sdc, events = local_run(micro, "sdc", "fault.grad_spike_step=[18]", *drill)
+    drill = [f"drill.grad_tensor={TENSOR}", "drill.spike_factor=1000"]
+    sdc, events = local_run(micro, "sdc", "drill.grad_spike_step=[18]", *drill)
     suspicion = at_step(events, "suspicion", 18)
     assert (suspicion["verdict"], suspicion["rank"]) == ("transient", 0)
     assert suspicion["tensors"][0][0] == TENSOR and suspicion["tensors"][0][1] > 100
     assert sdc["fingerprint"] == clean["fingerprint"] and sdc["anomalies"] == 0
-    data, events = local_run(micro, "data", "fault.data_spike_step=[18]", *drill)
+    data, events = local_run(micro, "data", "drill.data_spike_step=[18]", *drill)
     suspicion = at_step(events, "suspicion", 18)
     assert (suspicion["verdict"], suspicion["rank"]) == ("reproduced", None)
     assert data["fingerprint"] != clean["fingerprint"]  # the data's spike was applied
     flip, events = local_run(
-        micro, "flip", "fault.bitflip_step=[18]", f"fault.grad_tensor={TENSOR}"
+        micro, "flip", "drill.bitflip_step=[18]", f"drill.grad_tensor={TENSOR}"
     )
     (replay,) = of_kind(events, "replay")  # x2^128: the anomaly tier's, replayed: clean
     assert (replay["step"], replay["verdict"]) == (18, "transient")
@@ -320,13 +320,13 @@ def test_corruption_is_transient_and_leaves_no_trace_a_data_spike_is_reproduced(
     # The same flip in an activation: x2^128 in one value of an MLP's output overflows the next
     # layer norm's FP32 variance, which zeroes that token's vector: masked, not caught.
     masked, events = local_run(
-        micro, "act", "fault.bitflip_step=[18]", "fault.bitflip_activation=blocks.0.mlp"
+        micro, "act", "drill.bitflip_step=[18]", "drill.bitflip_activation=blocks.0.mlp"
     )
     (fault,) = of_kind(events, "fault")
     assert fault["module"] == "blocks.0.mlp" and abs(fault["after"]) > 1e30 * abs(fault["before"])
     assert masked["anomalies"] == 0 and masked["fingerprint"] != clean["fingerprint"]
-    with pytest.raises(ConfigError, match=r"'fault\.bitflip_activation' got 'blocks\.0\.mlpx'"):
-        local_run(micro, "bad", "fault.bitflip_step=[3]", "fault.bitflip_activation=blocks.0.mlpx")
+    with pytest.raises(ConfigError, match=r"'drill\.bitflip_activation' got 'blocks\.0\.mlpx'"):
+        local_run(micro, "bad", "drill.bitflip_step=[3]", "drill.bitflip_activation=blocks.0.mlpx")
 
 
 @pytest.mark.distributed
@@ -334,10 +334,10 @@ def test_on_two_fsdp_ranks_the_corrupted_rank_is_named_and_the_data_spike_is_not
     micro_args,
 ):
     common = ["parallel.backend=fsdp", "train.max_steps=24", "train.eval_every=0"]
-    common += ["checkpoint.every=-1", "fault.rank=1", f"fault.grad_tensor={TENSOR}"]
-    common += ["fault.spike_factor=1000"]
-    faults = ["fault.grad_spike_step=[14]", "fault.data_spike_step=[18]"]
-    faults += ["fault.bitflip_step=[22]"]  # the highest exponent bit of one gradient value
+    common += ["checkpoint.every=-1", "drill.rank=1", f"drill.grad_tensor={TENSOR}"]
+    common += ["drill.spike_factor=1000"]
+    faults = ["drill.grad_spike_step=[14]", "drill.data_spike_step=[18]"]
+    faults += ["drill.bitflip_step=[22]"]  # the highest exponent bit of one gradient value
     result = run_distributed(train_run, 2, micro_args(*common, *faults))[0]
     by_step = {e["step"]: e for e in result["events"] if e["kind"] in ("suspicion", "replay")}
     assert (by_step[14]["kind"], by_step[14]["verdict"], by_step[14]["rank"]) == (

@@ -128,7 +128,7 @@ def test_a_second_run_on_a_live_run_dir_exits_2_and_changes_nothing(micro_args, 
     # than the second takes to start and ask for it, also on a loaded machine); once the second
     # is refused, the first is preempted (SIGTERM: a checkpoint, exit 4), which its lock survives
     # intact until it lets go.
-    args = micro_args("fault.slow_rank=0", "fault.slow_s=0.3", "train.max_steps=400")
+    args = micro_args("drill.slow_rank=0", "drill.slow_s=0.3", "train.max_steps=400")
     env = {**os.environ, "WANDB_SILENT": "true"}
     first = subprocess.Popen(
         [sys.executable, "-m", "bigtrain", "train", *args],

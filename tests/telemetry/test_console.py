@@ -60,7 +60,7 @@ SAMPLES = {
     },
     "group_left": {"group": 2, "reason": "late", "waited_s": 60.2, "reported_by": 0},
     "hang": {"rank": 1, "waited_s": 301.2, "stacks": "runs/x/hang/rank_1.txt"},
-    "suspect_host": {"host": "node7", "rank": 1, "transients": 3},
+    "host_excluded": {"host": "node7", "rank": 1, "transients": 3},
     "source_exhausted": {"source": "code", "position": 4096, "epochs": 2, "samples": 2048},
 }
 

@@ -1,4 +1,4 @@
-"""The cost ledger's bookkeeping on events alone (callbacks/costs.py), and the restart gap's read
+"""The cost ledger's bookkeeping on events alone (callbacks/cost_ledger.py), and the restart gap's read
 of the last event (utils/clock.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigtrain.callbacks.costs import CostLedger
+from bigtrain.callbacks.cost_ledger import CostLedger
 from bigtrain.utils.clock import StartupClock, last_event_time
 
 pytestmark = pytest.mark.unit

@@ -19,7 +19,7 @@ RUN = (
     "checkpoint.every=10",
     "resilience.snapshot_every=5",
     "resilience.confirm_steps=3",
-    "fault.nan_grad_step=12",
+    "drill.nan_grad_step=12",
 )
 
 

@@ -14,7 +14,7 @@ import torch
 
 from bigtrain import cli
 from bigtrain.errors import OutOfMemory
-from bigtrain.parallel.local import LocalBackend
+from bigtrain.parallel.backends.local import LocalBackend
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.telemetry import memory
 

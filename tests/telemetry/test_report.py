@@ -19,7 +19,7 @@ def test_report_plots_what_metrics_jsonl_holds_with_anomaly_markers(micro):
         "train.log_every=2",
         "resilience.snapshot_every=5",
         "resilience.confirm_steps=3",
-        "fault.nan_grad_step=12",
+        "drill.nan_grad_step=12",
     )
     run(cfg, DistEnv())
     out = Path(cfg.train.out_dir)

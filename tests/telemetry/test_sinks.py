@@ -26,7 +26,7 @@ ROLLBACK = (
     "train.log_every=1",
     "resilience.snapshot_every=5",
     "resilience.confirm_steps=3",  # hold_steps: 5 + 3
-    "fault.nan_grad_step=12",
+    "drill.nan_grad_step=12",
 )
 
 
@@ -150,7 +150,7 @@ def test_tensorboard_and_mlflow_hold_the_kept_trajectory_config_and_policy(micro
     policy = board.Tensors("precision/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| master weights | fp32 |" in policy
     config = board.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert '"fault": {' in config and '"nan_grad_step": [\n   12' in config
+    assert '"drill": {' in config and '"nan_grad_step": [\n   12' in config
     assert board.Scalars("final/rollbacks")[0].value == 1.0
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")

@@ -1,5 +1,5 @@
 """One process, one device: the reference backend the sharded ones are compared against (with
-pipeline stages one process per stage: parallel/pipelined.py)."""
+pipeline stages one process per stage: parallel/pipeline/stage_backends.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from bigtrain.config.schema import OptimConfig, PrecisionConfig
-from bigtrain.parallel.backend import weights_fingerprint
-from bigtrain.parallel.torch_backend import TorchBackend
+from bigtrain.parallel.backends.base import weights_fingerprint
+from bigtrain.parallel.backends.torch_base import TorchBackend
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 

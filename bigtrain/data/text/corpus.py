@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.rows import RowCheck, json_texts, parquet_texts, row_texts
+from bigtrain.data.text.rows import RowCheck, json_texts, parquet_texts, row_texts
 from bigtrain.errors import ConfigError
 
 FORMATS = {

@@ -5,7 +5,7 @@ gradient tensor; so do a few healthy steps (a head waking up), which is why a su
 replays the step (replay.py): corruption does not come back, the data's own spikes do. Nothing is
 skipped and no LR is cut.
 
-Each rank measures its shards against their own history (monitor/levels.py: a shard's rise over
+Each rank measures its shards against their own history (monitor/shards.py: a shard's rise over
 the median of its last `window` levels, beyond its rank's median rise, beyond its partner's) and
 the monitor's MAX all-reduce gives every rank, per tensor, the largest and the smallest rise over
 the ranks that hold it, the largest rise alone and the largest rise over a partner. Three series
@@ -43,7 +43,7 @@ import numpy as np
 
 from bigtrain.config.resilience import SuspicionConfig
 from bigtrain.model.gpt import GradientRoles
-from bigtrain.monitor.levels import EMPTY
+from bigtrain.monitor.shards import EMPTY
 from bigtrain.resilience.rules import MAD_TO_SIGMA
 
 SERIES = 3  # split, alone, pair

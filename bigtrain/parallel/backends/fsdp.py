@@ -12,10 +12,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bigtrain.config.schema import OptimConfig, PrecisionConfig
-from bigtrain.parallel.backend import weights_fingerprint
+from bigtrain.parallel.backends.base import weights_fingerprint
+from bigtrain.parallel.backends.torch_base import TorchBackend
 from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.tensor_parallel import dropout_seed, uses_gpt_plan
-from bigtrain.parallel.torch_backend import TorchBackend
+from bigtrain.parallel.tensor.plans import dropout_seed, uses_gpt_plan
 from bigtrain.precision.policy import PrecisionPolicy
 from bigtrain.utils.names import canonical_name
 

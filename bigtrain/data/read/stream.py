@@ -18,15 +18,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from bigtrain.data.summary import CorpusSummary
-from bigtrain.data.tokens import TokenCorpus
+from bigtrain.data.prepare.cache import TokenCorpus
+from bigtrain.data.prepare.summary import CorpusSummary
 from bigtrain.errors import ConfigError
 from bigtrain.utils.seeds import derived_seed
 
 
 class Samples(Protocol):
     """What BatchLoader and eval_batches read: (seq_len + 1)-token rows by sample id
-    (PackedSamples; data/mixture.py's MixedSamples over several sources)."""
+    (PackedSamples; data/read/mixture.py's MixedSamples over several sources)."""
 
     def __len__(self) -> int: ...
 
@@ -36,7 +36,7 @@ class Samples(Protocol):
 class PackedSamples:
     """Fixed-length samples of seq_len + 1 tokens (inputs and shifted targets) over a token range.
     Consecutive samples overlap by one token so that every token is a target exactly once.
-    `tokens` is a numpy array or anything that slices like one (data/prepared.py)."""
+    `tokens` is a numpy array or anything that slices like one (data/read/prepared.py)."""
 
     def __init__(self, tokens: Any, seq_len: int, first: int, count: int) -> None:
         self.tokens, self.seq_len, self.first, self.count = tokens, seq_len, first, count
@@ -83,8 +83,8 @@ class TrainingData:
     """What a run reads, whatever its source: the training samples in the stream's order, the
     validation samples, and what the model and the run must know of the corpus. The token cache
     of data.source=shakespeare/files/hub is one source (`from_corpus`); data.mixture's prepared
-    directories are mixed (data/prepared_mixture.py). Both read prepared directories through
-    data/prepared.py."""
+    directories are mixed (data/read/sources.py). Both read prepared directories through
+    data/read/prepared.py."""
 
     key: str
     """Identity of the training data (resume refuses another without allow_config_change)."""

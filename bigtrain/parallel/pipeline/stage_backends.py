@@ -1,7 +1,7 @@
 """The local and FSDP2 backends over a pipeline rank's chunks: what a backend does that depends
 on the model being split into stages, in one place (the rest is the backend's own).
 
-The step goes through the schedule (pipeline.py); evaluation and samples through the stages in
+The step goes through the schedule (schedule.py); evaluation and samples through the stages in
 order; the monitor, the checkpoint and the fingerprint see the whole model's parameters by name
 (`monitored`, `param_shapes`, `named_grads`, `fingerprint`); a tied table's second copy on one
 rank is saved once and copied back after a load.
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from bigtrain.checkpoint.state import Block
-from bigtrain.parallel.fsdp import FSDPBackend
-from bigtrain.parallel.local import LocalBackend
-from bigtrain.parallel.pipeline import Pipeline
-from bigtrain.parallel.tensor_parallel import uses_gpt_plan
+from bigtrain.parallel.backends.fsdp import FSDPBackend
+from bigtrain.parallel.backends.local import LocalBackend
+from bigtrain.parallel.pipeline.schedule import Pipeline
+from bigtrain.parallel.tensor.plans import uses_gpt_plan
 
 
 class Pipelined:

@@ -3,7 +3,7 @@ manifest, written in one streaming pass (two with a BPE to train), memory indepe
 corpus's size (docs/data.md):
 
     DIR/manifest.json     written last: a directory without it is incomplete
-    DIR/shard_XXXXX.bin   tokens, every document followed by EOS (see data/shards.py)
+    DIR/shard_XXXXX.bin   tokens, every document followed by EOS (see data/prepare/shards.py)
     DIR/shard_XXXXX.idx   each document's end offset in its shard
     DIR/tokenizer/        the transformers tokenizer that made them
 
@@ -27,12 +27,17 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.corpus import Documents, corpus_fingerprint, corpus_inputs
-from bigtrain.data.encode import Encoder, encode_batches
-from bigtrain.data.prepared import FORMAT, MANIFEST, TOKENIZER, record_verified
-from bigtrain.data.shards import ShardWriter, intact_prefix, remove_shards
-from bigtrain.data.summary import CorpusSummary
-from bigtrain.data.tokenizer import load_tokenizer, tokenizer_key, tokenizer_sha256, train_bpe
+from bigtrain.data.prepare.encode import Encoder, encode_batches
+from bigtrain.data.prepare.shards import ShardWriter, intact_prefix, remove_shards
+from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.prepare.tokenizer import (
+    load_tokenizer,
+    tokenizer_key,
+    tokenizer_sha256,
+    train_bpe,
+)
+from bigtrain.data.read.prepared import FORMAT, MANIFEST, TOKENIZER, record_verified
+from bigtrain.data.text.corpus import Documents, corpus_fingerprint, corpus_inputs
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import write_json_atomic
 from bigtrain.utils.version import BIGTRAIN_VERSION

@@ -42,8 +42,8 @@ from bigtrain.optim.optimizer import (
     make_adamw,
     set_fp32_optimizer_state,
 )
-from bigtrain.parallel import zero_state
-from bigtrain.parallel.backend import (
+from bigtrain.parallel.backends import zero_state
+from bigtrain.parallel.backends.base import (
     Backend,
     load_buffers,
     scale_to_norm,

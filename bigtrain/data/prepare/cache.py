@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from bigtrain.config.schema import DataConfig
-from bigtrain.data.corpus import corpus_fingerprint, corpus_inputs, source_files
-from bigtrain.data.prepare import prepare
-from bigtrain.data.prepared import MANIFEST, PreparedData
-from bigtrain.data.summary import CorpusSummary
-from bigtrain.data.tokenizer import EOS, load_tokenizer, tokenizer_key, train_bpe
+from bigtrain.data.prepare.run import prepare
+from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.prepare.tokenizer import EOS, load_tokenizer, tokenizer_key, train_bpe
+from bigtrain.data.read.prepared import MANIFEST, PreparedData
+from bigtrain.data.text.corpus import corpus_fingerprint, corpus_inputs, source_files
 from bigtrain.utils.files import usual_permissions
 
 __all__ = [

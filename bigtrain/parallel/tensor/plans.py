@@ -24,7 +24,7 @@ dropout masks (seeded per rank at build).
 For `kind=hf` models everything outside the matched layers (embeddings, norms, lm_head) stays
 whole on every tp rank; transformers' attention reshapes to `(-1, head_dim)`, so a q/k/v layer
 split by heads needs no change; the kv heads must divide by the tp degree. GPT-2's layers are
-transformers `Conv1D`s, split by bigtrain's own layer (tp_conv1d.py), its fused q/k/v by the
+transformers `Conv1D`s, split by bigtrain's own layer (tensor/conv1d.py), its fused q/k/v by the
 `colwise_qkv` style.
 """
 
@@ -47,8 +47,8 @@ from torch.distributed.tensor.parallel import (
 from bigtrain.config.parallel import check_gpt_tensor_parallel
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import GPT
-from bigtrain.parallel.apply import transformer_blocks
-from bigtrain.parallel.tp_conv1d import is_conv1d, parallelize_conv1d
+from bigtrain.parallel.tensor.conv1d import is_conv1d, parallelize_conv1d
+from bigtrain.parallel.transforms import transformer_blocks
 from bigtrain.precision.int8 import Int8Layer
 from bigtrain.utils.seeds import derived_seed
 

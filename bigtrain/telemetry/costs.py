@@ -2,7 +2,7 @@
 `bigtrain plan --goodput --from RUN_DIR` takes instead of its defaults.
 
 Each process of a run writes a `startup` event after its first step and a `costs` event when it
-ends (callbacks/costs.py); a process killed (a crash, a hang, SIGKILL) writes no `costs`: its
+ends (callbacks/cost_ledger.py); a process killed (a crash, a hang, SIGKILL) writes no `costs`: its
 wall time runs to its last event, and its steps past the checkpoint the next process resumed from
 count as work lost to the restart.
 """

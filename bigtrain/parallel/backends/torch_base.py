@@ -19,7 +19,7 @@ from bigtrain.optim.optimizer import (
     make_adamw,
     set_fp32_optimizer_state,
 )
-from bigtrain.parallel.backend import Backend, load_buffers, scale_to_norm
+from bigtrain.parallel.backends.base import Backend, load_buffers, scale_to_norm
 from bigtrain.precision.islands import FP32Islands
 from bigtrain.precision.policy import Phase, PrecisionPolicy
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate

@@ -1,5 +1,5 @@
 """A run's data from `data.source=prepared`: the sources of `data.mixture` opened and checked
-against each other, packed, and mixed (data/mixture.py); validation from `data.val_mixture` or
+against each other, packed, and mixed (data/read/mixture.py); validation from `data.val_mixture` or
 the held-out tail of each source."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 import torch
 
 from bigtrain.config.data import DataConfig, MixtureSource
-from bigtrain.data.mixture import MixedSamples, MixtureStream, SourceSpec
-from bigtrain.data.prepared import PreparedData
-from bigtrain.data.stream import PackedSamples, Samples, TrainingData, split_tokens
-from bigtrain.data.summary import CorpusSummary
+from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.read.mixture import MixedSamples, MixtureStream, SourceSpec
+from bigtrain.data.read.prepared import PreparedData
+from bigtrain.data.read.stream import PackedSamples, Samples, TrainingData, split_tokens
 from bigtrain.errors import ConfigError
 from bigtrain.utils.dist import all_gather_objects
 

@@ -166,7 +166,7 @@ class Backend(abc.ABC):
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Entered around the loss and its backward: tensor parallelism's loss over logits split
-        by vocabulary (parallel/fsdp.py); nothing otherwise."""
+        by vocabulary (parallel/backends/fsdp.py); nothing otherwise."""
         return contextlib.nullcontext()
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 stages and schedule, and what the rest of bigtrain asks of a model that no rank holds whole.
 
 A rank holds one chunk (gpipe, 1f1b) or several (interleaved_1f1b: stages r, r + pp, ...; zbv:
-stages r and 2 pp - 1 - r), each a pruned copy of the whole model (pipeline_split.py) under one
+stages r and 2 pp - 1 - r), each a pruned copy of the whole model (split.py) under one
 root module, `StageChunks`, whose `pp_chunk<v>` name components canonical names drop: every
 parameter keeps the whole model's name. So checkpoints are the universal format, and the
 monitor's per-tensor statistics line up on every rank: `named_grads` lists every trainable
@@ -381,7 +381,7 @@ class Pipeline:
     def fingerprint(self) -> str:
         """weights_fingerprint of the whole model: each parameter, in name order, gathered
         whole on its stage and sent to pipeline rank 0, which hashes; the digest goes to all."""
-        from bigtrain.parallel.backend import hash_tensor
+        from bigtrain.parallel.backends.base import hash_tensor
 
         pp_rank = self.layout.coord("pp")
         chunks = len(self.stage_ids)

@@ -13,7 +13,7 @@ bigtrain's GPT is cut on the meta device (each stage then draws its own paramete
 whole build would); a transformers model (`HFStage`, Llama-family and GPT-2) is cut from its
 whole build, which transformers initialises as a whole. The last stage of a model with tied
 embeddings keeps the token table as well (its output layer is that table); its gradient is summed
-with the first stage's copy (parallel/pipeline.py).
+with the first stage's copy (parallel/pipeline/schedule.py).
 """
 
 from __future__ import annotations

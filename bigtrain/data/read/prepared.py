@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bigtrain.data.shards import INDEX_DTYPE
-from bigtrain.data.tokenizer import tokenizer_identity, tokenizer_sha256
+from bigtrain.data.prepare.shards import INDEX_DTYPE
+from bigtrain.data.prepare.tokenizer import tokenizer_identity, tokenizer_sha256
 from bigtrain.errors import ConfigError
 from bigtrain.utils.files import sha256_file as file_sha256
 from bigtrain.utils.files import write_json_atomic
@@ -143,7 +143,7 @@ class PreparedData:
 
     @functools.cached_property
     def tokenizer_identity(self) -> str:
-        """What its tokenizer is (data/tokenizer.py `tokenizer_identity`), read when first asked:
+        """What its tokenizer is (data/prepare/tokenizer.py `tokenizer_identity`), read when first asked:
         sources of one tokenizer mix, whatever bytes its saved files hold."""
         return tokenizer_identity(self.tokenizer_dir)
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bigtrain.callbacks import fault_injection
-from bigtrain.callbacks.fault_injection import FaultInjector
-from bigtrain.config.schema import FaultConfig
+from bigtrain.callbacks import drills as fault_injection
+from bigtrain.callbacks.drills import Drills
+from bigtrain.config.schema import DrillConfig
 from bigtrain.errors import ConfigError
 from tests.stubs import StubTrainer
 
@@ -24,7 +24,7 @@ QKV, HEAD = "blocks.0.attn.qkv.weight", "lm_head.weight"  # the stub's gradients
 
 
 def make(tmp_path, rank: int = 0, **switches) -> StubTrainer:
-    return StubTrainer(tmp_path, [FaultInjector(FaultConfig(**switches), rank)], rank=rank)
+    return StubTrainer(tmp_path, [Drills(DrillConfig(**switches), rank)], rank=rank)
 
 
 def grads(trainer: StubTrainer) -> dict[str, list[float]]:
@@ -174,7 +174,7 @@ def test_flip_bit_flips_the_chosen_bit_of_the_dtype(dtype, bit, expected):
 
 def test_an_unknown_grad_tensor_is_a_config_error_naming_a_real_one(tmp_path):
     trainer = make(tmp_path, nan_grad_step=[1], grad_tensor="blocks.0.attn.qkv")
-    with pytest.raises(ConfigError, match=r"'fault\.grad_tensor'.*such as 'wte\.weight'"):
+    with pytest.raises(ConfigError, match=r"'drill\.grad_tensor'.*such as 'wte\.weight'"):
         trainer.after_backward()
 
 
@@ -234,7 +234,7 @@ def test_the_slow_rank_sleeps_in_every_step_whatever_fault_rank_says(
 ):
     slept = []
     monkeypatch.setattr(fault_injection, "time", SimpleNamespace(sleep=slept.append))
-    trainer = make(tmp_path, rank=rank, slow_rank=1, slow_s=0.25)  # fault.rank stays 0
+    trainer = make(tmp_path, rank=rank, slow_rank=1, slow_s=0.25)  # drill.rank stays 0
     trainer.after_backward()
     assert slept == sleeps
     trainer.after_backward()

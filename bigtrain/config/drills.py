@@ -1,4 +1,4 @@
-"""Fault-injection switches (`fault.*`), for drills and tests; all off by default. Kept apart from
+"""Fault-injection switches (`drill.*`), for drills and tests; all off by default. Kept apart from
 the user settings: nothing here belongs in a real run's config."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from bigtrain.errors import ConfigError
 
 
 @dataclass
-class FaultConfig:
+class DrillConfig:
     rank: int = 0
     """Rank the faults are injected on."""
     group: int = 0
@@ -96,31 +96,31 @@ class FaultConfig:
     """Steps after which `diverge_group` changes its weights; empty: its last step."""
 
 
-def check_fault_groups(f: FaultConfig, groups: int) -> None:
+def check_drill_groups(f: DrillConfig, groups: int) -> None:
     """The drills' replica groups against fault_tolerance.groups (called by config/load.py's
     `validate`): a group that does not exist would never fire, and the drill would pass unseen."""
     if groups == 1 and f.group != 0:
         raise ConfigError(
-            f"key 'fault.group' got {f.group}, but fault_tolerance.groups is 1 (no replica "
+            f"key 'drill.group' got {f.group}, but fault_tolerance.groups is 1 (no replica "
             "groups): use 0"
         )
     if not 0 <= f.group < groups:
         raise ConfigError(
-            f"key 'fault.group' got {f.group}, expected a replica group 0..{groups - 1} "
+            f"key 'drill.group' got {f.group}, expected a replica group 0..{groups - 1} "
             f"(fault_tolerance.groups is {groups})"
         )
     if groups == 1 and f.kill_group != -1:
         raise ConfigError(
-            f"key 'fault.kill_group' got {f.kill_group}, but fault_tolerance.groups is 1 (no "
-            "replica groups): use -1, and fault.kill_step alone to kill fault.rank"
+            f"key 'drill.kill_group' got {f.kill_group}, but fault_tolerance.groups is 1 (no "
+            "replica groups): use -1, and drill.kill_step alone to kill drill.rank"
         )
     if f.diverge_group != -1 and not 0 <= f.diverge_group < groups:
         raise ConfigError(
-            f"key 'fault.diverge_group' got {f.diverge_group}, expected -1 (off) or a replica "
+            f"key 'drill.diverge_group' got {f.diverge_group}, expected -1 (off) or a replica "
             f"group 0..{groups - 1} (fault_tolerance.groups is {groups})"
         )
     if f.kill_group != -1 and not 0 <= f.kill_group < groups:
         raise ConfigError(
-            f"key 'fault.kill_group' got {f.kill_group}, expected -1 (off) or a replica group "
+            f"key 'drill.kill_group' got {f.kill_group}, expected -1 (off) or a replica group "
             f"0..{groups - 1} (fault_tolerance.groups is {groups})"
         )

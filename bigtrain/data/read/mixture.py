@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigtrain.data.stream import CANNOT_CONTINUE, NEW_RUN, SampleStream
+from bigtrain.data.read.stream import CANNOT_CONTINUE, NEW_RUN, SampleStream
 from bigtrain.errors import ConfigError
 from bigtrain.utils.seeds import derived_seed
 

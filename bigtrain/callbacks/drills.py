@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bigtrain.config.schema import FaultConfig
+from bigtrain.config.schema import DrillConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model.moe import moe_layers
 from bigtrain.train.hooks import Callback
@@ -38,8 +38,8 @@ def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
     return before, value.item()
 
 
-class FaultInjector(Callback):
-    def __init__(self, cfg: FaultConfig, rank: int, group: int = 0) -> None:
+class Drills(Callback):
+    def __init__(self, cfg: DrillConfig, rank: int, group: int = 0) -> None:
         """`group`: this process's replica group (0 without fault tolerance)."""
         self.cfg, self.rank = cfg, rank
         self.active = rank == cfg.rank and group == cfg.group
@@ -58,7 +58,7 @@ class FaultInjector(Callback):
         return True
 
     def _target(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-        """The gradient the drills poison: fault.grad_tensor, or the first one held here."""
+        """The gradient the drills poison: drill.grad_tensor, or the first one held here."""
         held = [(n, g) for n, g in named if g.numel()]
         if not self.cfg.grad_tensor:
             return held[0]
@@ -68,11 +68,11 @@ class FaultInjector(Callback):
         names = [n for n, _ in named]
         if self.cfg.grad_tensor in names:
             raise ConfigError(
-                f"key 'fault.grad_tensor': rank {self.cfg.rank} holds no part of "
-                f"{self.cfg.grad_tensor!r}; pick another fault.rank or tensor"
+                f"key 'drill.grad_tensor': rank {self.cfg.rank} holds no part of "
+                f"{self.cfg.grad_tensor!r}; pick another drill.rank or tensor"
             )
         raise ConfigError(
-            f"key 'fault.grad_tensor' got {self.cfg.grad_tensor!r}, expected a parameter name "
+            f"key 'drill.grad_tensor' got {self.cfg.grad_tensor!r}, expected a parameter name "
             f"such as {names[0]!r}"
         )
 
@@ -108,11 +108,11 @@ class FaultInjector(Callback):
             self.biased = self._due("router_bias", self.cfg.router_bias_step, step)
         layers = moe_layers(trainer.backend.model)
         if self.biased and not layers:
-            raise ConfigError("key 'fault.router_bias': the model has no MoE layer (model.moe)")
+            raise ConfigError("key 'drill.router_bias': the model has no MoE layer (model.moe)")
         for layer in layers:
             if expert >= layer.cfg.experts:
                 raise ConfigError(
-                    f"key 'fault.router_bias' ({expert}) must be an expert index below "
+                    f"key 'drill.router_bias' ({expert}) must be an expert index below "
                     f"model.moe.experts ({layer.cfg.experts})"
                 )
             bias = torch.zeros(layer.cfg.experts, device=layer.stats.device)
@@ -132,7 +132,7 @@ class FaultInjector(Callback):
         modules = {canonical_name(n): m for n, m in trainer.backend.model.named_modules()}
         if name not in modules:
             raise ConfigError(
-                f"key 'fault.bitflip_activation' got {name!r}, expected a module name such as "
+                f"key 'drill.bitflip_activation' got {name!r}, expected a module name such as "
                 f"{next(n for n in modules if n)!r}"
             )
 

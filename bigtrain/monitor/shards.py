@@ -19,7 +19,7 @@ smallest rise comes along):
 Silent data corruption raises one shard of one tensor: its rise leaves the other ranks' rises of
 the same tensor behind, its rank's other tensors and its partner too. A head or a layer waking up
 moves its tensors together on one rank, and the whole model moves together on every rank; each
-shows in some numbers only (resilience/suspect.py watches all three). No host synchronization:
+shows in some numbers only (resilience/suspicion.py watches all three). No host synchronization:
 the history, the medians, the partners and the packing stay on the device.
 """
 

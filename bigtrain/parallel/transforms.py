@@ -36,7 +36,7 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def block_container(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The model's container of transformer blocks: the largest ModuleList of same-type modules
     (`blocks` in bigtrain's GPT, `transformer.h` in GPT-2, `model.layers` in Llama), or the
-    ModuleDict a pipeline stage keeps its blocks in (parallel/pipeline_split.py)."""
+    ModuleDict a pipeline stage keeps its blocks in (parallel/pipeline/split.py)."""
     candidates = [
         m
         for m in model.modules()

@@ -3,9 +3,10 @@
 Each step after backward: one pass over this rank's gradient shards (stats.py), one SUM all-reduce
 with the local loss packed in, one MAX all-reduce (max |g| on full steps; every step, the
 suspicion tier's shard statistics (shards.py) and an MoE model's router extremes), one host read
-of the reduced numbers. Every rank then holds the same numbers, so the detection rules
-(bigtrain/resilience) reach the same verdict on every rank. The global gradient norm for clipping is the square root of
-the summed squares: no second pass over the gradients.
+of the reduced numbers. What rides along travels in named slots (slots.py), declared per kind of
+step (`GradMonitor.slots`) and read by name. Every rank then holds the same numbers, so the
+detection rules (bigtrain/resilience) reach the same verdict on every rank. The global gradient
+norm for clipping is the square root of the summed squares: no second pass over the gradients.
 """
 
 from __future__ import annotations
@@ -19,18 +20,35 @@ import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
-from bigtrain.monitor.routers import RouterStats
-from bigtrain.monitor.shards import ShardHistory, shard_levels
+from bigtrain.monitor.routers import ROUTER_EXTREMES, ROUTER_SUMS, RouterStats
+from bigtrain.monitor.shards import SHARDS, ShardHistory, shard_levels, shard_slot
+from bigtrain.monitor.slots import Pack, Slot, SlotLayout
 from bigtrain.monitor.stats import (
+    LOSS,
+    MAX_ABS,
+    NONFINITE,
+    SUM_SQ,
     GradStats,
+    grad_slots,
     layer_stats,
     local_grad_stats,
+    packed_stats,
     reduce_grad_stats,
     replica_differences,
     scale_stats,
+    stats_values,
     weighted_stats,
 )
 from bigtrain.parallel.layout import Layout
+
+STOP, REPLICAS, GRAD_NORM = "stop", "replicas", "grad_norm"
+"""The preemption request's slot, the HSDP probe's (full steps), and the norm's host value."""
+
+AcrossGroups = Callable[
+    [torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
+]
+"""(loss, summed, maxed) -> the same reduced over fault-tolerant replica groups (by name)."""
 
 
 @dataclass
@@ -81,8 +99,7 @@ class GradMonitor:
         use_kernel: bool,
         replication: list[int] | None = None,
         layout: Layout | None = None,
-        across_groups: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-        | None = None,
+        across_groups: AcrossGroups | None = None,
         routers: RouterStats | None = None,
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
@@ -90,9 +107,10 @@ class GradMonitor:
         SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
         its HSDP replicas are compared on full steps (one more small collective).
-        `across_groups`: the loss averaged, the HSDP probe's flags summed and the router
-        extremes maxed over fault-tolerant replica groups (parallel/replicas/groups.py), whose gradients were
-        averaged before the monitor reads them; the preemption flag stays the group's.
+        `across_groups`: the loss averaged, the HSDP probe's flags and the router sums summed
+        and the router extremes maxed over fault-tolerant replica groups
+        (parallel/replicas/groups.py), whose gradients were averaged before the monitor reads
+        them; the preemption flag stays the group's.
         `routers`: an MoE model's router sums (monitor/routers.py), summed over ranks (and
         groups) in the same all-reduce, and their extremes in the MAX one."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
@@ -110,11 +128,28 @@ class GradMonitor:
         self.history = ShardHistory(
             cfg.suspicion.window, len(names), device, cfg.suspicion.neighbours
         )
+        self.layouts: dict[bool, SlotLayout] = {}  # by full step or not (`slots`)
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
         log steps; other steps compute the sums of squares and non-finite counts only."""
         return log_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def slots(self, full: bool) -> SlotLayout:
+        """What a step's collectives carry, declared once per kind of step: the gradient
+        statistics and the loss (max |g| on full steps), the preemption request, on full steps
+        under HSDP one difference flag per replica, the suspicion tier's shard statistics, an
+        MoE model's router sums and extremes."""
+        if full not in self.layouts:
+            slots = grad_slots(len(self.names), full) + [Slot(STOP, 1, "sum")]
+            if full and self.replica_group is not None:
+                slots.append(Slot(REPLICAS, self.layout.replicate, "sum"))
+            if self.cfg.suspicion.enabled:
+                slots.append(shard_slot(len(self.names)))
+            if self.routers is not None:
+                slots += self.routers.slots()
+            self.layouts[full] = SlotLayout(slots)
+        return self.layouts[full]
 
     def check(
         self,
@@ -129,58 +164,57 @@ class GradMonitor:
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
         self.last_local = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1)])
-        flags = self._flags(stats, full, stop_requested)
-        routers, extremes = self.routers.size if self.routers is not None else 0, None
+        values = stats_values(weighted_stats(stats, self.weights))
+        values[LOSS] = local_loss
+        values[STOP] = torch.tensor([float(stop_requested)], device=self.device)
+        if full and self.replica_group is not None:  # the HSDP consistency probe
+            local = torch.cat([stats.sum_sq, stats.nonfinite])
+            values[REPLICAS] = replica_differences(local, self.replica_group)
         if self.routers is not None:
-            sums, extremes = self.routers.take(self.device)
-            flags = torch.cat([flags, sums])
+            values[ROUTER_SUMS], values[ROUTER_EXTREMES] = self.routers.take(self.device)
         levels = self._levels(named_grads, stats.sum_sq, grad_factor)
-        shards = None if levels is None else self.history.statistics(levels)
-        parts = [t for t in (shards, extremes) if t is not None]
-        stats = weighted_stats(stats, self.weights)
-        stats, loss, flags, maxima = reduce_grad_stats(
-            stats, local_loss, flags, self.layout.loss_ranks, torch.cat(parts) if parts else None
-        )
-        if shards is not None:
-            shards, maxima = maxima[: shards.numel()], maxima[shards.numel() :]
-        extremes = maxima if self.routers is not None else None
-        if self.across_groups is not None:  # shards need not cross: the groups' are equal
-            loss, flags, extremes = self.across_groups(loss, flags, extremes)
-        stats = scale_stats(stats, grad_factor)
+        if levels is not None:
+            values[SHARDS] = self.history.statistics(levels)
+        pack = reduce_grad_stats(self.slots(full).fill(values), self.layout.loss_ranks)
+        if self.across_groups is not None:
+            pack = self._across_groups(pack)
+        stats = scale_stats(packed_stats(self.names, pack), grad_factor)
         norm = stats.global_norm
-        host_vectors = [stats.sum_sq, stats.nonfinite] + ([stats.max_abs] if full else [])
-        host_vectors += [t for t in (shards, extremes) if t is not None]
-        # Expensive device-to-host synchronization: the step's decision, one read per step.
-        host = torch.cat([loss.reshape(1), norm.reshape(1), flags, *host_vectors]).tolist()
-        n, f = len(self.names), 2 + len(flags)
-        sum_sq, nonfinite = host[f : f + n], host[f + n : f + 2 * n]
-        max_abs = host[f + 2 * n : f + 3 * n] if full else None
-        at = f + (3 if full else 2) * n
-        host_shards = host[at : at + shards.numel()] if shards is not None else None
+        host = pack.replaced(stats_values(stats)).read({GRAD_NORM: norm})
+        sum_sq, nonfinite, max_abs = host[SUM_SQ], host[NONFINITE], host.get(MAX_ABS)
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         if self.routers is not None:
-            ends = host[len(host) - extremes.numel() :]
-            telemetry.update(self.routers.read(host[f - routers : f], ends))
+            telemetry.update(self.routers.read(host[ROUTER_SUMS], host[ROUTER_EXTREMES]))
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
         return Health(
-            loss,
+            pack[LOSS].reshape(()),
             norm,
             stats,
-            host_loss=host[0],
-            host_grad_norm=host[1],
+            host_loss=host[LOSS][0],
+            host_grad_norm=host[GRAD_NORM][0],
             num_nonfinite=telemetry["grad_nonfinite"],
             host_sum_sq=sum_sq,
             host_nonfinite=nonfinite,
             host_max_abs=max_abs,
-            replicas=[r for r, v in enumerate(host[3 : f - routers]) if v > 0],
+            replicas=[r for r, v in enumerate(host.get(REPLICAS) or []) if v > 0],
             telemetry=telemetry,
-            stop_requested=host[2] > 0,
+            stop_requested=host[STOP][0] > 0,
             grad_factor=grad_factor,
-            shards=host_shards,
+            shards=host.get(SHARDS),
             levels=levels,
         )
+
+    def _across_groups(self, pack: Pack) -> Pack:
+        """The loss averaged, the replica flags and router sums summed, the router extremes
+        maxed over the replica groups. The gradient and shard statistics need not cross (the
+        groups' gradients are equal); the preemption request stays the group's own."""
+        assert self.across_groups is not None
+        summed = {k: pack[k] for k in (REPLICAS, ROUTER_SUMS) if k in pack}
+        maxed = {k: pack[k] for k in (ROUTER_EXTREMES,) if k in pack}
+        loss, summed, maxed = self.across_groups(pack[LOSS], summed, maxed)
+        return pack.replaced({LOSS: loss} | summed | maxed)
 
     def max_abs(
         self, named_grads: list[tuple[str, torch.Tensor]], grad_factor: float
@@ -216,12 +250,3 @@ class GradMonitor:
             sizes = [g.numel() for _, g in named_grads]
             self.sizes = torch.tensor(sizes, dtype=torch.float32, device=self.device)
         return shard_levels(sum_sq, self.sizes, grad_factor)
-
-    def _flags(self, stats: GradStats, full: bool, stop_requested: bool) -> torch.Tensor:
-        """What rides along the SUM all-reduce: the preemption request, then on full steps under
-        HSDP one difference flag per replica (the consistency probe)."""
-        stop = torch.tensor([float(stop_requested)], device=self.device)
-        if not full or self.replica_group is None:
-            return stop
-        local = torch.cat([stats.sum_sq, stats.nonfinite])
-        return torch.cat([stop, replica_differences(local, self.replica_group)])

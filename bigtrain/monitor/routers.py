@@ -29,7 +29,27 @@ import torch
 from torch import nn
 
 from bigtrain.model.moe import STATS_EXTRA, MoE
+from bigtrain.monitor.slots import Slot
 from bigtrain.utils.names import canonical_name
+
+ROUTER_SUMS, ROUTER_EXTREMES = "router_sums", "router_extremes"
+"""The slots of `RouterStats.take`'s sums (summed over ranks) and extremes (maxed)."""
+
+# The step's router metrics (`RouterStats.read`): the model's worst layer or mean over layers ...
+LOAD_MAX_MEAN = "moe_load_max_mean"
+LOAD_ENTROPY = "moe_load_entropy"
+AUX_LOSS = "moe_aux_loss"
+Z_LOSS = "moe_z_loss"
+AUX_LOSS_MAX = "moe_aux_loss_max"
+Z_LOSS_MAX = "moe_z_loss_max"
+ROUTER_SPREAD = "moe_router_spread"
+DROPPED = "moe_dropped"
+# ... and per MoE block ({block: value}).
+LAYER_LOAD_MAX_MEAN = "moe_layer_load_max_mean"
+LAYER_AUX_LOSS = "moe_layer_aux_loss"
+LAYER_Z_LOSS = "moe_layer_z_loss"
+LAYER_ROUTER_SPREAD = "moe_layer_router_spread"
+LAYER_LOAD = "moe_layer_load"
 
 
 def block_of(name: str) -> str:
@@ -69,6 +89,11 @@ class RouterStats:
     @property
     def size(self) -> int:
         return len(self.names) * self.width
+
+    def slots(self) -> list[Slot]:
+        """What `take` yields: the sums of every layer, then their extremes."""
+        extremes = len(self.names) * 2 * self.experts
+        return [Slot(ROUTER_SUMS, self.size, "sum"), Slot(ROUTER_EXTREMES, extremes, "max")]
 
     def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's sums (for a SUM) and extremes (for a MAX) of every MoE layer held here
@@ -119,17 +144,17 @@ class RouterStats:
             return {}
         layers = list(by_layer.values())
         return {
-            "moe_load_max_mean": max(v["max_mean"] for v in layers),
-            "moe_load_entropy": min(v["entropy"] for v in layers),
-            "moe_aux_loss": sum(v["aux"] for v in layers) / len(layers),
-            "moe_z_loss": sum(v["z"] for v in layers) / len(layers),
-            "moe_aux_loss_max": max(v["aux"] for v in layers),
-            "moe_z_loss_max": max(v["z"] for v in layers),
-            "moe_router_spread": max(v["spread"] for v in layers),
-            "moe_dropped": dropped,
-            "moe_layer_load_max_mean": {k: v["max_mean"] for k, v in by_layer.items()},
-            "moe_layer_aux_loss": {k: v["aux"] for k, v in by_layer.items()},
-            "moe_layer_z_loss": {k: v["z"] for k, v in by_layer.items()},
-            "moe_layer_router_spread": {k: v["spread"] for k, v in by_layer.items()},
-            "moe_layer_load": {k: v["load"] for k, v in by_layer.items()},
+            LOAD_MAX_MEAN: max(v["max_mean"] for v in layers),
+            LOAD_ENTROPY: min(v["entropy"] for v in layers),
+            AUX_LOSS: sum(v["aux"] for v in layers) / len(layers),
+            Z_LOSS: sum(v["z"] for v in layers) / len(layers),
+            AUX_LOSS_MAX: max(v["aux"] for v in layers),
+            Z_LOSS_MAX: max(v["z"] for v in layers),
+            ROUTER_SPREAD: max(v["spread"] for v in layers),
+            DROPPED: dropped,
+            LAYER_LOAD_MAX_MEAN: {k: v["max_mean"] for k, v in by_layer.items()},
+            LAYER_AUX_LOSS: {k: v["aux"] for k, v in by_layer.items()},
+            LAYER_Z_LOSS: {k: v["z"] for k, v in by_layer.items()},
+            LAYER_ROUTER_SPREAD: {k: v["spread"] for k, v in by_layer.items()},
+            LAYER_LOAD: {k: v["load"] for k, v in by_layer.items()},
         }

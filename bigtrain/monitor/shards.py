@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from bigtrain.monitor.slots import Slot
+
+SHARDS = "shards"
+"""The slot of the shard statistics (`shard_slot`)."""
 EMPTY = -1e30
 """A shard statistic no rank has: neutral in a MAX all-reduce."""
 PAIR_MIN_VALUES = 3
@@ -41,6 +45,11 @@ def shard_levels(sum_sq: torch.Tensor, sizes: torch.Tensor, grad_factor: float) 
     mean_sq = sum_sq.float() / sizes.clamp_min(1) / grad_factor**2
     logs = mean_sq.clamp_min(1e-38).log()
     return logs.where((sizes > 0) & logs.isfinite(), torch.nan)
+
+
+def shard_slot(num_tensors: int) -> Slot:
+    """[rise, -rise, alone, pair] per tensor (`shard_statistics`), maxed over the ranks."""
+    return Slot(SHARDS, 4 * num_tensors, "max")
 
 
 def lower_median(values: torch.Tensor, dim: int) -> torch.Tensor:

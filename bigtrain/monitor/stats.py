@@ -10,6 +10,8 @@ tensor holds a NaN or an Inf.
 Stats of shards of one tensor combine by max (max |g|) and by sum (sum of squares, non-finite
 count), so one SUM all-reduce (with the loss packed in) and, on full steps, one MAX all-reduce give
 every rank the statistics of the full tensors, sharded or not, bit for bit the same on every rank.
+They travel in named slots (slots.py): `grad_slots` declares them, `reduce_grad_stats` reduces a
+step's pack of them and of whatever else rides along.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from bigtrain.monitor import kernel
+from bigtrain.monitor.slots import Pack, Reduction, Slot
+
+SUM_SQ, NONFINITE, MAX_ABS, LOSS = "sum_sq", "nonfinite", "max_abs", "loss"
+"""The slots of the gradient statistics and of the loss (`grad_slots`)."""
 
 
 @dataclass
@@ -116,36 +122,45 @@ def local_grad_stats(
     return GradStats(names, sum_sq, nonfinite, max_abs if full else None)
 
 
-def reduce_grad_stats(
-    stats: GradStats,
-    local_loss: torch.Tensor,
-    flags: torch.Tensor,
-    loss_ranks: int,
-    maxima: torch.Tensor | None = None,
-) -> tuple[GradStats, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Combine shards over ranks: one SUM all-reduce (sums of squares, non-finite counts, the loss
-    and `flags`, packed into one vector) and, when max |g| was computed or `maxima` are given
-    (an MoE model's router extremes), one MAX all-reduce of both. Returns the reduced stats, the
-    mean loss over the `loss_ranks` ranks that hold one (the layout's), the flags summed over
-    ranks (a preemption request, replica differences, router sums: they ride along at no extra
-    cost) and the maxima; identical on every rank."""
-    flags = flags.float().reshape(-1)
+def grad_slots(num_tensors: int, full: bool) -> list[Slot]:
+    """Per tensor the sums of squares and non-finite counts (summed over ranks), on full steps
+    max |g| (maxed), and the loss (summed, then the mean: `reduce_grad_stats`)."""
+    slots = [Slot(SUM_SQ, num_tensors, "sum"), Slot(NONFINITE, num_tensors, "sum")]
+    if full:
+        slots.append(Slot(MAX_ABS, num_tensors, "max"))
+    return slots + [Slot(LOSS, 1, "sum")]
+
+
+def stats_values(stats: GradStats) -> dict[str, torch.Tensor]:
+    """The statistics by slot name (max |g| where it was computed)."""
+    values = {SUM_SQ: stats.sum_sq, NONFINITE: stats.nonfinite}
+    return values if stats.max_abs is None else values | {MAX_ABS: stats.max_abs}
+
+
+def packed_stats(names: list[str], pack: Pack) -> GradStats:
+    """The statistics a pack holds (views of its reduced tensors)."""
+    return GradStats(names, pack[SUM_SQ], pack[NONFINITE], pack.get(MAX_ABS))
+
+
+def _all_reduce(flat: torch.Tensor, kind: Reduction) -> None:
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM if kind == "sum" else dist.ReduceOp.MAX)
+
+
+def reduce_grad_stats(pack: Pack, loss_ranks: int) -> Pack:
+    """Combine over ranks: one SUM all-reduce of the pack's sum slots (sums of squares,
+    non-finite counts, the loss, and what rides along at no extra cost: a preemption request,
+    replica differences, router sums) and, when it has max slots (max |g| on full steps, the
+    suspicion tier's shard statistics, router extremes), one MAX all-reduce of those. The loss
+    comes back as the mean over the `loss_ranks` ranks that hold one (the layout's); every value
+    is identical on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return stats, local_loss.float().reshape(()), flags, maxima
-    n = len(stats.names)
-    packed = torch.cat([stats.sum_sq, stats.nonfinite, local_loss.float().reshape(1), flags])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    max_abs = stats.max_abs
-    if max_abs is not None or maxima is not None:
-        parts = [] if max_abs is None else [torch.where(max_abs.isnan(), float("inf"), max_abs)]
+        return pack
+    if MAX_ABS in pack:
         # NaN does not survive a MAX all-reduce reliably; the kernel already reports it as inf.
-        both = torch.cat(parts + ([] if maxima is None else [maxima.float()]))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        if max_abs is not None:
-            max_abs, both = both[:n], both[n:]
-        maxima = both if maxima is not None else None
-    reduced = GradStats(stats.names, packed[:n], packed[n : 2 * n], max_abs)
-    return reduced, packed[2 * n] / loss_ranks, packed[2 * n + 1 :], maxima
+        max_abs = pack[MAX_ABS]
+        pack = pack.replaced({MAX_ABS: torch.where(max_abs.isnan(), float("inf"), max_abs)})
+    reduced = pack.reduce(_all_reduce)
+    return reduced.replaced({LOSS: reduced[LOSS] / loss_ranks})
 
 
 def replica_differences(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

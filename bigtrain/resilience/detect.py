@@ -15,6 +15,14 @@ from typing import Any
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.model.gpt import GradientRoles
 from bigtrain.monitor.monitor import Health, weighted_count
+from bigtrain.monitor.routers import (
+    AUX_LOSS_MAX,
+    LAYER_AUX_LOSS,
+    LAYER_ROUTER_SPREAD,
+    LAYER_Z_LOSS,
+    ROUTER_SPREAD,
+    Z_LOSS_MAX,
+)
 from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
 from bigtrain.resilience.suspicion import Suspicion
@@ -59,15 +67,15 @@ class Verdict:
 
 
 ROUTER_SERIES = {
-    "router_collapse": "moe_layer_aux_loss",
-    "router_logits": "moe_layer_z_loss",
-    "router_spread": "moe_layer_router_spread",
+    "router_collapse": LAYER_AUX_LOSS,
+    "router_logits": LAYER_Z_LOSS,
+    "router_spread": LAYER_ROUTER_SPREAD,
 }
 """Per MoE block, the series a router rule's worst-layer value comes from."""
 ROUTER_VALUES = {
-    "router_collapse": "moe_aux_loss_max",
-    "router_logits": "moe_z_loss_max",
-    "router_spread": "moe_router_spread",
+    "router_collapse": AUX_LOSS_MAX,
+    "router_logits": Z_LOSS_MAX,
+    "router_spread": ROUTER_SPREAD,
 }
 """The telemetry a router rule reads: its worst layer's value (monitor/routers.py)."""
 

@@ -8,6 +8,8 @@ import torch
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor.monitor import GradMonitor
+from bigtrain.monitor.routers import ROUTER_EXTREMES, ROUTER_SUMS
+from bigtrain.monitor.slots import Slot
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +76,41 @@ def test_replicated_tensors_are_weighted_so_that_the_sum_over_ranks_counts_them_
     assert h.stats.sum_sq[3].item() == pytest.approx(squares[3], rel=1e-6)
     # half a NaN on this rank is still a NaN: counts round up to at least one
     assert h.num_nonfinite == 1 and h.host_nonfinite[1] == 0.5
+
+
+class Routers:
+    """An MoE model's router numbers, as RouterStats lays them out (monitor/routers.py)."""
+
+    def slots(self) -> list[Slot]:
+        return [Slot(ROUTER_SUMS, 2, "sum"), Slot(ROUTER_EXTREMES, 2, "max")]
+
+    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([1.0, 2.0]), torch.tensor([0.25, 0.5])
+
+    def read(self, sums: list[float], extremes: list[float]) -> dict:
+        return {"sums": sums, "extremes": extremes}
+
+
+def test_across_groups_gets_and_gives_back_the_parts_that_cross_by_name():
+    """A second replica group with loss 4, router sums [10, 10], extremes 0.75: the loss is
+    averaged, sums summed, extremes maxed; the stop request and the gradient statistics, which
+    are the group's own or equal in every group, are not passed."""
+    passed = {}
+
+    def across_groups(loss, summed, maxed):
+        passed.update(summed=sorted(summed), maxed=sorted(maxed))
+        summed = {k: v + 10.0 for k, v in summed.items()}
+        return (loss + 4.0) / 2, summed, {k: v.clamp_min(0.75) for k, v in maxed.items()}
+
+    cpu = torch.device("cpu")
+    alone = GradMonitor(MonitorConfig(), NAMES, cpu, False, routers=Routers())
+    grouped = GradMonitor(MonitorConfig(), NAMES, cpu, False, routers=Routers())
+    grouped.across_groups = across_groups
+    named = grads()
+    h = grouped.check(named, torch.tensor(2.0), 1.0, full=True, stop_requested=True)
+    assert passed == {"summed": [ROUTER_SUMS], "maxed": [ROUTER_EXTREMES]}
+    assert h.host_loss == 3.0 and h.loss.item() == 3.0 and h.stop_requested
+    assert h.telemetry["sums"] == [11.0, 12.0] and h.telemetry["extremes"] == [0.75, 0.75]
+    plain = alone.check(named, torch.tensor(2.0), 1.0, full=True)
+    assert h.host_sum_sq == plain.host_sum_sq and h.host_max_abs == plain.host_max_abs
+    assert h.shards == plain.shards and h.host_grad_norm == plain.host_grad_norm

@@ -10,7 +10,7 @@ import torch
 
 from bigtrain.model.gpt import GPT
 from bigtrain.monitor.routers import RouterStats
-from bigtrain.resilience.detect import _router_of
+from bigtrain.resilience.detect import ROUTER_SERIES, ROUTER_VALUES, _router_of
 from tests.model.test_moe import model_cfg
 
 pytestmark = pytest.mark.unit
@@ -45,6 +45,8 @@ def test_take_lays_out_every_block_and_clears_read_derives_the_metrics():
     # 0.2) -> 2.0 (expert 0); block 2 (0.2, 0.1, 0, 0.1) -> 4.0 (expert 0)
     assert out["moe_layer_router_spread"] == pytest.approx({"blocks.1": 2.0, "blocks.2": 4.0})
     assert out["moe_router_spread"] == pytest.approx(4.0)
+    # the router rules read what `read` writes (the names are routers.py's)
+    assert {*ROUTER_VALUES.values(), *ROUTER_SERIES.values()} <= set(out)
     assert RouterStats.of([model], [], 4) is None
 
 

@@ -3,13 +3,19 @@ import math
 import pytest
 import torch
 
+from bigtrain.monitor.slots import Slot, SlotLayout
 from bigtrain.monitor.stats import (
+    LOSS,
+    MAX_ABS,
+    grad_slots,
     layer_of,
     layer_stats,
     local_grad_stats,
+    packed_stats,
     ranked,
     reduce_grad_stats,
     scale_stats,
+    stats_values,
 )
 from tests.conftest import run_in_triton_interpreter
 from tests.distributed import run_distributed
@@ -72,30 +78,35 @@ def shard_stats(rank_of_nan: int) -> tuple[list, list, list, float]:
     full[1][5, 2] = float("nan")  # in the first half: rank 0's shard
     named = [(f"t{i}", t.flatten().chunk(2)[rank]) for i, t in enumerate(full[:2])]
     named.append(("t2", full[2] if rank == 1 else torch.empty(0)))  # held by rank 1 only
-    stats, loss, flags, maxima = reduce_grad_stats(
-        local_grad_stats(named, torch.device("cpu"), use_kernel=False),
-        torch.tensor(float(rank + 1)),
-        torch.tensor([float(rank == 1)]),  # a preemption request on rank 1 only
-        loss_ranks=2,
-        maxima=torch.tensor([float(rank), 1.0 - rank, 0.5]),  # MoE routers' extremes
-    )
+    stop = Slot("stop", 1, "sum")
+    routers = Slot("router_extremes", 3, "max")
+    layout = SlotLayout([*grad_slots(3, full=True), stop, routers])
+    local = local_grad_stats(named, torch.device("cpu"), use_kernel=False)
+    values = stats_values(local) | {
+        LOSS: torch.tensor(float(rank + 1)),
+        "stop": torch.tensor([float(rank == 1)]),  # a preemption request on rank 1 only
+        "router_extremes": torch.tensor([float(rank), 1.0 - rank, 0.5]),
+    }
+    pack = reduce_grad_stats(layout.fill(values), loss_ranks=2)
+    stats = packed_stats(local.names, pack)
     # A step without max |g|: the router extremes alone take the MAX all-reduce.
-    partial = reduce_grad_stats(
-        local_grad_stats(named, torch.device("cpu"), full=False, use_kernel=False),
-        torch.tensor(1.0),
-        torch.tensor([0.0]),
-        loss_ranks=2,
-        maxima=torch.tensor([0.25 * rank]),
-    )
-    assert partial[0].max_abs is None and partial[3].tolist() == [0.25]
-    assert maxima.tolist() == [1.0, 1.0, 0.5]
+    cheap = SlotLayout([*grad_slots(3, full=False), stop, Slot("router_extremes", 1, "max")])
+    local = local_grad_stats(named, torch.device("cpu"), full=False, use_kernel=False)
+    values = stats_values(local) | {
+        LOSS: torch.tensor(1.0),
+        "stop": torch.tensor([0.0]),
+        "router_extremes": torch.tensor([0.25 * rank]),
+    }
+    partial = reduce_grad_stats(cheap.fill(values), loss_ranks=2)
+    assert MAX_ABS not in partial and partial["router_extremes"].tolist() == [0.25]
+    assert pack["router_extremes"].tolist() == [1.0, 1.0, 0.5]
     dist.destroy_process_group()
     return (
         stats.max_abs.tolist(),
         stats.sum_sq.tolist(),
         stats.nonfinite.tolist(),
-        loss.item(),
-        flags.tolist(),
+        pack[LOSS].item(),
+        pack["stop"].tolist(),
     )
 
 

@@ -32,6 +32,7 @@ import step_bench  # noqa: E402
 
 from bigtrain.build import build_trainer  # noqa: E402
 from bigtrain.model import build_model  # noqa: E402
+from bigtrain.model.moe import aux_grad_scale  # noqa: E402
 from bigtrain.optim.optimizer import adamw_param_groups  # noqa: E402
 from bigtrain.parallel.env import DistEnv  # noqa: E402
 
@@ -57,10 +58,13 @@ def raw_loop(cfg, vocab_size: int, tokens: np.ndarray, policy_dtype: torch.dtype
             ix = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
             rows = torch.stack([data[i : i + seq + 1] for i in ix.tolist()])
             x, y = rows[:, :-1], rows[:, 1:]
-            with torch.autocast("cpu", dtype=policy_dtype, enabled=policy_dtype != torch.float32):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
+            # An MoE model's auxiliary losses take the loss's gradient scale with the step.
+            with aux_grad_scale(model, 1.0):
+                autocast = policy_dtype != torch.float32
+                with torch.autocast("cpu", dtype=policy_dtype, enabled=autocast):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)

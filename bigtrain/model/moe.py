@@ -10,9 +10,11 @@ expert's capacity are dropped (earliest tokens kept) and counted.
 Two losses keep the router healthy: the load-balancing loss (Switch Transformer) and the router
 z-loss (ST-MoE). They do not travel to the training loss through the model's output: each MoE
 layer attaches its weighted losses to its own output with `AttachAux`, whose backward hands them
-the gradient `aux_grad_scale` (the factor the backend applies to the language-model loss: the
-loss scale over the micro-batches). So they reach the weights on every backend, across pipeline
-stages and through activation checkpointing, as if added to the loss.
+the gradient the language-model loss gets (its loss scale over the micro-batches). So they reach
+the weights on every backend, across pipeline stages and through activation checkpointing, as if
+added to the loss. That factor is the step's, not the model's: a backend runs each micro-batch's
+forward and backward inside `aux_grad_scale(model, factor)`, and a backward whose forward ran
+without one raises rather than train the routers with a wrong gradient.
 
 Under expert parallelism (parallel/experts.py sets `ep_group`) each rank holds
 experts / ep of them; the sorted pairs are sent to the rank that holds their expert and back
@@ -40,32 +42,48 @@ STATS_EXTRA = 4
 expert the standard deviation of its score over a forward's tokens (the sums over a step's
 micro-batches that `stats` holds: 2 x experts + STATS_EXTRA numbers)."""
 
-_aux_grad_scale = 1.0
+MISSING_AUX_GRAD_SCALE = (
+    "an MoE layer's backward has no aux_grad_scale for its auxiliary losses: run each training "
+    "forward and its backward inside bigtrain.model.moe.aux_grad_scale(model, factor), factor "
+    "being what the loss is multiplied by before backward (the loss scale / micro-batches)"
+)
 
 
 @contextlib.contextmanager
-def aux_grad_scale(scale: float) -> Iterator[None]:
-    """The factor the language-model loss is multiplied by before backward (the loss scale over
-    the micro-batches): the auxiliary losses are scaled alike in the backward run inside."""
-    global _aux_grad_scale
-    previous, _aux_grad_scale = _aux_grad_scale, scale
+def aux_grad_scale(model: nn.Module, factor: float) -> Iterator[None]:
+    """Around one micro-batch's forward and backward of `model`: the factor its loss is
+    multiplied by before backward (the loss scale over the micro-batches), which the MoE layers'
+    auxiliary losses get as their gradient. Each training forward takes it to its backward."""
+    layers = moe_layers(model)
+    previous = [layer.aux_grad_scale for layer in layers]
+    for layer in layers:
+        layer.aux_grad_scale = factor
     try:
         yield
     finally:
-        _aux_grad_scale = previous
+        for layer, value in zip(layers, previous, strict=True):
+            layer.aux_grad_scale = value
 
 
 class AttachAux(torch.autograd.Function):
     """`out` unchanged; in backward, `aux` (a weighted loss) gets the gradient the training loss
-    gets: aux_grad_scale. So aux behaves as a term of the loss without being returned."""
+    gets: `scale`, the step's aux_grad_scale when the forward ran (None: none was given, and
+    backward raises). So aux behaves as a term of the loss without being returned."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, out: torch.Tensor, aux: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        ctx.scale = scale
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return grad, torch.full((), _aux_grad_scale, device=grad.device, dtype=torch.float32)
+    def backward(  # type: ignore[override]
+        ctx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        if ctx.scale is None:
+            raise RuntimeError(MISSING_AUX_GRAD_SCALE)
+        return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None
 
 
 class Routing(NamedTuple):
@@ -185,6 +203,8 @@ class MoE(nn.Module):
         """Set by expert parallelism: the ranks this layer's experts are split over."""
         self.router_bias: torch.Tensor | None = None
         """Added to the router logits when set (the `drill.router_bias` drill)."""
+        self.aux_grad_scale: float | None = None
+        """The gradient of the auxiliary losses, set by `aux_grad_scale` for one micro-batch."""
         width = 2 * cfg.experts + STATS_EXTRA
         self.register_buffer("stats", torch.zeros(width), persistent=False)
         """Sums over the step's training forwards: load per expert, aux, z, dropped, forwards,
@@ -216,7 +236,8 @@ class MoE(nn.Module):
         weights = r.weights.flatten().to(y.dtype).unsqueeze(-1)
         out = (slots * weights).view(flat.shape[0], self.cfg.top_k, -1).sum(1)
         losses = self.cfg.aux_loss_coef * r.aux + self.cfg.z_loss_coef * r.z
-        out = AttachAux.apply(out, losses) if losses.requires_grad else out
+        if losses.requires_grad:
+            out = AttachAux.apply(out, losses, self.aux_grad_scale)
         # Training forwards only, and not their recomputation in backward (activation
         # checkpointing): backward runs inside a graph task.
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:

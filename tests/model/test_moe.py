@@ -106,8 +106,9 @@ def test_moe_layer_equals_token_by_token_reference_outputs_and_gradients(shared)
     m = layer(shared_experts=shared, aux_loss_coef=0.0, z_loss_coef=0.0)
     x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    y = m(x)
-    grads = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
+    with aux_grad_scale(m, 1.0):  # zero coefficients: the losses' gradient adds nothing
+        y = m(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
     ref = layer(shared_experts=shared, aux_loss_coef=0.0, z_loss_coef=0.0)
     y_ref = reference(ref, x_ref)
     grads_ref = torch.autograd.grad(y_ref.square().sum(), [x_ref, *ref.parameters()])
@@ -171,15 +172,34 @@ def test_aux_losses_reach_the_router_as_terms_of_the_loss_scaled_like_it():
     over micro-batches)."""
     m = layer(aux_loss_coef=0.3, z_loss_coef=0.2)
     x = torch.randn(2, 8, 16, dtype=torch.float64)
-    with aux_grad_scale(4.0):
+    with aux_grad_scale(m, 4.0):
         (4.0 * m(x).sum()).backward()
     attached = m.router.weight.grad.clone()
     ref = layer(aux_loss_coef=0.0, z_loss_coef=0.0)
-    y = ref(x)
-    logits = x.reshape(-1, 16) @ ref.router.weight.t()
-    r = route(logits, 2, "softmax", True)
-    (4.0 * (y.sum() + 0.3 * r.aux + 0.2 * r.z)).backward()
+    with aux_grad_scale(ref, 4.0):  # zero coefficients: the attached losses add nothing
+        y = ref(x)
+        logits = x.reshape(-1, 16) @ ref.router.weight.t()
+        r = route(logits, 2, "softmax", True)
+        (4.0 * (y.sum() + 0.3 * r.aux + 0.2 * r.z)).backward()
     torch.testing.assert_close(attached, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_without_the_steps_aux_grad_scale_raises_naming_it():
+    """The losses' gradient is the step's loss factor, given to the forward: a backend that
+    forgets it, or gives it around the backward only, would train the routers with a wrong
+    gradient. The backward raises instead, and the factor lasts only while it is given."""
+    model = GPT(model_cfg())
+    idx = torch.randint(0, 64, (2, 8))
+    with pytest.raises(RuntimeError, match=r"no aux_grad_scale .*aux_grad_scale\(model, factor\)"):
+        model(idx).sum().backward()
+    logits = model(idx)
+    with aux_grad_scale(model, 1.0), pytest.raises(RuntimeError, match="no aux_grad_scale"):
+        logits.sum().backward()
+    with aux_grad_scale(model, 0.5):
+        assert [m.aux_grad_scale for m in moe_layers(model)] == [0.5, 0.5, 0.5]
+        model(idx).sum().backward()
+    assert [m.aux_grad_scale for m in moe_layers(model)] == [None, None, None]
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_two_forwards_record_the_importance_extremes_and_the_score_spread():
@@ -235,13 +255,15 @@ def test_gpt_places_moe_blocks_from_first_every_nth_and_counts_stats_in_training
     model = GPT(cfg)
     assert model.blocks[0].moe is None and model.blocks[0].mlp is not None
     assert [b.moe is not None for b in model.blocks] == [False, True, True]
+    assert len(moe_layers(model)) == 2
     idx = torch.randint(0, 64, (2, 8))
     model.eval()
     with torch.no_grad():
         model(idx)
     assert all(m.stats.sum().item() == 0 for m in moe_layers(model))
     model.train()
-    model(idx).sum().backward()
+    with aux_grad_scale(model, 1.0):
+        model(idx).sum().backward()
     for m in moe_layers(model):
         assert m.stats[:4].sum().item() == 2 * 8 * 2  # pairs
         assert m.stats[4 + 3].item() == 1  # one forward
@@ -252,9 +274,9 @@ def test_activation_checkpointing_recompute_is_not_counted_twice():
 
     model = GPT(model_cfg())
     apply_activation_checkpointing(model, "full")
-    model(torch.randint(0, 64, (2, 8))).sum().backward()
-    for m in moe_layers(model):
-        assert m.stats[4 + 3].item() == 1
+    with aux_grad_scale(model, 1.0):
+        model(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert [m.stats[4 + 3].item() for m in moe_layers(model)] == [1, 1, 1]  # one forward each
 
 
 @pytest.mark.parametrize(

@@ -130,9 +130,9 @@ def test_hsdp_with_expert_parallel_equals_hsdp_without(tmp_path, corpus_files, c
         )
         results[ep] = run_distributed(train_run_probed, 4, args, expert_shapes)
     assert results[2][0]["probe"]["ep"] == [2, 2]
-    reference = by_step(results[1][0], "loss")
-    assert sorted(reference) == list(range(1, 11))
-    for step, loss in by_step(results[2][0], "loss").items():
+    reference, split = by_step(results[1][0], "loss"), by_step(results[2][0], "loss")
+    assert sorted(split) == sorted(reference) == list(range(1, 11))
+    for step, loss in split.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
 
 
@@ -150,8 +150,9 @@ def test_zero_trains_an_moe_model_like_fsdp(runs, tmp_path, corpus_files, cache_
         "train.stop_at_step=6",
     )
     result = run_distributed(train_run, 2, args)[0]
-    reference = by_step(runs[1][0], "loss")
-    for step, loss in by_step(result, "loss").items():
+    reference, zero = by_step(runs[1][0], "loss"), by_step(result, "loss")
+    assert sorted(zero) == list(range(1, 7)) and zero.keys() <= reference.keys()
+    for step, loss in zero.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
     assert by_step(result, "moe_aux_loss")[6] == pytest.approx(
         by_step(runs[1][0], "moe_aux_loss")[6]
@@ -179,8 +180,9 @@ def test_moe_blocks_in_pipeline_stages_follow_one_process(tmp_path, corpus_files
         "parallel.pp_microbatches=1",
     )
     staged = run_distributed(train_run, 2, args)
-    reference = by_step(one, "loss")
-    for step, loss in by_step(staged[1], "loss").items():  # the last stage holds the loss
+    reference, last = by_step(one, "loss"), by_step(staged[1], "loss")  # last stage: the loss
+    assert sorted(last) == sorted(reference) == list(range(1, 9))
+    for step, loss in last.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
     for result in staged:  # every rank reads both stages' routers, each a whole step's tokens
         loads = by_step(result, "moe_layer_load")[8]

@@ -64,6 +64,7 @@ def test_hsdp_grad_norm_counts_each_replicated_shard_once(local_and_hsdp):
     """Each replica holds the same shards: summed over all 4 ranks unweighted, the norm would be
     sqrt(2) too large (and clipping too strong)."""
     local, hsdp = (by_step(r, "grad_norm") for r in local_and_hsdp[:2])
+    assert sorted(hsdp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert hsdp[step] == pytest.approx(reference, rel=1e-5), step
 

@@ -82,6 +82,7 @@ def test_tp2_losses_match_one_process(local_and_tp):
 def test_tp2_grad_norm_is_the_one_process_norm(local_and_tp):
     """Norm gains are replicated over tp (counted once), split layers summed over tp."""
     local, tp = by_step(local_and_tp[0], "grad_norm"), by_step(local_and_tp[1][0], "grad_norm")
+    assert sorted(tp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-5), step
 

@@ -48,6 +48,7 @@ def test_tp2_losses_match_one_process(local_and_tp):
 def test_tp2_grad_norm_counts_tp_replicated_tensors_once(local_and_tp):
     """Norm gains and embeddings are whole on both tp ranks: counted once, not twice."""
     local, tp = (by_step(r, "grad_norm") for r in local_and_tp[:2])
+    assert sorted(tp) == sorted(local) == list(range(1, STEPS + 1))
     for step, reference in local.items():
         assert tp[step] == pytest.approx(reference, rel=1e-5), step
 

@@ -62,7 +62,9 @@ class Backend(abc.ABC):
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch (gradients summed to the mean over the step's
-        micro-batches and, on the last one, over ranks); returns this rank's detached loss."""
+        micro-batches and, on the last one, over ranks); returns this rank's detached loss. Both
+        run inside `model.moe.aux_grad_scale(model, factor)`, `factor` the loss's own multiplier
+        (an MoE layer's auxiliary losses take it to their backward; without it, backward raises)."""
 
     @abc.abstractmethod
     def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -80,12 +80,13 @@ class TorchBackend(Backend):
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
         self.before_backward(micro_step == num_micro_steps - 1)
-        with self.autocast():
-            logits = self.model(inputs)
-        scale = self.scaler.scale if self.scaler else 1.0
-        with self.loss_context(), aux_grad_scale(scale / num_micro_steps):
-            loss = lm_loss(logits, targets)
-            (loss * (scale / num_micro_steps)).backward()  # MoE losses scaled alike
+        factor = (self.scaler.scale if self.scaler else 1.0) / num_micro_steps
+        with aux_grad_scale(self.model, factor):  # the MoE losses' gradient: the loss's
+            with self.autocast():
+                logits = self.model(inputs)
+            with self.loss_context():
+                loss = lm_loss(logits, targets)
+                (loss * factor).backward()
         return local_tensor(loss.detach())  # the same value on every tp rank
 
     def loss_scale(self) -> float | None:

@@ -250,10 +250,10 @@ class ZeroBackend(Backend):
         self, inputs: torch.Tensor, targets: torch.Tensor, micro_step: int, num_micro_steps: int
     ) -> torch.Tensor:
         assert num_micro_steps == self.ds_config["gradient_accumulation_steps"]
-        loss = lm_loss(self.engine(inputs), targets)
         # DeepSpeed scales the loss and divides it by gradient_accumulation_steps itself; the MoE
         # losses (model/moe.py) get the same factor.
-        with aux_grad_scale((self.loss_scale() or 1.0) / num_micro_steps):
+        with aux_grad_scale(self.model, (self.loss_scale() or 1.0) / num_micro_steps):
+            loss = lm_loss(self.engine(inputs), targets)
             self.engine.backward(loss)
         if micro_step < num_micro_steps - 1:
             self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step

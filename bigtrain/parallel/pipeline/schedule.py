@@ -168,7 +168,7 @@ class Pipeline:
             self._warm_up(inputs, targets, context)
         self._factor = scale / (num_micro_steps * self.microbatches)
         losses: list[torch.Tensor] = []
-        with context(), aux_grad_scale(self._factor):  # MoE losses scaled as the loss
+        with context(), aux_grad_scale(self.root, self._factor):  # MoE losses scaled alike
             self.schedule.step(
                 *((inputs,) if self.first else ()),
                 target=targets if self.last else None,
@@ -196,7 +196,7 @@ class Pipeline:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             self._factor = 0.0
-            with context():
+            with context(), aux_grad_scale(self.root, self._factor):
                 self.schedule.step(
                     *((inputs,) if self.first else ()),
                     target=targets if self.last else None,

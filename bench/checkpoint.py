@@ -47,7 +47,7 @@ def timed_saves(
     t: dict[str, list[float]] = {"sync_s": [], "async_stall_s": [], "async_write_s": []}
     t["async_from_snapshot_stall_s"] = []
     setup = trainer.setup
-    args = (trainer.backend, trainer.trainer_state(), setup.identity, setup.config_yaml)
+    args = (trainer.backend, trainer.run.state_dict(), setup.identity, setup.config_yaml)
     step = trainer.step
     for _ in range(rounds):
         for mode in modes:

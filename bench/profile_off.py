@@ -57,11 +57,11 @@ def steps(trainer, n: int, marks: bool = True) -> float:
     start = time.perf_counter()
     for _ in range(n):
         result = trainer.train_step()
-        trainer.healer.after_step(trainer, result)
+        trainer.healer.after_step(result)
         trainer.callbacks.on_step_end(trainer, result)
         if marks:
             trainer.ranges.begin("checkpoint_copy")
-        trainer.healer.end_step(trainer)
+        trainer.healer.end_step()
         if marks:
             trainer.ranges.end()
     return time.perf_counter() - start

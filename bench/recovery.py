@@ -54,22 +54,22 @@ def recovery_time(source: str) -> dict:
         healer, timing = trainer.healer, {}
         original = healer._rollback
 
-        def timed(trainer_, result):
+        def timed(result):
             timing["detected"] = time.perf_counter()
-            original(trainer_, result)
+            original(result)
             timing["restored"] = time.perf_counter()
-            timing["to_step"] = trainer_.step
+            timing["to_step"] = trainer.step
 
         healer._rollback = timed
 
         def step() -> None:
             result = trainer.train_step()
-            healer.after_step(trainer, result)
+            healer.after_step(result)
             trainer.callbacks.on_step_end(trainer, result)
-            healer.end_step(trainer)
+            healer.end_step()
 
         trainer.callbacks.on_start(trainer)
-        healer.start(trainer, resumed=False)
+        healer.start(resumed=False)
         while "to_step" not in timing:
             step()
         step()
@@ -126,7 +126,7 @@ def checkpoint_stall() -> dict:
         manager = next(cb.manager for cb in trainer.callbacks.items if hasattr(cb, "manager"))
         args = (
             trainer.backend,
-            trainer.trainer_state(),
+            trainer.run.state_dict(),
             trainer.setup.identity,
             trainer.setup.config_yaml,
         )

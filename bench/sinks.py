@@ -40,9 +40,9 @@ def steps(trainer, n: int) -> float:
     start = time.perf_counter()
     for _ in range(n):
         result = trainer.train_step()
-        trainer.healer.after_step(trainer, result)
+        trainer.healer.after_step(result)
         trainer.callbacks.on_step_end(trainer, result)
-        trainer.healer.end_step(trainer)
+        trainer.healer.end_step()
     return time.perf_counter() - start
 
 

@@ -398,9 +398,8 @@ def _assemble(
             healer,
             replicas,
         )
-        replicas.attach(trainer)
         clock.mark("setup_other")
-        start = start_state(cfg, trainer, manager, target, corrupted, batch_note)
+        start = start_state(cfg, trainer.run, setup, manager, target, corrupted, batch_note)
     except BaseException:
         replicas.close()
         raise

@@ -36,13 +36,14 @@ from bigtrain.checkpoint.manifest import (
 )
 from bigtrain.checkpoint.sources import HFSource, InitialValues
 from bigtrain.config import Config, ModelConfig, TrainConfig, config_changes
+from bigtrain.data.read.stream import SampleStream
 from bigtrain.errors import ConfigError, SharedConfigError
 from bigtrain.model.hf_check import check_hf_config
 from bigtrain.model.hf_mapping import Part, mapping_for
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.layout import Layout
-from bigtrain.train import Trainer
-from bigtrain.train.setup import StartPoint
+from bigtrain.state.run import RunState
+from bigtrain.train.setup import RunSetup, StartPoint
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import full_shape
 
@@ -99,25 +100,29 @@ def keep_global_batch(
 
 def start_state(
     cfg: Config,
-    trainer: Trainer,
+    run: RunState,
+    setup: RunSetup,
     manager: CheckpointManager,
     target: ResumeTarget,
     fault_corrupted: str | None = None,
     batch_note: str | None = None,
 ) -> StartPoint:
-    """Resume `trainer` from `target`, or initialise it: where the run starts. `batch_note`:
+    """Resume the run's state from `target`, or initialise it: where the run starts. `batch_note`:
     how the batch was split anew to keep the checkpoint's global batch (keep_global_batch)."""
     invalid = target.invalid
     if target.path is None:
-        details = init_from(cfg.model, trainer, manager) if cfg.model.init_from else None
+        details = (
+            init_from(cfg.model, run.backend, setup.shapes, manager)
+            if cfg.model.init_from
+            else None
+        )
         return StartPoint(None, details, invalid, fault_corrupted)
     path, manifest = target.path, target.manifest
-    _check_data_order(path, manifest, trainer)
-    changes = identity_changes(manifest["identity"], trainer.setup.identity)
+    _check_data_order(path, manifest, run.stream)
+    changes = identity_changes(manifest["identity"], setup.identity)
     if changes and not cfg.checkpoint.allow_config_change:
         shown = ", ".join(
-            f"{k} ({manifest['identity'].get(k)!r} -> {trainer.setup.identity.get(k)!r})"
-            for k in changes
+            f"{k} ({manifest['identity'].get(k)!r} -> {setup.identity.get(k)!r})" for k in changes
         )
         hint = ""
         if "global_batch_size" in changes and cfg.train.global_batch_size is not None:
@@ -129,8 +134,8 @@ def start_state(
             f"checkpoint '{path}' was written with different {shown}{hint}; "
             "set checkpoint.allow_config_change=true to resume anyway"
         )
-    _check_shapes(path, manifest, trainer.setup.shapes)
-    trainer.load_trainer_state(manager.load(path, trainer.backend))
+    _check_shapes(path, manifest, setup.shapes)
+    run.load_state_dict(manager.load(path, run.backend))
     restarts = {
         k.lower(): int(os.environ[k])
         for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -151,13 +156,13 @@ def start_state(
     return StartPoint(resume, None, invalid, fault_corrupted)
 
 
-def _check_data_order(path: Path, manifest: dict[str, Any], trainer: Trainer) -> None:
+def _check_data_order(path: Path, manifest: dict[str, Any], stream: SampleStream) -> None:
     """Before the identity: a data order that cannot continue is one message, not a suggestion of
     checkpoint.allow_config_change (which cannot help there) followed by another error."""
     if "data" not in manifest:
         return
     try:
-        trainer.loader.stream.check_state(manifest["data"])
+        stream.check_state(manifest["data"])
     except ConfigError as e:
         raise ConfigError(f"checkpoint '{path}': {e}") from None
 
@@ -193,14 +198,17 @@ def _check_shapes(path: Path, manifest: dict[str, Any], shapes: dict[str, list[i
 
 
 def init_from(
-    model_cfg: ModelConfig, trainer: Trainer, manager: CheckpointManager
+    model_cfg: ModelConfig,
+    backend: Backend,
+    shapes: dict[str, list[int]],
+    manager: CheckpointManager,
 ) -> dict[str, Any]:
     """Load the weights of `model.init_from` (a bigtrain checkpoint of any backend, or a Hugging
     Face directory), each rank reading only its slices; the optimizer state stays fresh, and the
     step, data cursor and RNG stay those of a new run. The event gets the weights' fingerprint."""
-    load, details = init_loader(model_cfg, trainer.backend, trainer.setup.shapes, manager)
+    load, details = init_loader(model_cfg, backend, shapes, manager)
     load()
-    details["fingerprint"] = trainer.backend.fingerprint()  # a collective: every rank
+    details["fingerprint"] = backend.fingerprint()  # a collective: every rank
     return details
 
 

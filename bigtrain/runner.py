@@ -49,7 +49,9 @@ def run(
             clean = True
             return {"step": trainer.state.step, "left": str(e)}
         except torch.OutOfMemoryError as e:  # this rank alone: an `oom` event, exit 8
-            raise out_of_memory(trainer, e, memory_plan) from e
+            raise out_of_memory(
+                trainer, trainer.device, trainer.run_dir.path, trainer.env.rank, e, memory_plan
+            ) from e
         if state.step < cfg.train.max_steps:
             trainer.event(
                 "stop",
@@ -125,7 +127,7 @@ def _already_finished(built: Run, started: float) -> dict[str, Any]:
     trainer = built.trainer
     # A replica group that restarts after the others reached the end (from the last step's
     # checkpoint) still takes part in their last quorums, where the groups compare weights.
-    trainer.replicas.finish(trainer)
+    trainer.replicas.finish()
     final = trainer.final_record(started)
     if trainer.replicas.groups > 1:  # every group's end is an event (the others wait for it)
         trainer.event("finish", **{k: v for k, v in final.items() if k != "step"})

@@ -1,7 +1,7 @@
 """A stub trainer for unit tests of callbacks (OLMo-core tests its callbacks with a mock trainer).
 
 It has what callbacks touch on a Trainer, with small real parts where they are cheap: the real
-TrainState, SampleStream, RunDir (events.jsonl under a temporary directory), Callbacks, and the
+Counters and RunState, SampleStream, RunDir (events.jsonl under a temporary directory), Callbacks, and the
 real Trainer's `step` and `event` (so events carry the step numbers a run would give them). The
 backend's whole state is one weight vector that every applied step adds 1 to: after a restore
 it tells which step's state was loaded. No model, no loop, no process group.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.replicas.groups import NoReplicaGroups
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience import Anomaly, Healer
+from bigtrain.state.run import Counters, RunState
 from bigtrain.store.rundir import RunDir
-from bigtrain.train import Trainer, TrainState
+from bigtrain.train import Trainer
 from bigtrain.train.hooks import Callback, Callbacks
 from bigtrain.train.step import StepResult
 
@@ -65,6 +65,13 @@ class StubBackend:
         self.weight.copy_(state["weight"])  # in place, as Backend.load_local_state
 
 
+class StubMonitor:
+    """The monitor as the healer uses it between steps: a kept step's shard levels (none here)."""
+
+    def accept(self, health: object) -> None:
+        """No shard history."""
+
+
 class StubLoader:
     def __init__(self, stream: SampleStream, global_batch_size: int) -> None:
         self.stream, self.global_batch_size = stream, global_batch_size
@@ -81,7 +88,7 @@ class StubManager:
         self.calls: list[tuple] = []
 
     def save(self, trainer: StubTrainer) -> None:
-        state = (trainer.backend.local_state(), copy.deepcopy(trainer.trainer_state()))
+        state = (trainer.backend.local_state(), copy.deepcopy(trainer.run.state_dict()))
         self.saved[trainer.step] = state
 
     def path(self, step: int) -> Path:
@@ -141,39 +148,32 @@ class StubTrainer:
         world_size: int = 1,
         num_samples: int = 10_000,
         healer: Healer | None = None,
+        stream: SampleStream | None = None,
+        global_batch: int = GLOBAL_BATCH,
     ) -> None:
+        """`stream`: the data stream (default: one corpus of `num_samples`), read
+        `global_batch` samples a step."""
         self.env = DistEnv(rank=rank, world_size=world_size)
         self.run_dir = RunDir(path, self.env.is_main)
         self.recorder = EventRecorder()
         self.callbacks = Callbacks([*callbacks, self.recorder])
-        self.state = TrainState()
+        self.state = Counters()
         self.backend = StubBackend()
-        self.loader = StubLoader(SampleStream(num_samples, seed=0), GLOBAL_BATCH)
+        stream = stream if stream is not None else SampleStream(num_samples, seed=0)
+        self.loader = StubLoader(stream, global_batch)
+        self.run = RunState(self.backend, self.state, stream, global_batch, global_batch)
+        self.run.add("callbacks", self.callbacks, missing={})
         self.healer = healer
         self.replicas = NoReplicaGroups()
+        if healer is not None:
+            self.run.add("resilience", healer, rollback=False)
+            healer.attach(self.run, self, StubMonitor(), self.replicas, self.run_dir)
         self.replaying = False
         self.stop_signal: str | None = None
         self.step_in_progress: int | None = None
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.recorder.records if kind is None or e["kind"] == kind]
-
-    def trainer_state(self, resilience: bool = True) -> dict[str, Any]:
-        out = {
-            "state": asdict(self.state),
-            "data": self.loader.stream.state_dict(),
-            "callbacks": self.callbacks.state_dict(),
-        }
-        if resilience and self.healer is not None:
-            out["resilience"] = self.healer.state_dict()
-        return out
-
-    def load_trainer_state(self, saved: dict[str, Any], resilience: bool = True) -> None:
-        self.state = TrainState(**saved["state"])
-        self.loader.stream.load_state_dict(saved["data"])
-        self.callbacks.load_state_dict(saved.get("callbacks", {}))
-        if resilience and "resilience" in saved and self.healer is not None:
-            self.healer.load_state_dict(saved["resilience"])
 
     def after_backward(self, local_loss: float = 2.0) -> StepResult:
         """on_after_backward of the next step, with this rank's loss."""
@@ -196,7 +196,7 @@ class StubTrainer:
         the counters advanced, then the healer's after_step and on_step_end. `action`: the
         decision, for tests of callbacks without a healer."""
         if self.healer is not None:
-            self.healer.before_step(self)
+            self.healer.before_step()
         self.loader.stream.take(self.loader.global_batch_size)
         if skipped:
             self.state.skipped_steps += 1
@@ -216,10 +216,10 @@ class StubTrainer:
             finite=not (anomaly and anomaly.kind == "nonfinite"),
         )
         if self.healer is not None:
-            self.healer.after_step(self, result)
+            self.healer.after_step(result)
         self.callbacks.on_step_end(self, result)
         if self.healer is not None:
-            self.healer.end_step(self)
+            self.healer.end_step()
         return result
 
     def healthy(self, num_steps: int) -> None:

@@ -17,13 +17,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bigtrain"
 LAYERS = [
     ("bigtrain.errors", "bigtrain.utils"),
     ("bigtrain.config",),
+    ("bigtrain.store",),
     ("bigtrain.model", "bigtrain.data"),
     ("bigtrain.precision",),
     ("bigtrain.optim",),
     ("bigtrain.checkpoint",),
     ("bigtrain.parallel",),
     ("bigtrain.monitor",),
-    ("bigtrain.store",),
+    ("bigtrain.state",),
+    ("bigtrain.parallel.replicas",),
     ("bigtrain.telemetry",),
     ("bigtrain.resilience",),
     ("bigtrain.train",),
@@ -208,4 +210,43 @@ def test_no_callback_assigns_the_trainers_attributes():
         for hit in trainer_assignments(path)
     ]
     assert found == []
-    assert trainer_assignments(PACKAGE / "resilience" / "replay.py")  # the check finds them
+
+
+def test_the_assignment_check_finds_one(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("def on_step_end(trainer):\n    trainer.replaying = True\n")
+    assert trainer_assignments(source) == ["x.py:2 trainer.replaying"]
+
+
+def trainer_parameters() -> list[str]:
+    """Function parameters named `trainer` outside train/ and callbacks/ (the loop and what
+    observes it): everything else receives typed parts (the run's state, an event sink)."""
+    found = []
+    for path in modules():
+        if path.relative_to(PACKAGE).parts[0] in ("train", "callbacks"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                found += [
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+                    for arg in args
+                    if arg.arg == "trainer"
+                ]
+    return found
+
+
+def test_nothing_outside_the_loop_takes_a_trainer():
+    """Replica groups, healing, resuming and reports receive the run's state (bigtrain/state),
+    an event sink and the step's outcome, never the trainer to reach into."""
+    assert trainer_parameters() == []
+
+
+def test_the_trainer_check_finds_a_trainer_parameter(tmp_path, monkeypatch):
+    package = tmp_path / "bigtrain"
+    (package / "resilience").mkdir(parents=True)
+    (package / "train").mkdir()
+    (package / "resilience" / "x.py").write_text("def heal(trainer, step):\n    pass\n")
+    (package / "train" / "loop.py").write_text("def fit(trainer):\n    pass\n")
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    assert trainer_parameters() == ["bigtrain/resilience/x.py:1"]

@@ -54,12 +54,12 @@ class CheckpointCallback(Callback):
         path = self.manager.save(
             trainer.step,
             trainer.backend,
-            trainer.trainer_state(),
+            trainer.run.state_dict(),
             trainer.setup.identity,
             trainer.setup.config_yaml,
             async_ok=self.cfg.async_save and not wait,
             # A snapshot of this step (a rollback target) is a host copy already: written from.
-            host_state=trainer.healer.host_state(trainer),
+            host_state=trainer.healer.host_state(),
             shapes=trainer.setup.shapes,
         )
         trainer.ranges.end()

@@ -20,12 +20,16 @@ from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.config.resilience import MonitorConfig, ResilienceConfig
 from bigtrain.errors import AbortRun
 from bigtrain.model.gpt import GradientRoles
-from bigtrain.monitor.monitor import Health
+from bigtrain.monitor.monitor import GradMonitor, Health
+from bigtrain.parallel.replicas.groups import NoReplicaGroups, ReplicaGroups
 from bigtrain.precision.scaler import ScaleUpdate
 from bigtrain.resilience.detect import Anomaly, Detector, Verdict
-from bigtrain.resilience.recover import Recovery, hold, origin_record
-from bigtrain.resilience.replay import Replay
-from bigtrain.resilience.targets import Target, Targets
+from bigtrain.resilience.recover import Recovery, origin_record
+from bigtrain.resilience.replay import Replay, ReplayReport
+from bigtrain.resilience.targets import HeldTargets, Target, Targets
+from bigtrain.state.events import Events
+from bigtrain.state.run import RunState
+from bigtrain.store.rundir import RunDir
 from bigtrain.utils.clock import Tally, nested_bytes
 
 
@@ -45,12 +49,12 @@ class StepOutcome(Protocol):
 R = TypeVar("R")  # a step's result, handed through judge unchanged (a replay makes a new one)
 
 
-def abort(trainer, reason: str) -> NoReturn:
+def abort(run_dir: RunDir, events: Events, reason: str) -> NoReturn:
     """Stop with exit 3: the ABORTED marker (so a restarted run exits at once instead of looping
     under torchrun or SLURM), an `abort` event, AbortRun. Checkpoints stay as they are."""
-    if trainer.env.is_main:
-        trainer.run_dir.aborted_marker.write_text(reason + "\n")
-    trainer.event("abort", reason=reason)
+    if run_dir.is_main:
+        run_dir.aborted_marker.write_text(reason + "\n")
+    events.event("abort", reason=reason)
     raise AbortRun(reason)
 
 
@@ -86,57 +90,83 @@ class Healer:
         self.health: Health | None = None  # the current step's numbers, from judge to after_step
         self.pending: Target | None = None  # a target of this step whose snapshot is still due
         self.snapshots = Tally()  # the snapshots' host copies: count, seconds, bytes (this rank)
+        # What it acts on, given by the loop once the run is assembled (attach).
+        self.run: RunState
+        self.events: Events
+        self.monitor: GradMonitor
+        self.replicas: ReplicaGroups | NoReplicaGroups
+        self.run_dir: RunDir
+
+    def attach(
+        self,
+        run: RunState,
+        events: Events,
+        monitor: GradMonitor,
+        replicas: ReplicaGroups | NoReplicaGroups,
+        run_dir: RunDir,
+    ) -> None:
+        """The run it heals: its state (restored by rollbacks), where its events go, the monitor
+        (a replay's local numbers, max |g| for a report), the replica groups (whether this group
+        leads the checkpoints) and the run directory (the ABORTED marker, excluded hosts). The
+        snapshots the targets hold travel with a rejoining group's state."""
+        self.run, self.events, self.monitor = run, events, monitor
+        self.replicas, self.run_dir = replicas, run_dir
+        run.add_memory("held", HeldTargets(self.targets))
 
     # --- the loop's calls ---------------------------------------------------------------------
 
-    def start(self, trainer, resumed: bool) -> None:
+    def start(self, resumed: bool) -> None:
         """After setup, resume and the callbacks' on_start, before the first step: the start
         target (held in memory when snapshots are on), and on a fresh run what rebuilding it
         needs."""
+        run = self.run
         if not resumed:
-            self.origin = origin_record(trainer)
+            self.origin = origin_record(run)
         elif self.origin is None and not self.targets.ring:
             # A checkpoint of an earlier bigtrain carries no targets: its state is the start.
-            self.targets.start = Target(trainer.step, trainer.loader.stream.cursor)
+            self.targets.start = Target(run.step, run.stream.cursor)
             self.targets.start.healthy_after = self.cfg.confirm_steps
-        here = self.targets.at(trainer.step)
+        here = self.targets.at(run.step)
         if here is not None and self.targets.holds_snapshots:
-            here.held = hold(trainer)
+            here.held = run.hold()
 
-    def before_step(self, trainer) -> None:
+    def before_step(self) -> None:
         """Back to the scheduled LR and clipping once a rollback's cooldown has passed."""
-        state = trainer.state
+        state = self.run.counters
         if state.backoff_until > 0 and state.step >= state.backoff_until:
-            trainer.event("lr_restore", lr_scale=1.0, after=state.lr_scale)
+            self.events.event("lr_restore", lr_scale=1.0, after=state.lr_scale)
             state.lr_scale, state.clip_scale, state.backoff_until = 1.0, 1.0, 0
 
     def judge(
-        self, trainer, result: R, health: Health, rng: dict | None, rerun: Callable
+        self, result: R, health: Health, rng: dict | None, rerun: Callable[[], tuple[R, Health]]
     ) -> tuple[R, Health, Verdict]:
         """The step's verdict; an anomaly the ladder would act on, or a suspicion (suspicion.py),
-        is replayed once first."""
-        loss_scaled = trainer.backend.loss_scale() is not None
+        is replayed once first (`rerun`: the step's micro-batches again)."""
+        backend = self.run.backend
+        loss_scaled = backend.loss_scale() is not None
         verdict = self.detector.verdict(health, loss_scaled)
         clean = verdict.anomaly is None and not verdict.overflow
         suspects = self.detector.suspects(health) if clean and self.cfg.replay else []
         if self.replay.wanted(verdict) or suspects:
             first = verdict.anomaly
             started = time.perf_counter()
-            result, health, moved = self.replay.run(trainer, rng, rerun)
+            result, health, moved = self.replay.run(backend, self.monitor, rng, rerun)
             seconds = time.perf_counter() - started
             verdict = self.detector.verdict(health, loss_scaled)
             if first is None:
-                self.replay.report_suspicion(trainer, suspects, moved, seconds)
+                self.replay.report_suspicion(self._replay_report(), suspects, moved, seconds)
             else:
-                self.replay.report(trainer, first, verdict.anomaly, moved, seconds)
+                self.replay.report(self._replay_report(), first, verdict.anomaly, moved, seconds)
         if verdict.anomaly is not None:
             max_abs = health.host_max_abs
             if max_abs is None:  # a step without max |g|: the report names tensors by it
-                grads = trainer.backend.named_grads()
-                max_abs = trainer.monitor.max_abs(grads, health.grad_factor)
+                max_abs = self.monitor.max_abs(backend.named_grads(), health.grad_factor)
             self.detector.name_tensors(verdict.anomaly, health, max_abs)
         self.health = health
         return result, health, verdict
+
+    def _replay_report(self) -> ReplayReport:
+        return ReplayReport(self.events, self.run.counters, self.run_dir)
 
     def overflow_at_minimum(self, verdict: Verdict, scale: float) -> None:
         """An FP16 overflow at the minimum loss scale: an anomaly, not another halving."""
@@ -146,53 +176,54 @@ class Healer:
         self.detector.name_tensors(anomaly, health, health.host_max_abs)
         verdict.anomaly, verdict.overflow = anomaly, False
 
-    def after_step(self, trainer, result: StepOutcome) -> None:
+    def after_step(self, result: StepOutcome) -> None:
         if result.overflow:
             update = result.scale_update
-            trainer.event(
+            self.events.event(
                 "overflow", loss_scale=update.scale, scale_change=update.changed or "none"
             )
         if result.anomaly is None:
             self.consecutive = 0
-            self._healthy(trainer, result)
+            self._healthy(result)
             return
-        self._anomalous(trainer, result)
+        self._anomalous(result)
 
     # --- healthy and anomalous steps ----------------------------------------------------------
 
-    def _healthy(self, trainer, result: StepOutcome) -> None:
+    def _healthy(self, result: StepOutcome) -> None:
         if not result.overflow and self.health is not None:
             self.detector.add(self.health)
-            trainer.monitor.accept(self.health)  # this rank's shard levels (monitor/shards.py)
+            self.monitor.accept(self.health)  # this rank's shard levels (monitor/shards.py)
         if self.arrival is None:  # a rebuild replays counted steps: they count once
             self.targets.healthy_step()
-        step = trainer.step
+        step = self.run.step
         if not result.skipped and self.targets.is_cadence(step):
             if self.arrival is None:  # a rebuild passes targets that are known already
-                self.targets.add(Target(step, trainer.loader.stream.cursor))
+                self.targets.add(Target(step, self.run.stream.cursor))
             if self.targets.holds_snapshots:
                 self.pending = self.targets.at(step)
 
-    def end_step(self, trainer) -> None:
+    def end_step(self) -> None:
         """After the callbacks, whose state a target holds too (INT8 calibration folds the step's
         activations in its on_step_end): the new target's snapshot, then a rebuild's arrival."""
-        self._hold_pending(trainer)
-        if self.arrival is not None and trainer.step >= self.arrival["step"]:
-            self._arrive(trainer)
+        self._hold_pending()
+        if self.arrival is not None and self.run.step >= self.arrival["step"]:
+            self._arrive()
 
-    def _hold_pending(self, trainer) -> None:
+    def _hold_pending(self) -> None:
         target, self.pending = self.pending, None
-        if target is not None and target.held is None and target.step == trainer.step:
+        if target is not None and target.held is None and target.step == self.run.step:
             started = time.perf_counter()
-            target.held = hold(trainer)  # on CUDA non-blocking: the loop's share of the copy
+            target.held = self.run.hold()  # on CUDA non-blocking: the loop's share of the copy
             self.snapshots.add(
                 time.perf_counter() - started, nested_bytes(target.held.backend_state)
             )
 
-    def _anomalous(self, trainer, result: StepOutcome) -> None:
+    def _anomalous(self, result: StepOutcome) -> None:
         anomaly = result.anomaly
+        step = self.run.step
         self.consecutive += 1
-        trainer.state.anomalies += 1
+        self.run.counters.anomalies += 1
         # Replicas that disagree are as wrong as a NaN: the same ladder (replay, roll back).
         action = (
             self.monitor_cfg.on_spike if anomaly.kind == "spike" else self.monitor_cfg.nonfinite
@@ -200,53 +231,55 @@ class Healer:
         stop = None
         if action == "abort":
             what = "disagreeing replicas" if anomaly.kind == "replica" else "non-finite"
-            stop = f"{what} {anomaly.metric} at step {trainer.step} (monitor.nonfinite=abort)"
+            stop = f"{what} {anomaly.metric} at step {step} (monitor.nonfinite=abort)"
         elif self.consecutive >= self.monitor_cfg.max_consecutive:
             stop = (
-                f"{self.consecutive} anomalous steps in a row up to step {trainer.step} "
+                f"{self.consecutive} anomalous steps in a row up to step {step} "
                 f"(monitor.max_consecutive={self.monitor_cfg.max_consecutive})"
             )
         result.action = "abort" if stop else action
-        trainer.event("anomaly", **anomaly.details(), action=result.action)
+        self.events.event("anomaly", **anomaly.details(), action=result.action)
         if stop:
-            abort(trainer, stop)
+            abort(self.run_dir, self.events, stop)
         self.targets.anomaly()
         self.pending = None
         if self.arrival is not None:  # the rebuild went wrong: its target is not reached
             self.arrival = None
         if action == "rollback":
-            self._rollback(trainer, result)
+            self._rollback(result)
 
     # --- the rollback -------------------------------------------------------------------------
 
-    def _rollback(self, trainer, result: StepOutcome) -> None:
-        state, stream = trainer.state, trainer.loader.stream
+    def _rollback(self, result: StepOutcome) -> None:
+        run, events = self.run, self.events
+        state, stream = run.counters, run.stream
         anomaly_step, anomaly_cursor = state.step, stream.cursor
         committed = self.manager.finish_pending()  # an async checkpoint in flight commits first
         if committed is not None:  # its event, as the checkpoint callback writes it
-            trainer.event("checkpoint", path=str(committed), **self.manager.last_save)
+            events.event("checkpoint", path=str(committed), **self.manager.last_save)
         state.rollbacks += 1
         if state.rollbacks > self.cfg.max_rollbacks:
             abort(
-                trainer,
+                self.run_dir,
+                events,
                 f"{state.rollbacks} rollbacks by step {anomaly_step} "
                 f"(resilience.max_rollbacks={self.cfg.max_rollbacks})",
             )
-        target, repeat = self._target(trainer, anomaly_step)
+        target, repeat = self._target(anomaly_step)
         # Counters of the run survive the restore (they count what happened, not the weights).
         kept = {k: getattr(state, k) for k in ("anomalies", "rollbacks", "transients")}
         held_on = {k: getattr(state, k) for k in ("skipped_steps", "lr_scale", "clip_scale")}
         windows = list(stream.skip_windows)
         older = self.targets.before(target.step)
-        found = self.recovery.restore(trainer, target, older, self.origin)
+        found = self.recovery.restore(run, target, older, self.origin)
         if found is None:
             abort(
-                trainer,
+                self.run_dir,
+                events,
                 f"anomaly at step {anomaly_step}: the state of step {target.step} "
                 "cannot be loaded or rebuilt (no snapshot, checkpoint or start to rebuild it from)",
             )
         source, restored = found
-        state, stream = trainer.state, trainer.loader.stream  # load_trainer_state made new ones
         for key, value in kept.items():
             setattr(state, key, value)
         start, end = target.cursor, anomaly_cursor + self.cfg.skip_margin
@@ -262,10 +295,10 @@ class Healer:
             self.arrival = {"step": target.step, "from_step": restored, **backoff}
         # Checkpoints of the abandoned steps would replay the bad data after a restart: retire
         # them, and checkpoint the restored state with its new skip window right away.
-        retired = self.manager.retire_after(restored) if trainer.replicas.leads else []
+        retired = self.manager.retire_after(restored) if self.replicas.leads else []
         result.rolled_back = result.checkpoint_now = True
         # The three events belong to the anomaly's step (the state now reads the restored one).
-        trainer.event(
+        events.event(
             "rollback",
             at_step=anomaly_step,
             from_step=anomaly_step,
@@ -276,8 +309,8 @@ class Healer:
             rollbacks=state.rollbacks,
             retired_checkpoints=retired,
         )
-        trainer.event("skip_data", at_step=anomaly_step, start=start, end=end, samples=end - start)
-        trainer.event(
+        events.event("skip_data", at_step=anomaly_step, start=start, end=end, samples=end - start)
+        events.event(
             "lr_backoff",
             at_step=anomaly_step,
             factor=self.cfg.lr_backoff,
@@ -286,7 +319,7 @@ class Healer:
             until_step=backoff["backoff_until"],
         )
 
-    def _target(self, trainer, anomaly_step: int) -> tuple[Target, bool]:
+    def _target(self, anomaly_step: int) -> tuple[Target, bool]:
         """The newest good target before the anomaly; a repeat within `resilience.window` steps
         of the last rollback goes before that one's target. (target, repeat)"""
         repeat = self.last is not None and anomaly_step - self.last[0] <= self.cfg.window
@@ -300,7 +333,8 @@ class Healer:
         if target is None:
             again = f", again within {self.cfg.window} steps of the rollback" if repeat else ""
             abort(
-                trainer,
+                self.run_dir,
+                self.events,
                 f"anomaly at step {anomaly_step}{again}: no good snapshot or checkpoint before "
                 f"step {bound} to roll back to",
             )
@@ -326,11 +360,11 @@ class Healer:
         for key in ("lr_scale", "clip_scale", "backoff_until", "skipped_steps"):
             setattr(state, key, backoff[key])
 
-    def _arrive(self, trainer) -> None:
+    def _arrive(self) -> None:
         """A rebuild reached its target: the state is the target's; the back-off starts."""
         arrival, self.arrival = self.arrival, None
-        self._apply(trainer.state, arrival)
-        trainer.event(
+        self._apply(self.run.counters, arrival)
+        self.events.event(
             "rebuilt",
             to_step=arrival["step"],
             from_step=arrival["from_step"],
@@ -339,13 +373,14 @@ class Healer:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def host_state(self, trainer) -> dict[str, Any] | None:
+    def host_state(self) -> dict[str, Any] | None:
         """This rank's host copy of the current step's backend state when a target of the step is
         held (its snapshot taken now if due this step): a checkpoint of the step writes from it
         instead of copying again."""
-        if self.pending is not None and self.pending.step == trainer.step:
-            self._hold_pending(trainer)
-        target = self.targets.at(trainer.step)
+        step = self.run.step
+        if self.pending is not None and self.pending.step == step:
+            self._hold_pending()
+        target = self.targets.at(step)
         return target.held.backend_state if target is not None and target.held else None
 
     def state_dict(self) -> dict[str, Any]:

@@ -22,20 +22,15 @@ from typing import Any
 from bigtrain.checkpoint.manager import CheckpointManager
 from bigtrain.checkpoint.manifest import PREFIX, CheckpointError
 from bigtrain.checkpoint.rng import rng_from_json, rng_state, rng_to_json, set_rng_state
-from bigtrain.resilience.targets import Held, Target
+from bigtrain.resilience.targets import Target
+from bigtrain.state.run import LOCAL, RunState
 
 
-def hold(trainer) -> Held:
-    """A host copy of the state now (pinned, non-blocking on CUDA; Backend.local_state)."""
-    state = trainer.backend.local_state()
-    return Held(state, copy.deepcopy(trainer.trainer_state(resilience=False)), rng_state())
-
-
-def origin_record(trainer) -> dict[str, Any]:
-    """What rebuilding the start needs besides its weights: the trainer state and RNG at step 0
-    (JSON: it travels in checkpoints)."""
-    state = trainer.trainer_state(resilience=False)
-    state.pop("local", None)  # a rank's own state, empty at the start: a rebuild starts it empty
+def origin_record(run: RunState) -> dict[str, Any]:
+    """What rebuilding the start needs besides its weights: the run's state a rollback restores
+    and the RNG, at step 0 (JSON: it travels in checkpoints)."""
+    state = run.state_dict(rollback_only=True)
+    state.pop(LOCAL, None)  # a rank's own state, empty at the start: a rebuild starts it empty
     return {"trainer_state": state, "rng": rng_to_json(rng_state())}
 
 
@@ -65,44 +60,38 @@ class Recovery:
         return None
 
     def restore(
-        self, trainer, target: Target, older: list[Target], origin: dict[str, Any] | None
+        self, run: RunState, target: Target, older: list[Target], origin: dict[str, Any] | None
     ) -> tuple[str, int] | None:
         """Load `target`, or the newest loadable state before it (the caller trains forward);
         `older`: the targets before it, newest first. (source, step), or None: nothing loads."""
         if target.held is not None:
-            load_held(trainer, target.held)
+            run.load_held(target.held)
             return "memory", target.step
         at = self.newest(at=target.step) if target.step > 0 else None
         if at is not None:
-            self._load_checkpoint(trainer, at[1])
+            self._load_checkpoint(run, at[1])
             return "checkpoint", target.step
-        if target.step == 0 and self._rebuild_start(trainer, origin):
+        if target.step == 0 and self._rebuild_start(run, origin):
             return "start", 0
         held = next((t for t in older if t.held is not None), None)
         disk = self.newest(before=target.step)
         if held is not None and (disk is None or held.step >= disk[0]):
-            load_held(trainer, held.held)
+            run.load_held(held.held)
             return "replay from memory", held.step
         if disk is not None:
-            self._load_checkpoint(trainer, disk[1])
+            self._load_checkpoint(run, disk[1])
             return "replay from checkpoint", disk[0]
-        if self._rebuild_start(trainer, origin):
+        if self._rebuild_start(run, origin):
             return "replay from start", 0
         return None
 
-    def _load_checkpoint(self, trainer, path: Path) -> None:
-        trainer.load_trainer_state(self.manager.load(path, trainer.backend), resilience=False)
+    def _load_checkpoint(self, run: RunState, path: Path) -> None:
+        run.load_state_dict(self.manager.load(path, run.backend), rollback_only=True)
 
-    def _rebuild_start(self, trainer, origin: dict[str, Any] | None) -> bool:
+    def _rebuild_start(self, run: RunState, origin: dict[str, Any] | None) -> bool:
         if origin is None or self.start_weights is None:
             return False
         self.start_weights()
-        trainer.load_trainer_state(copy.deepcopy(origin["trainer_state"]), resilience=False)
+        run.load_state_dict(copy.deepcopy(origin["trainer_state"]), rollback_only=True)
         set_rng_state(rng_from_json(origin["rng"]))
         return True
-
-
-def load_held(trainer, held: Held) -> None:
-    trainer.backend.load_local_state(held.backend_state)
-    trainer.load_trainer_state(copy.deepcopy(held.trainer_state), resilience=False)
-    set_rng_state(held.rng)

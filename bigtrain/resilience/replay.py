@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +31,12 @@ import torch
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.schema import ResilienceConfig
 from bigtrain.errors import HostExcluded
-from bigtrain.monitor.monitor import Health
+from bigtrain.monitor.monitor import GradMonitor, Health
+from bigtrain.parallel.backends.base import Backend
 from bigtrain.resilience.detect import Anomaly, Verdict
+from bigtrain.state.events import Events
+from bigtrain.state.run import Counters
+from bigtrain.store.rundir import RunDir
 from bigtrain.utils.dist import all_gather_objects
 
 MOVED = 1e-3  # a rank whose local statistics moved by more than this (relative) differed
@@ -58,6 +63,16 @@ def local_distance(first: torch.Tensor, second: torch.Tensor, tensors: int = 0) 
     return float(change.max()) if change.numel() else 0.0  # host sync: replays only
 
 
+@dataclass
+class ReplayReport:
+    """Where a replay's verdict goes: its events, the transient-fault counts by host (counters),
+    and the run directory (excluded_hosts.txt)."""
+
+    events: Events
+    counters: Counters
+    run_dir: RunDir
+
+
 class Replay:
     def __init__(self, cfg: ResilienceConfig) -> None:
         self.cfg = cfg
@@ -71,21 +86,23 @@ class Replay:
         """A step the ladder would act on (a warned spike is applied anyway)."""
         return self.cfg.replay and verdict.anomaly is not None and not verdict.warn_only
 
-    def run(self, trainer, rng: dict[str, Any], execute: Callable) -> tuple[Any, Health, list]:
-        """Run the step again: the second run's (StepResult, Health), and the ranks whose local
-        statistics moved between the two runs, most first."""
-        first_local = trainer.monitor.last_local
-        trainer.backend.skip_step()  # the first run's gradients go
+    def run(
+        self,
+        backend: Backend,
+        monitor: GradMonitor,
+        rng: dict[str, Any] | None,
+        execute: Callable[[], tuple[Any, Health]],
+    ) -> tuple[Any, Health, list]:
+        """Run the step again (`execute`: its micro-batches once more): the second run's
+        (StepResult, Health), and the ranks whose local statistics moved between the two runs,
+        most first."""
+        first_local = monitor.last_local
+        assert first_local is not None and rng is not None, "a replay follows a monitored step"
+        backend.skip_step()  # the first run's gradients go
         set_rng_state(rng)
-        trainer.replaying = True
-        try:
-            result, health = execute()
-        finally:
-            trainer.replaying = False
-        tensors = len(trainer.monitor.names)
-        distances = all_gather_objects(
-            local_distance(first_local, trainer.monitor.last_local, tensors)
-        )
+        result, health = execute()
+        tensors = len(monitor.names)
+        distances = all_gather_objects(local_distance(first_local, monitor.last_local, tensors))
         moved = sorted(
             (r for r, d in enumerate(distances) if d > MOVED), key=lambda r: -distances[r]
         )
@@ -93,7 +110,7 @@ class Replay:
 
     def report(
         self,
-        trainer,
+        to: ReplayReport,
         first: Anomaly,
         second: Anomaly | None,
         moved: list[int],
@@ -102,7 +119,7 @@ class Replay:
         """The `replay` event (with the replay's `seconds`); a transient fault counts against the host of the rank that moved
         most (exit 6 after resilience.max_transient_per_rank on one host)."""
         rank = moved[0] if moved else None
-        trainer.event(
+        to.events.event(
             "replay",
             verdict="reproduced" if second is not None else "transient",
             rank=rank,
@@ -113,17 +130,17 @@ class Replay:
             seconds=round(seconds, 4),
         )
         if second is None and rank is not None:
-            self._count(trainer, rank)
+            self._count(to, rank)
 
     def report_suspicion(
-        self, trainer, suspects: list[list], moved: list[int], seconds: float
+        self, to: ReplayReport, suspects: list[list], moved: list[int], seconds: float
     ) -> None:
         """The `suspicion` event of a replayed suspicious step: `transient` when some rank's
         local statistics moved (silent data corruption: the replayed step goes on, the host is
         counted as for any transient fault), else `reproduced` (the data's: the step goes on,
         and the rules judged the replay as any step)."""
         rank = moved[0] if moved else None
-        trainer.event(
+        to.events.event(
             "suspicion",
             verdict="transient" if moved else "reproduced",
             rank=rank,
@@ -132,28 +149,28 @@ class Replay:
             seconds=round(seconds, 4),
         )
         if rank is not None:
-            self._count(trainer, rank)
+            self._count(to, rank)
 
-    def _count(self, trainer, rank: int) -> None:
+    def _count(self, to: ReplayReport, rank: int) -> None:
         if self.hosts is None:
             self.hosts = all_gather_objects(socket.gethostname())
         host = self.hosts[rank]
-        counts = trainer.state.transients
+        counts = to.counters.transients
         counts[host] = counts.get(host, 0) + 1
         if counts[host] < self.cfg.max_transient_per_rank:
             return
-        if trainer.env.is_main:
-            path = trainer.run_dir.path / "excluded_hosts.txt"
+        if to.run_dir.is_main:
+            path = to.run_dir.path / "excluded_hosts.txt"
             known = path.read_text().split() if path.is_file() else []
             if host not in known:
                 with open(path, "a") as f:
                     f.write(host + "\n")
         reason = (
             f"{counts[host]} transient faults on host {host} (rank {rank}) by step "
-            f"{trainer.step + 1} (resilience.max_transient_per_rank="
+            f"{to.counters.step + 1} (resilience.max_transient_per_rank="
             f"{self.cfg.max_transient_per_rank})"
         )
-        trainer.event("host_excluded", host=host, rank=rank, transients=counts[host])
+        to.events.event("host_excluded", host=host, rank=rank, transients=counts[host])
         raise HostExcluded(
             f"{reason}; its name is in excluded_hosts.txt, exit 6: requeue without it"
         )

@@ -19,16 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from bigtrain.state.run import Held
+
 POISONED = -(10**9)  # healthy_after of a target that saw an anomaly before it was confirmed
-
-
-@dataclass
-class Held:
-    """A target's state in host memory: this rank's shard, the trainer state, the RNG."""
-
-    backend_state: dict[str, Any]
-    trainer_state: dict[str, Any]
-    rng: dict[str, Any]
 
 
 @dataclass
@@ -104,3 +97,22 @@ class Targets:
         self.ring.clear()
         for step, cursor, healthy_after in state["ring"]:
             self.ring.append(Target(int(step), int(cursor), int(healthy_after)))
+
+
+class HeldTargets:
+    """The snapshots the targets hold in host memory, as a rejoining replica group receives them
+    (RunState.add_memory): a later rollback must restore the same state in every group, from the
+    same source. By step; a target this group does not hold stays without one."""
+
+    def __init__(self, targets: Targets) -> None:
+        self.targets = targets
+
+    def _all(self) -> list[Target]:
+        return [self.targets.start, *self.targets.ring]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {t.step: t.held for t in self._all() if t.held is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for target in self._all():
+            target.held = state.get(target.step)

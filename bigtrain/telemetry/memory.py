@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bigtrain.errors import OutOfMemory
+from bigtrain.state.events import Events
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +100,19 @@ def oom_report(device: torch.device, run_dir: Path, rank: int) -> dict[str, Any]
     return report
 
 
-def out_of_memory(trainer, error: BaseException, memory_plan=None) -> OutOfMemory:
-    """The `oom` event (from this rank) and the error that ends the run with exit 8, for an
-    out-of-memory `error` raised while `trainer` ran. `memory_plan`: a function returning
-    `bigtrain plan`'s prediction for the config (bigtrain/plan/footprint.py, above this layer)."""
-    rank = trainer.env.rank
-    report = oom_report(trainer.device, trainer.run_dir.path, rank)
+def out_of_memory(
+    events: Events,
+    device: torch.device,
+    run_dir: Path,
+    rank: int,
+    error: BaseException,
+    memory_plan: Callable[[], dict[str, Any]] | None = None,
+) -> OutOfMemory:
+    """The `oom` event (from this rank, `rank`) and the error that ends the run with exit 8, for
+    an out-of-memory `error` raised on `device` in the run at `run_dir`. `memory_plan`: a function
+    returning `bigtrain plan`'s prediction for the config (bigtrain/plan/footprint.py, above this
+    layer)."""
+    report = oom_report(device, run_dir, rank)
     plan: dict[str, Any] | None = None
     if memory_plan is not None:
         try:
@@ -111,7 +120,7 @@ def out_of_memory(trainer, error: BaseException, memory_plan=None) -> OutOfMemor
         except Exception as e:  # noqa: BLE001 - the prediction must not hide the OOM itself
             plan = {"error": f"{type(e).__name__}: {e}"}
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    record = trainer.event("oom", any_rank=True, **report, plan=plan, error=first_line[:500])
+    record = events.event("oom", any_rank=True, **report, plan=plan, error=first_line[:500])
     used = ", ".join(
         f"{k.removesuffix('_bytes')} {fmt_gib(v)}"
         for k, v in report.items()
@@ -124,8 +133,8 @@ def out_of_memory(trainer, error: BaseException, memory_plan=None) -> OutOfMemor
     )
     snapshot = f"; allocator snapshot: {report['snapshot']}" if "snapshot" in report else ""
     return OutOfMemory(
-        f"rank {rank} ran out of memory on {trainer.device} at step {record['step']} ({used})"
-        f"{predicted}{snapshot}; the `oom` event in {trainer.run_dir.path / 'events.jsonl'} has "
+        f"rank {rank} ran out of memory on {device} at step {record['step']} ({used})"
+        f"{predicted}{snapshot}; the `oom` event in {run_dir / 'events.jsonl'} has "
         "the details. Lower train.micro_batch_size, use parallel.activation_checkpointing or "
         "shard more (bigtrain plan shows what fits)"
     )

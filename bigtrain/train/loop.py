@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.replicas.groups import NoReplicaGroups, ReplicaGroups
 from bigtrain.precision.clip import ClipThreshold
 from bigtrain.resilience import Healer
+from bigtrain.state.run import Cadence, Counters, RunState
 from bigtrain.store.rundir import RunDir
 from bigtrain.telemetry.memory import memory_kind, peak_memory_bytes
 from bigtrain.telemetry.profile import NO_RANGES, NoRanges, PhaseRanges
@@ -26,25 +26,6 @@ from bigtrain.train.setup import RunSetup
 from bigtrain.train.step import StepResult
 from bigtrain.train.timing import StepTimer
 from bigtrain.utils.dist import all_gather_objects
-
-
-@dataclass
-class TrainState:
-    """Counters that a checkpoint restores (the data cursor lives in the loader's stream)."""
-
-    step: int = 0
-    samples_seen: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0
-    anomalies: int = 0
-    rollbacks: int = 0
-    last_loss: float = float("nan")  # the last step's loss (mean over ranks)
-    lr_scale: float = 1.0  # < 1 after a rollback, until backoff_until
-    clip_scale: float = 1.0  # the clipping threshold's factor, likewise
-    backoff_until: int = 0  # step the back-off ends at; 0: none, -1: for the rest of the run
-    transients: dict[str, int] = field(default_factory=dict)  # transient faults by host (replay)
-    # replica groups (parallel/replicas/groups.py): tokens of the steps a group missed, by group
-    tokens_skipped_by_group: dict[str, int] = field(default_factory=dict)
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimConfig) -> float:
@@ -90,7 +71,7 @@ class Trainer:
         # fault-tolerant replica groups (parallel/replicas/groups.py): the quorum, cross-group means, commit
         self.replicas = replicas if replicas is not None else NoReplicaGroups()
         self.setup = setup  # what was built: policy, shapes, FLOPs per token, identity, corpus
-        self.state = TrainState()
+        self.state = Counters()
         self.policy = setup.policy
         self.phase = self.policy.phases[0]  # the backend starts in the first phase
         p = cfg.precision
@@ -108,6 +89,31 @@ class Trainer:
         self.ranges: PhaseRanges | NoRanges = NO_RANGES  # use_ranges: while profiling
         # The evaluation before a fresh run's first step (record_start), the curve's first point.
         self.start_record: dict[str, Any] | None = None
+        self.run = self._run_state()
+        self.cadence = Cadence(self.end_step, cfg.train.log_every, cfg.checkpoint.every)
+        self.healer.attach(self.run, self, monitor, self.replicas, run_dir)
+        self.replicas.attach(self.run, self, run_dir, self.cadence)
+
+    def _run_state(self) -> RunState:
+        """The run's state, part by part (bigtrain/state/run.py): what checkpoints, a rejoining
+        group's transfer and rollback snapshots hold. Registered in the order they load."""
+        run = RunState(
+            self.backend,
+            self.state,
+            self.loader.stream,
+            self.loader.global_batch_size,
+            self.tokens_per_step,
+        )
+        run.add("clip", self.clip, missing={"history": []})
+        run.add("monitor", self.healer.detector, missing={})
+        run.add("local", LocalShards(self.monitor, self.healer), missing={})
+        run.add("callbacks", self.callbacks, missing={})
+        # torchft's step only grows: a rollback does not take it back.
+        run.add("replicas", self.replicas, rollback=False, missing={})
+        if self.backend.scaler is not None:
+            run.add("loss_scaler", self.backend.scaler)
+        run.add("resilience", self.healer, rollback=False)  # its own bookkeeping
+        return run
 
     @property
     def step(self) -> int:
@@ -148,23 +154,23 @@ class Trainer:
         """True after the last step this process runs (logging, eval and checkpoint are due)."""
         return self.state.step >= self.end_step
 
-    def fit(self, resumed: bool = False) -> TrainState:
+    def fit(self, resumed: bool = False) -> Counters:
         """The loop. `resumed`: the state was loaded from a checkpoint (the healer's targets
         came with it)."""
         self.callbacks.on_start(self)
-        self.healer.start(self, resumed)
+        self.healer.start(resumed)
         while self.state.step < self.end_step:
             result = self.train_step()
             if result is None:  # not committed: a replica group failed inside it; run it again
                 continue
-            self.healer.after_step(self, result)  # events, the action, a rollback
+            self.healer.after_step(result)  # events, the action, a rollback
             self.callbacks.on_step_end(self, result)
-            self.replicas.after_step(self, result)  # a slow replica group may leave the job
+            self.replicas.after_step(result)  # a slow replica group may leave the job
             self.ranges.begin("checkpoint_copy")
-            self.healer.end_step(self)  # a new rollback target's snapshot
+            self.healer.end_step()  # a new rollback target's snapshot
             self.ranges.end()
         # Replica groups: every group at the end, caught up and holding the same weights.
-        self.replicas.finish(self)
+        self.replicas.finish()
         self.callbacks.on_finish(self)
         return self.state
 
@@ -203,16 +209,16 @@ class Trainer:
         cfg, backend = self.cfg, self.backend
         started = time.perf_counter()
         before = self.state.step
-        self.replicas.start_step(self)  # the quorum: a rejoining group takes a peer's state here
+        self.replicas.start_step()  # the quorum: a rejoining group takes a peer's state here
         if self.state.step != before and self.state.step >= self.end_step:
             return None  # the peer's state it took is the end's: nothing left to train
         self._enter_phase()
-        self.healer.before_step(self)
+        self.healer.before_step()
         lr = lr_at(self.state.step, cfg.train.max_steps, cfg.optim) * self.state.lr_scale
         step = self.step_in_progress = self.state.step + 1
         self.timer.start(step)
         self.ranges.begin("data")
-        undo = self.replicas.undo_point(self)
+        undo = self.replicas.undo_point()
         micro_batches = self.loader.next_step()
         self.timer.mark("data")
         rng = self.healer.replay.before_step()  # the step's RNG state, kept for a replay
@@ -220,12 +226,21 @@ class Trainer:
         def forward_backward() -> tuple[StepResult, Health]:
             return self._forward_backward_check(micro_batches, step, lr)
 
+        def replay() -> tuple[StepResult, Health]:
+            """The step's micro-batches once more (the healer's replay): drills that model a
+            transient fault know it by `replaying`."""
+            self.replaying = True
+            try:
+                return forward_backward()
+            finally:
+                self.replaying = False
+
         result, health = forward_backward()
         verdict = None  # a reduction across replica groups failed: nothing to judge or apply
         if self.replicas.intact():
-            result, health, verdict = self.healer.judge(self, result, health, rng, forward_backward)
-        if not self.replicas.commit(self) or verdict is None:
-            self.replicas.abandon(self, undo, step)
+            result, health, verdict = self.healer.judge(result, health, rng, replay)
+        if not self.replicas.commit() or verdict is None:
+            self.replicas.abandon(undo, step)
             self.step_in_progress = None
             return None
         if verdict.skip:
@@ -259,7 +274,7 @@ class Trainer:
         result.step_timing = self.timer.finish()  # per part, on timing steps; else None
         # The step's own time; callbacks (eval, checkpoints) are not included.
         result.step_time = time.perf_counter() - started
-        self.replicas.annotate(self, result)  # each replica group's own loss, at log steps
+        self.replicas.annotate(result)  # each replica group's own loss, at log steps
         return result
 
     def _forward_backward_check(
@@ -309,38 +324,19 @@ class Trainer:
             self.backend.set_phase(phase)
             self.phase = phase
 
-    def trainer_state(self, resilience: bool = True) -> dict[str, Any]:
-        """What a checkpoint needs besides the backend's tensors and the RNG; `resilience`: with
-        the healer's own bookkeeping (targets, the ladder), which a rollback does not restore."""
-        scaler = self.backend.scaler
-        out = {
-            "state": asdict(self.state),
-            "data": self.loader.stream.state_dict(),
-            "clip": self.clip.state_dict(),
-            "monitor": self.healer.detector.state_dict(),
-            "loss_scaler": scaler.state_dict() if scaler else None,
-            "callbacks": self.callbacks.state_dict(),
-            "replicas": self.replicas.state_dict(),
-            "local": self.monitor.local_state_dict(),  # this rank's own: a file per rank
-        }
-        if resilience:
-            out["resilience"] = self.healer.state_dict()
-        return out
 
-    def load_trainer_state(self, saved: dict[str, Any], resilience: bool = True) -> None:
-        self.state = TrainState(**saved["state"])
-        self.loader.stream.load_state_dict(saved["data"])
-        self.clip.load_state_dict(saved.get("clip", {"history": []}))
-        self.healer.detector.load_state_dict(saved.get("monitor", {}))
-        local = saved.get("local")  # None: another world size wrote it, or an earlier bigtrain
-        self.monitor.load_local_state_dict(local or {})
-        if local is None:  # other shards: the suspicion tier's history starts again with them
+class LocalShards:
+    """The `local` part of the run's state: this rank's own shard history (the suspicion tier,
+    monitor/shards.py). Loaded empty (another world size wrote the checkpoint, or the run's start
+    is rebuilt), the suspicion tier's history starts again with it."""
+
+    def __init__(self, monitor: GradMonitor, healer: Healer) -> None:
+        self.monitor, self.healer = monitor, healer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.local_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_local_state_dict(state)
+        if not state:
             self.healer.detector.suspicion.load_state_dict({})
-        self.callbacks.load_state_dict(saved.get("callbacks", {}))
-        if resilience:  # torchft's step only grows: a rollback does not take it back
-            self.replicas.load_state_dict(saved.get("replicas", {}))
-        scaler = self.backend.scaler
-        if scaler is not None and saved.get("loss_scaler"):
-            scaler.load_state_dict(saved["loss_scaler"])
-        if resilience and "resilience" in saved:
-            self.healer.load_state_dict(saved["resilience"])

@@ -17,8 +17,8 @@ from bigtrain.config.schema import Config
 from bigtrain.data.read.stream import SampleStream
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.layout import Layout
+from bigtrain.state.run import Counters
 from bigtrain.store.rundir import RunDir, read_jsonl
-from bigtrain.train import TrainState
 from bigtrain.train.step import StepResult
 
 pytestmark = pytest.mark.unit
@@ -32,7 +32,7 @@ def stub(path: Path, max_steps: int, groups: int = 1, world_size: int = 1, batch
     cfg = Config()
     cfg.train.max_steps, cfg.train.log_every, cfg.model.seq_len = max_steps, 1, SEQ_LEN
     layout = Layout.of(cfg.parallel, world_size, 0, groups, 0)
-    state = TrainState()
+    state = Counters()
     return SimpleNamespace(
         cfg=cfg,
         env=DistEnv(rank=0, world_size=world_size),

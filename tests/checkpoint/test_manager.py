@@ -64,9 +64,9 @@ def test_a_ranks_local_state_comes_back_only_at_the_same_world_size(micro):
         )
         grown = CheckpointManager(path.parent, keep=3, rank=0, world_size=2)
         assert "local" not in grown.load(path, trainer.backend)
-        trainer.load_trainer_state(grown.load(path, trainer.backend))
+        trainer.run.load_state_dict(grown.load(path, trainer.backend))
         assert history.count == 0 and torch.isnan(history.values).all() and len(series) == 0
-        trainer.load_trainer_state(same)
+        trainer.run.load_state_dict(same)
         assert history.count == 10 and len(series) >= 8
     finally:
         trainer.callbacks.close()

@@ -195,9 +195,8 @@ def test_a_changed_mixture_refuses_the_checkpoint_cursor():
 def test_tokens_by_source_leave_out_skip_windows_and_rolled_back_steps(tmp_path):
     stream = MixtureStream(three_sources(), 7)
     healer = stub_healer(StubManager(tmp_path), snapshot_every=2, confirm_steps=1)
-    trainer = StubTrainer(tmp_path / "run", healer=healer)
-    trainer.loader = StubLoader(stream, 300)
-    healer.start(trainer, resumed=False)
+    trainer = StubTrainer(tmp_path / "run", healer=healer, stream=stream, global_batch=300)
+    healer.start(resumed=False)
     trainer.healthy(5)
     trainer.step_end(nonfinite(), skipped=True)  # step 6: back to step 4
     assert stream.cursor == 1200 and stream.skip_windows == [(1200, 1800)]

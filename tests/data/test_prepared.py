@@ -9,10 +9,10 @@ import pickle
 import numpy as np
 import pytest
 
-from bigtrain.data.read import prepared
 from bigtrain.data.prepare.cache import TokenCorpus
 from bigtrain.data.prepare.run import prepare
 from bigtrain.data.prepare.summary import CorpusSummary
+from bigtrain.data.read import prepared
 from bigtrain.data.read.prepared import PreparedData
 from bigtrain.data.read.stream import split_samples
 from bigtrain.errors import ConfigError

@@ -115,7 +115,7 @@ def test_only_group_0_feeds_the_metric_sinks(tmp_path):
 def test_no_replica_groups_leave_every_step_as_it_is():
     none = ft.NoReplicaGroups()
     value = torch.tensor(2.0)
-    assert none.average(value) is value and none.intact() and none.commit(None)
+    assert none.average(value) is value and none.intact() and none.commit()
     assert none.across_groups is None and none.state_dict() == {} and none.leads
 
 
@@ -151,25 +151,29 @@ def two_groups(manager) -> ft.ReplicaGroups:
 
 
 def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
-    # The other group: loss 3, flags [stop (not sent), 1 differing replica, router sum 5],
-    # its own loss in its slot (group 1), router extremes [0.2, 0.9]; zeros: a group sitting out.
-    # ... and its own work's seconds on its last timing step (1.5) in its slot
+    # The other group: loss 3, 1 differing replica, router sum 5, its own loss in its slot
+    # (group 1) and its own work's seconds on its last timing step (1.5) in its slot; router
+    # extremes [0.2, 0.9]; zeros: a group sitting out. The stop flag is not passed: the group's.
     groups = two_groups(
         TwoGroups(torch.tensor([3.0, 1.0, 5.0, 0.0, 3.0, 0.0, 1.5]), torch.tensor([0.2, 0.9]))
     )
     groups.compute_s = 0.5
-    loss, flags, maxima = groups.across_groups(
-        torch.tensor(1.0), torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.1])
+    loss, summed, maxed = groups.across_groups(
+        torch.tensor([1.0]),
+        {"replicas": torch.tensor([0.0]), "router_sums": torch.tensor([2.0])},
+        {"router_extremes": torch.tensor([0.5, 0.1])},
     )
-    assert loss.item() == 2.0 and flags.tolist() == [1.0, 1.0, 7.0]
+    assert loss.item() == 2.0
+    assert {k: v.tolist() for k, v in summed.items()} == {"replicas": [1.0], "router_sums": [7.0]}
     assert groups.group_losses.tolist() == [1.0, 3.0]  # each group's own loss
     groups.participants = [0, 1]
     assert groups.group_times() == {0: 0.5, 1: 1.5}
-    assert maxima.tolist() == pytest.approx([0.5, 0.9])
+    assert maxed["router_extremes"].tolist() == pytest.approx([0.5, 0.9])
     assert groups.manager.ops == [ReduceOp.SUM, ReduceOp.MAX]
     groups = two_groups(TwoGroups(torch.tensor([3.0, 0.0, 3.0, 0.0, 0.0])))
     groups.compute_s, groups.participants = 0.0, [0, 1]
-    assert groups.across_groups(torch.tensor(1.0), torch.tensor([0.0]))[2] is None  # dense
+    assert groups.across_groups(torch.tensor(1.0), {}, {})[1:] == ({}, {})  # dense, no HSDP
+    assert groups.manager.ops == [ReduceOp.SUM]  # no MAX without maxed parts
     assert groups.group_times() == {}  # no group timed a step yet
 
 
@@ -224,7 +228,7 @@ def test_an_unreachable_lighthouse_is_named_at_once():
 
 @pytest.mark.parametrize("states", ["fp32", "bf16"])
 def test_a_peers_state_makes_the_next_step_the_peers_own(micro, states):
-    """What a rejoining group receives (peer_state) puts a fresh trainer where the peer is: the
+    """What a rejoining group receives (RunState.peer_state) puts a fresh trainer where the peer is: the
     same counters, data cursor, healer state and RNG, and the next step gives the peer's loss and
     weights bit for bit (BF16 optimizer states included)."""
     from dataclasses import asdict
@@ -239,10 +243,10 @@ def test_a_peers_state_makes_the_next_step_the_peers_own(micro, states):
     )
     peer = build_trainer(micro(*common, "train.stop_at_step=5", out="peer"), DistEnv())
     peer.fit()
-    state = ft.peer_state(peer)
+    state = peer.run.peer_state()
     fresh = build_trainer(micro(*common, out="joined"), DistEnv())
     assert fresh.state.step == 0
-    ft.load_peer_state(fresh, state)
+    fresh.run.load_peer_state(state)
     assert asdict(fresh.state) == asdict(peer.state) and fresh.state.step == 5
     assert fresh.loader.stream.state_dict() == peer.loader.stream.state_dict()
     assert fresh.healer.state_dict() == peer.healer.state_dict()
@@ -274,16 +278,16 @@ def test_a_rollback_after_a_join_restores_the_same_target_from_the_same_source(m
     peer = build_trainer(micro(*common, "train.stop_at_step=5", out="peer"), DistEnv())
     peer.fit()
     fresh = build_trainer(micro(*common, out="joined"), DistEnv())
-    fresh.healer.start(fresh, resumed=False)
-    ft.load_peer_state(fresh, ft.peer_state(peer))
+    fresh.healer.start(resumed=False)
+    fresh.run.load_peer_state(peer.run.peer_state())
     held = [t.step for t in fresh.healer.targets.ring if t.held is not None]
     assert held == [t.step for t in peer.healer.targets.ring if t.held is not None] and held
     for trainer in (peer, fresh):
         for _ in range(2):  # steps 6 and 7: the NaN at 7 rolls back
             result = trainer.train_step()
-            trainer.healer.after_step(trainer, result)
+            trainer.healer.after_step(result)
             trainer.callbacks.on_step_end(trainer, result)
-            trainer.healer.end_step(trainer)
+            trainer.healer.end_step()
     rollbacks = [read_jsonl(t.run_dir.path / "events.jsonl") for t in (peer, fresh)]
     (ours,), (theirs,) = (
         [e for e in r if e["kind"] == "rollback"] for r in (rollbacks[1], rollbacks[0])
@@ -312,20 +316,21 @@ def test_a_slow_group_leaves_only_when_the_policy_says_and_the_others_stop_waiti
         groups.cfg = load_config([], [f"fault_tolerance.slow_group_leaves_after={after}"])
         groups.cfg = groups.cfg.fault_tolerance
         groups.gone, groups.leads = set(), g == 0
+        groups.events = sink
         return groups
 
     events = []
-    trainer = SimpleNamespace(event=lambda kind, **d: events.append({"kind": kind, **d}))
+    sink = SimpleNamespace(event=lambda kind, **d: events.append({"kind": kind, **d}))
     named = StepResult(step=6, lr=1e-3, slow_groups={1: 2})
     for after in (0, 3):  # waiting, or not yet
         for g in (0, 1):
-            group(g, after).after_step(trainer, named)
+            group(g, after).after_step(named)
     assert events == []
     leader = group(0, 2)
-    leader.after_step(trainer, named)
+    leader.after_step(named)
     assert leader.gone == {1}
     with pytest.raises(GroupLeft, match="replica group 1 left the job"):
-        group(1, 2).after_step(trainer, named)
+        group(1, 2).after_step(named)
     assert [(e["group"], e["reason"], e["reported_by"]) for e in events] == [
         (1, "slow", 0),
         (1, "slow", 1),
@@ -355,15 +360,16 @@ def test_a_group_whose_reduction_failed_closes_its_connections_before_the_step_r
             PG.aborted += 1
 
     events = []
-    trainer = SimpleNamespace(
+    run = SimpleNamespace(
         backend=SimpleNamespace(skip_step=lambda: None),
-        loader=SimpleNamespace(stream=SimpleNamespace(load_state_dict=lambda s: None)),
-        state=SimpleNamespace(transients={}),
-        event=lambda kind, **d: events.append(kind),
+        stream=SimpleNamespace(load_state_dict=lambda s: None),
+        counters=SimpleNamespace(transients={}),
     )
+    sink = SimpleNamespace(event=lambda kind, **d: events.append(kind))
     for error, aborted in ((RuntimeError("Connection closed by peer"), 1), (None, 1)):
         groups = two_groups(Manager(error))
         groups.pg, groups.cfg = PG(), load_config([], []).fault_tolerance
-        groups.abandon(trainer, ({}, ft.rng_state(), {}), step=7)
+        groups.run, groups.events = run, sink
+        groups.abandon(({}, ft.rng_state(), {}), step=7)
         assert PG.aborted == aborted and groups.reduction_failed == (error is not None)
     assert events == ["commit_failed", "commit_failed"]

@@ -25,7 +25,7 @@ def make(tmp_path, monitor=None, checkpoint_every=0, rank=0, resumed=False, **re
     manager = StubManager(tmp_path / "checkpoints")
     healer = stub_healer(manager, monitor, checkpoint_every, **{**LADDER, **resilience})
     trainer = StubTrainer(tmp_path / "run", rank=rank, healer=healer)
-    healer.start(trainer, resumed)
+    healer.start(resumed)
     return trainer, healer, manager
 
 
@@ -140,19 +140,19 @@ def test_targets_every_n_steps_skip_skipped_steps_and_keep_the_newest(tmp_path):
     assert ring(healer) == [(15, 10, True), (20, 5, True), (25, 0, True)]  # 5 left the ring of 3
     newest = healer.targets.ring[-1]
     assert newest.held.backend_state["weight"].tolist() == [24.0] * 3  # 25 steps, one skipped
-    assert newest.held.trainer_state["data"]["cursor"] == newest.cursor == 25 * B
-    assert newest.held.trainer_state["state"]["skipped_steps"] == 1
+    assert newest.held.parts["data"]["cursor"] == newest.cursor == 25 * B
+    assert newest.held.parts["state"]["skipped_steps"] == 1
     # A checkpoint of step 25 writes from this copy instead of copying again; of 24, not.
-    assert healer.host_state(trainer) is newest.held.backend_state
+    assert healer.host_state() is newest.held.backend_state
     trainer.step_end(skipped=True)  # step 26: no target
-    assert healer.host_state(trainer) is None
+    assert healer.host_state() is None
 
 
 def test_checkpoint_steps_are_targets_too_and_without_snapshots_nothing_is_held(tmp_path):
     trainer, healer, _ = make(tmp_path, checkpoint_every=4, snapshot_every=0)
     trainer.healthy(9)
     assert ring(healer) == [(4, 5, False), (8, 1, False)]
-    assert healer.targets.start.held is None and healer.host_state(trainer) is None
+    assert healer.targets.start.held is None and healer.host_state() is None
 
 
 @pytest.mark.parametrize(("healthy_after_snapshot", "to_step"), [(2, 0), (3, 5)])
@@ -385,11 +385,11 @@ def test_the_start_is_rebuilt_when_nothing_holds_it(tmp_path):
 def test_a_resumed_run_has_the_targets_and_start_of_the_straight_run(tmp_path):
     trainer, healer, manager = make(tmp_path)
     trainer.healthy(12)
-    saved = trainer.trainer_state()  # a checkpoint of step 12, as a stop writes it
+    saved = trainer.run.state_dict()  # a checkpoint of step 12, as a stop writes it
     resumed, again, _ = make(tmp_path / "resumed", resumed=True)
-    resumed.load_trainer_state(saved)
+    resumed.run.load_state_dict(saved)
     resumed.backend.weight.fill_(12)
-    again.start(resumed, resumed=True)
+    again.start(resumed=True)
     assert ring(again) == [(5, 7, False), (10, 2, False)]  # what the straight run knows, unheld
     assert again.origin == healer.origin and again.targets.start.step == 0
 

@@ -74,12 +74,10 @@ def test_an_oom_on_cuda_names_bytes_plan_and_snapshot(fake_cuda, tmp_path):
         events.append(run_dir.event(4, kind, any_rank=any_rank, **details))
         return events[-1]
 
-    trainer = SimpleNamespace(
-        env=SimpleNamespace(rank=1), device=CUDA, run_dir=run_dir, event=event
-    )
+    events_sink = SimpleNamespace(event=event)
     plan = {"total_bytes": 6 * 2**30, "states_bytes": 2**30}
     error = memory.out_of_memory(
-        trainer, torch.OutOfMemoryError("CUDA out of memory."), lambda: plan
+        events_sink, CUDA, tmp_path, 1, torch.OutOfMemoryError("CUDA out of memory."), lambda: plan
     )
     assert isinstance(error, OutOfMemory) and error.exit_code == 8
     assert "rank 1 ran out of memory on cuda:0 at step 4 (allocated 3.00 GiB" in str(error)

@@ -8,7 +8,7 @@ groups, does nothing):
                  takes part. A group that is behind (restarted, or it failed to commit) receives
                  the whole state from a live peer here, before it reads its data: weights,
                  optimizer, trainer counters and LR back-off, the healer's targets and windows,
-                 loss scale, the data cursor and RNG (`peer_state` / `load_peer_state`).
+                 loss scale, the data cursor and RNG (RunState.peer_state, bigtrain/state/run.py).
     average_grads  after backward, the gradient shards are averaged over the live groups (one
                  all-reduce per bucket over torchft's reconfigurable process group: rank r of
                  every group holds the same shards). The monitor then reads gradients that are
@@ -46,7 +46,7 @@ import statistics
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import torch
@@ -55,7 +55,11 @@ from torch.distributed import ReduceOp
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
 from bigtrain.errors import ConfigError, GroupLeft, ReplicaMismatch, SharedConfigError
+from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.layout import Layout
+from bigtrain.state.events import Events
+from bigtrain.state.run import Cadence, RunState
+from bigtrain.store.rundir import RunDir
 from bigtrain.utils.clock import nested_bytes, process_start_time
 from bigtrain.utils.dist import all_gather_objects
 from bigtrain.utils.tensors import local_tensor
@@ -72,6 +76,17 @@ present ask again together (the lighthouse's tick, 0.1 s, paces them) and a grou
 finds them all, whatever the join timeout."""
 LATE_STEPS = 5
 """A join timeout shorter than this many median steps gets a warning (`join_timeout_short`)."""
+
+
+class StepOutcome(Protocol):
+    """What the replica groups read of a step's result and add to it (the loop's StepResult,
+    train/step.py, is one)."""
+
+    step: int
+    step_time: float
+    step_timing: dict[str, float] | None
+    telemetry: dict[str, Any]  # written: loss_by_group at log steps
+    slow_groups: dict[int, int] | None  # the straggler report's slow groups (timing steps)
 
 
 def group_index(groups: int) -> int:
@@ -125,7 +140,7 @@ def check_lighthouse(cfg: FaultToleranceConfig, layout: Layout) -> None:
         )
 
 
-def local_digest(backend) -> bytes:
+def local_digest(backend: Backend) -> bytes:
     """sha256 of this rank's FP32 master tensors in order. Rank r of every replica group holds
     the same shards, so equal digests on every rank mean equal weights (a host copy of the
     shards: after persistent checkpoints and at the end only)."""
@@ -179,16 +194,16 @@ class NoReplicaGroups:
     leads = True
     across_groups = None  # the monitor's numbers need no reduction across groups
 
-    def attach(self, trainer) -> None:
+    def attach(self, run: RunState, events: Events, run_dir: RunDir, cadence: Cadence) -> None:
         """No peer ever asks for the state."""
 
-    def start_step(self, trainer) -> None:
+    def start_step(self) -> None:
         """Nothing to agree on."""
 
-    def undo_point(self, trainer) -> None:
+    def undo_point(self) -> None:
         return None
 
-    def average_grads(self, backend) -> None:
+    def average_grads(self, backend: Backend) -> None:
         """The backend reduced the gradients over the job already."""
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
@@ -197,23 +212,23 @@ class NoReplicaGroups:
     def intact(self) -> bool:
         return True
 
-    def commit(self, trainer) -> bool:
+    def commit(self) -> bool:
         return True
 
-    def abandon(self, trainer, undo: None, step: int) -> None:
+    def abandon(self, undo: None, step: int) -> None:
         raise AssertionError("a run without replica groups commits every step")
 
-    def annotate(self, trainer, result) -> None:
+    def annotate(self, result: StepOutcome) -> None:
         """Nothing to add to the step's record."""
 
     def group_times(self) -> dict[int, float]:
         """No other group to compare with."""
         return {}
 
-    def after_step(self, trainer, result) -> None:
+    def after_step(self, result: StepOutcome) -> None:
         """No other group to wait for."""
 
-    def finish(self, trainer) -> None:
+    def finish(self) -> None:
         """One job: nothing to wait for or compare."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,41 +241,9 @@ class NoReplicaGroups:
         """Nothing to shut down."""
 
 
-def peer_state(trainer) -> dict[str, Any]:
-    """What a rejoining group takes from a live one: everything a checkpoint holds, and the
-    rollback targets' snapshots this group holds in memory (a later rollback must restore the
-    same state in every group, from the same source), as host copies made now. torchft calls
-    this on its quorum thread while the loop waits for the quorum; on CUDA the device is
-    synchronized before (the last step's kernels) and after (the copies) so that no half-copied
-    tensor is sent."""
-    backend, targets = trainer.backend, trainer.healer.targets
-    synchronize(trainer.device)
-    state = {
-        "backend": backend.local_state(),
-        "backend_extra": backend.extra_state(),
-        "trainer": copy.deepcopy(trainer.trainer_state(resilience=True)),
-        "rng": rng_state(),
-        "held": {t.step: t.held for t in (targets.start, *targets.ring) if t.held is not None},
-    }
-    synchronize(trainer.device)
-    return state
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def load_peer_state(trainer, state: dict[str, Any]) -> None:
-    """Put a peer's state in place, as loading a checkpoint of it would (the data cursor is the
-    peer's; this group reads its own slice of the same global batches)."""
-    trainer.backend.load_local_state(state["backend"])
-    trainer.backend.load_extra_state(state["backend_extra"])
-    trainer.load_trainer_state(state["trainer"], resilience=True)
-    targets = trainer.healer.targets
-    for target in (targets.start, *targets.ring):
-        target.held = state["held"].get(target.step)
-    set_rng_state(state["rng"])
 
 
 class _Recorded:
@@ -421,31 +404,41 @@ class ReplicaGroups:
         self.digest: tuple[tuple[int, int], bytes] | None = None
         self.step_times: deque[float] = deque(maxlen=200)
 
-    def attach(self, trainer) -> None:
-        """The trainer whose state a peer receives and a rejoining group loads."""
-        self.manager.register_state_dict_fn(
-            "bigtrain", lambda state: load_peer_state(trainer, state), lambda: peer_state(trainer)
-        )
+    def attach(self, run: RunState, events: Events, run_dir: RunDir, cadence: Cadence) -> None:
+        """The run whose state a peer receives and a rejoining group loads (RunState.peer_state:
+        torchft calls it on its quorum thread while the loop waits for the quorum; on CUDA the
+        device is synchronized before, for the last step's kernels, and after, for the copies,
+        so that no half-copied tensor is sent), where its events go, its run directory (this
+        group leads the checkpoints; the REPLICAS_DIFFER marker) and its cadence."""
+        self.run, self.events, self.run_dir, self.cadence = run, events, run_dir, cadence
 
-    def start_step(self, trainer) -> None:
+        def send() -> dict[str, Any]:
+            synchronize(self.device)
+            state = run.peer_state()
+            synchronize(self.device)
+            return state
+
+        self.manager.register_state_dict_fn("bigtrain", run.load_peer_state, send)
+
+    def start_step(self) -> None:
         """The quorum of this step; a group behind the others loads a live peer's state here.
         Groups left out are reported; after a persistent checkpoint the groups compare weights."""
-        own_step, asked = trainer.state.step, time.time()
+        own_step, asked = self.run.step, time.time()
         quorum = self._quorum()
         waited = time.time() - asked
         participants = group_ids(quorum.replica_ids)
-        self.leads = trainer.run_dir.leader = self.manager.participating_rank() == 0
+        self.leads = self.run_dir.leader = self.manager.participating_rank() == 0
         self.fresh_quorum = True
         if quorum.quorum_id != self.quorum_id:  # a membership change (a group replaced too)
-            self._membership(trainer, quorum.quorum_id, participants, waited)
+            self._membership(quorum.quorum_id, participants, waited)
         healed = quorum.heal and self.manager.errored() is None
         if healed and self.took_part and not self.reduction_failed:
-            self._left_behind(trainer, own_step, waited)
+            self._left_behind(own_step, waited)
         if healed:
             self.heals += 1
-            trainer.event(
+            self.events.event(
                 "group_joined",
-                at_step=trainer.state.step + 1,
+                at_step=self.run.step + 1,
                 group=self.layout.ft_group,
                 transfer_s=round(self.transport.received_s, 4),
                 bytes=self.transport.received_bytes,
@@ -456,18 +449,18 @@ class ReplicaGroups:
         self.took_part, self.reduction_failed = True, False
         # After a persistent checkpoint every group of the quorum (all at the same step now)
         # compares; the end has its own comparison (finish).
-        every, step = trainer.cfg.checkpoint.every, trainer.state.step
-        if every > 0 and 0 < step < trainer.end_step and step % every == 0:
-            self._compare(trainer, final=False)
+        every, step = self.cadence.checkpoint_every, self.run.step
+        if every > 0 and 0 < step < self.cadence.end_step and step % every == 0:
+            self._compare(final=False)
 
-    def _membership(self, trainer, quorum_id: int, participants: list[int], waited: float) -> None:
+    def _membership(self, quorum_id: int, participants: list[int], waited: float) -> None:
         """A new quorum: its event (with this group's last commit before it, for the failure
         costs in the report), and the groups of the previous one that it left out."""
         self.quorum_id, self.new_quorum = quorum_id, True
         step, at = self.last_commit if self.last_commit is not None else (None, None)
-        trainer.event(
+        self.events.event(
             "quorum",
-            at_step=trainer.state.step + 1,
+            at_step=self.run.step + 1,
             participants=participants,
             groups=len(participants),
             quorum_id=quorum_id,
@@ -483,9 +476,9 @@ class ReplicaGroups:
                     self.cfg.join_timeout_s,
                     self.reduction_failed,
                 )
-                trainer.event(
+                self.events.event(
                     "group_left",
-                    at_step=trainer.state.step + 1,
+                    at_step=self.run.step + 1,
                     group=group,
                     reason=reason,
                     waited_s=round(waited, 3),
@@ -493,12 +486,12 @@ class ReplicaGroups:
                 )
         self.participants = participants
 
-    def _left_behind(self, trainer, own_step: int, waited: float) -> None:
+    def _left_behind(self, own_step: int, waited: float) -> None:
         """This live group was left out of a quorum it was late for: the others went on, and it
         took a peer's state now (its slice of the steps it missed is counted as skipped). The
         console prints the event (telemetry/console.py), here as on the leading group."""
-        missed = max(trainer.state.step - own_step, 1)
-        trainer.event(
+        missed = max(self.run.step - own_step, 1)
+        self.events.event(
             "group_left",
             at_step=own_step + 1,
             group=self.layout.ft_group,
@@ -530,12 +523,12 @@ class ReplicaGroups:
                 return quorum
             time.sleep(0.2)
 
-    def undo_point(self, trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+    def undo_point(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
         """The data cursor, RNG and transient-fault counts before the step: an uncommitted step
         puts them back (its replay, if it had one, runs again with it)."""
         self.fresh_quorum = False
-        stream = copy.deepcopy(trainer.loader.stream.state_dict())
-        return stream, rng_state(), dict(trainer.state.transients)
+        stream = copy.deepcopy(self.run.stream.state_dict())
+        return stream, rng_state(), dict(self.run.counters.transients)
 
     def average_grads(self, backend) -> None:
         """Mean of this rank's gradient shards over the live groups (rank r of each holds the
@@ -550,29 +543,37 @@ class ReplicaGroups:
                 offset += g.numel()
 
     def across_groups(
-        self, loss: torch.Tensor, flags: torch.Tensor, maxima: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The loss averaged over the live groups (the numbers that differ between groups: the
-        gradients were averaged before the monitor read them), the HSDP probe's flags and MoE
-        router sums summed (replicas that differ in one group make every group act), and the
-        router extremes (`maxima`, zeros neutral: a group that sits out sends zeros) maxed. The
-        first flag, a preemption signal, stays the group's: it stops its own group only, which
-        leaves like a failed one and rejoins when relaunched. Each group's own loss rides along
-        in its slot (`group_losses`, logged at log steps), and so does its own work's time on
-        its last timing step (`group_compute`: data and forward+backward, without the wait for
-        the other groups), which names a slow group (`group_times`)."""
-        flags, g = flags.float().reshape(-1), self.groups
-        own = torch.zeros(2 * g, device=flags.device)
+        self,
+        loss: torch.Tensor,
+        summed: dict[str, torch.Tensor],
+        maxed: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The monitor's numbers that differ between groups (their gradients were averaged
+        before the monitor read them), reduced over the live groups and handed back by the same
+        names: the loss averaged, the `summed` parts (the HSDP probe's flags, MoE router sums:
+        replicas that differ in one group make every group act) summed, the `maxed` parts (the
+        router extremes, zeros neutral: a group that sits out sends zeros) maxed. What the
+        monitor does not pass stays the group's: its preemption flag stops its own group only,
+        which leaves like a failed one and rejoins when relaunched. Each group's own loss rides
+        along in its slot (`group_losses`, logged at log steps), and so does its own work's time
+        on its last timing step (`group_compute`: data and forward+backward, without the wait
+        for the other groups), which names a slow group (`group_times`). One SUM allreduce, and
+        one MAX allreduce when there are maxed parts."""
+        g, device = self.groups, loss.device
+        own = torch.zeros(2 * g, device=device)
         own[self.layout.ft_group] = loss.float().reshape(())
         own[g + self.layout.ft_group] = self.compute_s  # a host float: no device read
-        packed = torch.cat([loss.float().reshape(1), flags[1:], own])
+        parts = [loss.float().reshape(1), *(t.float().reshape(-1) for t in summed.values()), own]
+        packed = torch.cat(parts)
         self.manager.allreduce(packed, reduce_op=ReduceOp.SUM).wait()
-        if maxima is not None:
-            maxima = maxima.float().clone()
-            self.manager.allreduce(maxima, reduce_op=ReduceOp.MAX).wait()
-        loss = packed[0] / max(self.manager.num_participants(), 1)
-        self.group_losses, self.group_compute = packed[-2 * g : -g], packed[-g:]
-        return loss, torch.cat([flags[:1], packed[1 : len(packed) - 2 * g]]), maxima
+        total, *sums, own = packed.split([p.numel() for p in parts])
+        self.group_losses, self.group_compute = own.chunk(2)
+        if maxed:
+            flat = torch.cat([t.float().reshape(-1) for t in maxed.values()])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.MAX).wait()
+            maxed = dict(zip(maxed, flat.split([t.numel() for t in maxed.values()]), strict=True))
+        loss = total.reshape(()) / max(self.manager.num_participants(), 1)
+        return loss, dict(zip(summed, sums, strict=True)), maxed
 
     def average(self, value: torch.Tensor) -> torch.Tensor:
         """A group's mean (an evaluation loss) averaged over the live groups."""
@@ -584,7 +585,7 @@ class ReplicaGroups:
         """Every cross-group reduction of this step so far completed."""
         return self.manager.errored() is None
 
-    def commit(self, trainer) -> bool:
+    def commit(self) -> bool:
         """torchft's vote: apply the step (True) or not anywhere. A committed step counts the
         slices of the groups that did not take part (tokens_skipped_by_group)."""
         if self.resync:  # its weights differed from its peers' after a checkpoint (_differ)
@@ -592,20 +593,20 @@ class ReplicaGroups:
             self.manager.report_error(RuntimeError("this group's weights differ from its peers'"))
         if not self.manager.should_commit():
             return False
-        state, missing = trainer.state, set(range(self.groups)) - set(self.participants)
-        per_group = trainer.tokens_per_step // self.groups
+        state, missing = self.run.counters, set(range(self.groups)) - set(self.participants)
+        per_group = self.run.tokens_per_step // self.groups
         for g in sorted(missing):
             key = str(g)
             state.tokens_skipped_by_group[key] = (
                 state.tokens_skipped_by_group.get(key, 0) + per_group
             )
         state.tokens_seen -= per_group * len(missing)
-        state.samples_seen -= trainer.loader.global_batch_size // self.groups * len(missing)
+        state.samples_seen -= self.run.samples_per_step // self.groups * len(missing)
         step = state.step + 1
         self.last_commit = (step, time.time())
         if self.new_quorum:  # the report's failure costs: the first commit of each membership
             self.new_quorum = False
-            trainer.event("quorum_commit", at_step=step, quorum_id=self.quorum_id)
+            self.events.event("quorum_commit", at_step=step, quorum_id=self.quorum_id)
         return True
 
     def group_times(self) -> dict[int, float]:
@@ -617,7 +618,7 @@ class ReplicaGroups:
         values = self.group_compute.tolist()
         return {g: values[g] for g in self.participants if values[g] > 0}
 
-    def annotate(self, trainer, result) -> None:
+    def annotate(self, result: StepOutcome) -> None:
         """At log steps, each live group's own loss (`loss_by_group`): a step whose mean stands
         out shows which group's data or state made it. Once the step time is known, a warning
         when the lighthouse's join timeout is shorter than LATE_STEPS steps."""
@@ -629,7 +630,7 @@ class ReplicaGroups:
             median = statistics.median(self.step_times)
             self.warned_late = True
             if LATE_STEPS * median > self.cfg.join_timeout_s:
-                trainer.event(
+                self.events.event(
                     "join_timeout_short",
                     join_timeout_s=self.cfg.join_timeout_s,
                     median_step_s=round(median, 3),
@@ -641,7 +642,7 @@ class ReplicaGroups:
                     LATE_STEPS,
                     median,
                 )
-        if not (step % trainer.cfg.train.log_every == 0 or step >= trainer.end_step):
+        if not self.cadence.is_log_step(step):
             return
         if self.group_losses is None:
             return
@@ -650,7 +651,7 @@ class ReplicaGroups:
         values = self.group_losses.tolist()
         result.telemetry["loss_by_group"] = {str(g): values[g] for g in self.participants}
 
-    def after_step(self, trainer, result) -> None:
+    def after_step(self, result: StepOutcome) -> None:
         """The policy for a slow group (fault_tolerance.slow_group_leaves_after), from the
         straggler report's `result.slow_groups`, which every group reads alike: the slow group
         leaves (GroupLeft, exit 0) and the others stop waiting for it at the end."""
@@ -661,7 +662,7 @@ class ReplicaGroups:
             self.gone.add(group)
             me = group == self.layout.ft_group
             if me or self.leads:
-                trainer.event(
+                self.events.event(
                     "group_left",
                     group=group,
                     reason="slow",
@@ -671,7 +672,7 @@ class ReplicaGroups:
             if me:
                 raise GroupLeft(f"replica group {group} left the job as the straggler")
 
-    def abandon(self, trainer, undo: tuple[dict, dict, dict[str, int]], step: int) -> None:
+    def abandon(self, undo: tuple[dict, dict, dict[str, int]], step: int) -> None:
         """An uncommitted step: nothing of it stays (gradients, data cursor, RNG); it runs again
         with the next quorum."""
         error = self.manager.errored()
@@ -689,23 +690,23 @@ class ReplicaGroups:
             # timeout (30 s, seen in bench/ft.py's kills). Closed, its wait fails at once.
             # The next quorum configures a new process group.
             self.pg.abort()
-        trainer.backend.skip_step()
-        trainer.loader.stream.load_state_dict(undo[0])
+        self.run.backend.skip_step()
+        self.run.stream.load_state_dict(undo[0])
         set_rng_state(undo[1])
-        trainer.state.transients = undo[2]
-        trainer.event("commit_failed", at_step=step, reason=reason[:300])
+        self.run.counters.transients = undo[2]
+        self.events.event("commit_failed", at_step=step, reason=reason[:300])
         logger.warning("bigtrain: step %d not committed (%s): it runs again", step, reason)
 
-    def finish(self, trainer) -> None:
+    def finish(self) -> None:
         """The end: quorums until every group takes part (a group behind or away catches up from
         a peer in one) or quorum_timeout_s passed, then every group's weights compared. A
         difference is an error event and ReplicaMismatch (exit 7) in every group."""
         deadline = time.monotonic() + self.cfg.quorum_timeout_s
         while True:
             if not self.fresh_quorum:
-                self.start_step(trainer)
+                self.start_step()
             self.fresh_quorum = False
-            done = self._compare(trainer, final=True, give_up=time.monotonic() > deadline)
+            done = self._compare(final=True, give_up=time.monotonic() > deadline)
             if done:
                 # No group leaves before every group has its comparison: a group that exits
                 # while a peer still reads its part of the exchange resets the connection, and
@@ -716,13 +717,13 @@ class ReplicaGroups:
                 return
             time.sleep(FINISH_POLL_S)
 
-    def _compare(self, trainer, final: bool, give_up: bool = False) -> bool:
+    def _compare(self, final: bool, give_up: bool = False) -> bool:
         """Every live group's weights against the others' (after a persistent checkpoint, and
         at the end). Returns whether the comparison is done: at the end it waits (False) while a
         group is missing, until every group says to give up waiting."""
-        key = (trainer.state.step, self.heals)
+        key = (self.run.step, self.heals)
         if self.digest is None or self.digest[0] != key:  # the weights changed since the last
-            self.digest = (key, local_digest(trainer.backend))
+            self.digest = (key, local_digest(self.run.backend))
         exchanged = self._exchange(self.digest[1], give_up)
         # Every rank of this group holds its own shard's view; they agree on one verdict.
         views = all_gather_objects(exchanged)
@@ -735,9 +736,9 @@ class ReplicaGroups:
             return False
         odd = odd_groups(weights, self.participants[0] if self.participants else None)
         if final and missing:
-            trainer.event("groups_missing", groups=sorted(missing))
+            self.events.event("groups_missing", groups=sorted(missing))
         if odd:
-            self._differ(trainer, weights, odd, final)
+            self._differ(weights, odd, final)
         return True
 
     def _exchange(self, digest: bytes, give_up: bool) -> tuple[dict[int, str], bool] | None:
@@ -762,19 +763,17 @@ class ReplicaGroups:
         }
         return digests, host[-1] > 0
 
-    def _differ(
-        self, trainer, weights: dict[int, tuple[str, ...]], odd: list[int], final: bool
-    ) -> None:
+    def _differ(self, weights: dict[int, tuple[str, ...]], odd: list[int], final: bool) -> None:
         """Groups hold different weights: an error event in every group. At the end the run
         fails (exit 7); after a checkpoint, the odd groups vote against their next step and take
         a peer's state at the following quorum."""
         shown = {str(g): w[0][:16] for g, w in weights.items()}
         reason = f"replica groups {odd} hold weights that differ from the other groups'"
-        trainer.event("error", reason=reason, digests=shown, groups=odd, final=final)
+        self.events.event("error", reason=reason, digests=shown, groups=odd, final=final)
         logger.error("bigtrain: %s (digests of the first rank's shard: %s)", reason, shown)
         if final:  # raised once the groups are through the end (finish)
-            if trainer.run_dir.is_main:
-                trainer.run_dir.differ_marker.write_text(f"{reason}: {shown}\n")
+            if self.run_dir.is_main:
+                self.run_dir.differ_marker.write_text(f"{reason}: {shown}\n")
             self.mismatch = ReplicaMismatch(f"{reason}: {shown}")
             return
         # It still takes part in this step's reductions (the others wait for it), but votes

@@ -1,0 +1,1 @@
+"""Tests of bigtrain/state: the run's one typed state."""

@@ -45,6 +45,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from bigtrain.errors import ConfigError
+from bigtrain.monitor.routers import LAYER_LOAD, LAYER_LOAD_MAX_MEAN
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.telemetry.costs import time_lost, time_lost_table
 from bigtrain.telemetry.ft_report import failures, failures_html, quorum_series
@@ -135,7 +136,7 @@ def _figures(logs: RunLogs) -> Iterator[tuple[str, Figure, dict[str, Any]]]:
     if layers:
         extra = {"layers": layers, "steps": steps}
         yield "layer_grad_norm", _layer_figure(layers, steps, grid), extra
-    rows = [m for m in logs.kept if isinstance(m.get("moe_layer_load_max_mean"), dict)]
+    rows = [m for m in logs.kept if isinstance(m.get(LAYER_LOAD_MAX_MEAN), dict)]
     if rows:  # an MoE model's routers (monitor/routers.py)
         yield "expert_load", _expert_load_figure(rows), {}
     steps, sizes = quorum_series(logs.events)
@@ -319,16 +320,16 @@ def _expert_load_figure(rows: list[dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(8, 5.5))
     top, bottom = fig.subplots(2, 1)
     steps = [m["step"] for m in rows]
-    for block in rows[-1]["moe_layer_load_max_mean"]:
-        values = [_num(m["moe_layer_load_max_mean"].get(block)) for m in rows]
+    for block in rows[-1][LAYER_LOAD_MAX_MEAN]:
+        values = [_num(m[LAYER_LOAD_MAX_MEAN].get(block)) for m in rows]
         top.plot(steps, [math.nan if v is None else v for v in values], label=block)
     top.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
     top.set_xlabel("step")
     top.set_ylabel("busiest / mean")
     top.legend(fontsize="small")
     last = rows[-1]
-    block = max(last["moe_layer_load_max_mean"], key=last["moe_layer_load_max_mean"].get)
-    shares = last.get("moe_layer_load", {}).get(block, [])
+    block = max(last[LAYER_LOAD_MAX_MEAN], key=last[LAYER_LOAD_MAX_MEAN].get)
+    shares = last.get(LAYER_LOAD, {}).get(block, [])
     bottom.bar(range(len(shares)), shares, label=f"{block} at step {last['step']}")
     bottom.set_xlabel("expert")
     bottom.set_ylabel("share of routed tokens")

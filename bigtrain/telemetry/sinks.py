@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bigtrain.errors import ConfigError
+from bigtrain.monitor.routers import LAYER_LOAD
 
 STEP_KEY = "train/step"  # the training step in flat records: the x-axis of every chart
 PER_SOURCE = ("tokens_by_source",)  # dicts by mixture source name, not by layer
@@ -100,7 +101,7 @@ def flat_record(record: dict[str, Any]) -> dict[str, Any]:
             out.update({f"{PER_RANK[key]}/rank{r}": v for r, v in enumerate(value)})
         elif key in PER_SOURCE:
             out.update({f"data/{key}/{name}": v for name, v in value.items()})
-        elif key == "moe_layer_load":  # each expert's share of its MoE block's routed tokens
+        elif key == LAYER_LOAD:  # each expert's share of its MoE block's routed tokens
             for block, shares in value.items():
                 out.update({f"moe/load/{block}/expert{e}": s for e, s in enumerate(shares)})
         elif isinstance(value, dict):

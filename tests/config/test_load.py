@@ -304,6 +304,24 @@ def test_a_saved_config_with_a_moved_key_still_loads(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_drill_section_was_fault_a_saved_one_is_read_a_new_one_is_refused(tmp_path):
+    """`fault.*` were the drills (a word fault_tolerance.* uses too): a config that still says
+    so gets an error naming the new key; a run directory or checkpoint of an earlier bigtrain
+    loads with its drills under `drill.*` and shows no change of them on resume."""
+    from bigtrain.config import config_changes, load_saved_config
+
+    with pytest.raises(ConfigError, match="section was renamed: use 'drill.nan_grad_step'"):
+        load_config([], ["fault.nan_grad_step=3"])
+    drilled = load_config([], ["drill.nan_grad_step=3", "drill.rank=1"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(drilled).replace("\ndrill:\n", "\nfault:\n"))
+    assert "\nfault:\n" in saved.read_text()
+    cfg = load_saved_config(saved)
+    assert cfg.drill.nan_grad_step == [3] and cfg.drill.rank == 1
+    assert config_changes(saved.read_text(), drilled) == {}
+
+
+@pytest.mark.unit
 def test_a_saved_config_of_the_old_spike_detection_still_loads(tmp_path):
     """Run directories and checkpoints of earlier bigtrain hold monitor.k, tensor_k, ...:
     export and convert still read them; the keys are dropped, the new rules' defaults apply."""

@@ -253,7 +253,7 @@ class Trial:
     def overrides(self, out_dir: str) -> list[str]:
         name, _, factor = self.kind.partition("_x")
         drill = {"grad_spike_first": "grad_spike"}.get(name, name)  # the drill's default tensor
-        args = [f"fault.{drill}_step={self.step}", f"drill.rank={self.rank}"]
+        args = [f"drill.{drill}_step={self.step}", f"drill.rank={self.rank}"]
         args += ["drill.router_bias=0"] if name == "router_bias" else []  # expert 0 favoured
         args += [f"drill.spike_factor={factor}"] if factor else []
         # The healthy run's schedule (max_steps), stopped once the fault had 3 steps to show;

@@ -1,4 +1,4 @@
-"""Fault injection for drills and tests (`fault.*`, off by default)."""
+"""Fault injection for drills and tests (`drill.*`, off by default)."""
 
 from __future__ import annotations
 

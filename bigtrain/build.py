@@ -52,11 +52,10 @@ from bigtrain.parallel.env import DistEnv, init_process_group, pick_device
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.model_setup import ModelFacts, make_model
 from bigtrain.parallel.parallelize import parallelize
+from bigtrain.parallel.replicas.connect import check_lighthouse, group_index
 from bigtrain.parallel.replicas.groups import (
     NoReplicaGroups,
     ReplicaGroups,
-    check_lighthouse,
-    group_index,
     make_replica_groups,
 )
 from bigtrain.parallel.tensor.plans import dropout_seed, uses_gpt_plan

@@ -16,6 +16,7 @@ from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
 from bigtrain.parallel.env import DistEnv
 from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.replicas import connect, weights
 from bigtrain.parallel.replicas import groups as ft
 from bigtrain.store.rundir import RunDir, read_jsonl
 from bigtrain.store.runlock import lock_run_dir
@@ -25,28 +26,28 @@ pytestmark = pytest.mark.unit
 
 
 def test_group_index_comes_from_the_environment(monkeypatch):
-    assert ft.group_index(1) == 0
-    monkeypatch.setenv(ft.GROUP_ENV, "2")
-    assert ft.group_index(3) == 2
-    monkeypatch.setenv(ft.GROUP_ENV, "3")
+    assert connect.group_index(1) == 0
+    monkeypatch.setenv(connect.GROUP_ENV, "2")
+    assert connect.group_index(3) == 2
+    monkeypatch.setenv(connect.GROUP_ENV, "3")
     with pytest.raises(ConfigError, match="BIGTRAIN_FT_GROUP set to its replica group"):
-        ft.group_index(3)
-    monkeypatch.delenv(ft.GROUP_ENV)
+        connect.group_index(3)
+    monkeypatch.delenv(connect.GROUP_ENV)
     with pytest.raises(ConfigError, match="got None"):
-        ft.group_index(2)
+        connect.group_index(2)
 
 
 def test_lighthouse_address_from_the_key_or_the_environment(monkeypatch):
     cfg = load_config([], [])
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match="fault_tolerance.lighthouse"):
-        ft.lighthouse_address(cfg.fault_tolerance)
+        connect.lighthouse_address(cfg.fault_tolerance)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://h:1")
-    assert ft.lighthouse_address(cfg.fault_tolerance) == "http://h:1"
+    assert connect.lighthouse_address(cfg.fault_tolerance) == "http://h:1"
 
 
 def test_group_ids_read_torchfts_replica_ids():
-    assert ft.group_ids(["group2:abc", "group0:def", "group10:x"]) == [0, 2, 10]
+    assert connect.group_ids(["group2:abc", "group0:def", "group10:x"]) == [0, 2, 10]
 
 
 def test_buckets_keep_one_dtype_and_a_bounded_size(monkeypatch):
@@ -180,14 +181,14 @@ def test_across_groups_averages_the_loss_sums_flags_and_maxes_router_extremes():
 def test_weights_are_compared_rank_by_rank_and_the_odd_group_named():
     # two ranks per group; group 2's rank 1 shard differs
     by_rank = [{0: "a", 1: "a", 2: "a"}, {0: "b", 1: "b", 2: "c"}]
-    weights = ft.weight_groups(by_rank)
-    assert weights == {0: ("a", "b"), 1: ("a", "b"), 2: ("a", "c")}
-    assert ft.odd_groups(weights, leading=0) == [2]
+    by_group = weights.weight_groups(by_rank)
+    assert by_group == {0: ("a", "b"), 1: ("a", "b"), 2: ("a", "c")}
+    assert weights.odd_groups(by_group, leading=0) == [2]
     # a tie goes the leading group's way (it writes the checkpoints)
-    assert ft.odd_groups({0: ("x",), 1: ("y",)}, leading=1) == [0]
-    assert ft.odd_groups({0: ("x",), 1: ("x",)}, leading=0) == []
+    assert weights.odd_groups({0: ("x",), 1: ("y",)}, leading=1) == [0]
+    assert weights.odd_groups({0: ("x",), 1: ("x",)}, leading=0) == []
     # a group one rank did not see is not compared
-    assert ft.weight_groups([{0: "a", 1: "a"}, {0: "b"}]) == {0: ("a", "b")}
+    assert weights.weight_groups([{0: "a", 1: "a"}, {0: "b"}]) == {0: ("a", "b")}
 
 
 def test_the_local_digest_follows_every_byte_of_the_master_weights():
@@ -198,11 +199,11 @@ def test_the_local_digest_follows_every_byte_of_the_master_weights():
         def master_state(self):
             return self.tensors, {}
 
-    a = ft.local_digest(Masters(torch.ones(3), torch.zeros(2)))
-    assert a == ft.local_digest(Masters(torch.ones(3), torch.zeros(2)))
+    a = weights.local_digest(Masters(torch.ones(3), torch.zeros(2)))
+    assert a == weights.local_digest(Masters(torch.ones(3), torch.zeros(2)))
     flipped = torch.zeros(2)
     flipped.view(torch.int32)[1] = 1  # the smallest denormal: one bit
-    assert a != ft.local_digest(Masters(torch.ones(3), flipped))
+    assert a != weights.local_digest(Masters(torch.ones(3), flipped))
     assert len(a) == 32
 
 
@@ -221,9 +222,9 @@ def test_a_group_left_out_is_dead_or_late_by_what_the_quorum_saw():
 def test_an_unreachable_lighthouse_is_named_at_once():
     from bigtrain.parallel.env import free_port
 
-    reason = ft.unreachable(f"http://127.0.0.1:{free_port()}", 2.0)
+    reason = connect.unreachable(f"http://127.0.0.1:{free_port()}", 2.0)
     assert reason is not None and "cannot be reached" in reason
-    assert ft.unreachable("http://nowhere", 2.0) == "is not http://HOST:PORT"
+    assert connect.unreachable("http://nowhere", 2.0) == "is not http://HOST:PORT"
 
 
 @pytest.mark.parametrize("states", ["fp32", "bf16"])

@@ -38,36 +38,41 @@ left-out group itself when it finds it was left behind.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
-import os
-import socket
 import statistics
 import time
 from collections import deque
 from datetime import timedelta
 from typing import Any, Protocol
-from urllib.parse import urlparse
 
 import torch
 from torch.distributed import ReduceOp
 
 from bigtrain.checkpoint.rng import rng_state, set_rng_state
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
-from bigtrain.errors import ConfigError, GroupLeft, ReplicaMismatch, SharedConfigError
+from bigtrain.errors import GroupLeft, ReplicaMismatch
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.replicas.connect import (
+    Recorded,
+    TimedTransport,
+    group_ids,
+    lighthouse_address,
+    own_store,
+    process_group,
+    quiet_torchft,
+    transport,
+)
+from bigtrain.parallel.replicas.weights import local_digest, odd_groups, weight_groups
 from bigtrain.state.events import Events
 from bigtrain.state.run import Cadence, RunState
 from bigtrain.store.rundir import RunDir
-from bigtrain.utils.clock import nested_bytes, process_start_time
+from bigtrain.utils.clock import process_start_time
 from bigtrain.utils.dist import all_gather_objects
 from bigtrain.utils.tensors import local_tensor
 
 logger = logging.getLogger(__name__)
 
-GROUP_ENV = "BIGTRAIN_FT_GROUP"
-"""The environment variable that tells a process which replica group it belongs to."""
 BUCKET_ELEMENTS = 1 << 24
 """Gradient elements per cross-group all-reduce (64 MB of FP32): few collectives, bounded copies."""
 FINISH_POLL_S = 0.05
@@ -87,87 +92,6 @@ class StepOutcome(Protocol):
     step_timing: dict[str, float] | None
     telemetry: dict[str, Any]  # written: loss_by_group at log steps
     slow_groups: dict[int, int] | None  # the straggler report's slow groups (timing steps)
-
-
-def group_index(groups: int) -> int:
-    """This process's replica group, from BIGTRAIN_FT_GROUP (0 without groups)."""
-    if groups == 1:
-        return 0
-    value = os.environ.get(GROUP_ENV)
-    if value is None or not value.isdigit() or not 0 <= int(value) < groups:
-        raise ConfigError(
-            f"key 'fault_tolerance.groups' is {groups}, so each process needs {GROUP_ENV} set to "
-            f"its replica group (0..{groups - 1}), got {value!r}: launch with launch/ft.sh or "
-            "slurm/ft.sbatch"
-        )
-    return int(value)
-
-
-def lighthouse_address(cfg: FaultToleranceConfig) -> str:
-    address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-    if not address:
-        raise ConfigError(
-            "key 'fault_tolerance.lighthouse' is empty and TORCHFT_LIGHTHOUSE is not set: "
-            "replica groups need the lighthouse's address (launch/ft.sh starts one)"
-        )
-    return address
-
-
-def unreachable(address: str, timeout_s: float) -> str | None:
-    """Why the lighthouse at `address` (http://host:port) cannot be reached, or None: one TCP
-    connection, so that a wrong address fails at once instead of after torchft's retries."""
-    url = urlparse(address if "://" in address else f"http://{address}")
-    if not url.hostname or url.port is None:
-        return "is not http://HOST:PORT"
-    try:
-        with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
-            return None
-    except OSError as e:
-        return f"cannot be reached ({e.strerror or e})"
-
-
-def check_lighthouse(cfg: FaultToleranceConfig, layout: Layout) -> None:
-    """Rank 0 of the group (the one that talks to the lighthouse) tries it; every rank of the
-    group raises the same error when it cannot be reached."""
-    address = lighthouse_address(cfg)
-    reason = unreachable(address, min(cfg.timeout_s, 10.0)) if layout.rank == 0 else None
-    reason = all_gather_objects(reason)[0]
-    if reason is not None:
-        source = "key 'fault_tolerance.lighthouse'" if cfg.lighthouse else "TORCHFT_LIGHTHOUSE"
-        raise SharedConfigError(
-            f"the torchft lighthouse {address} ({source}) {reason}: start one (bigtrain "
-            "lighthouse CONFIG; launch/ft.sh and slurm/ft.sbatch start it) and pass its address"
-        )
-
-
-def local_digest(backend: Backend) -> bytes:
-    """sha256 of this rank's FP32 master tensors in order. Rank r of every replica group holds
-    the same shards, so equal digests on every rank mean equal weights (a host copy of the
-    shards: after persistent checkpoints and at the end only)."""
-    digest = hashlib.sha256()
-    for tensor in backend.master_state()[0]:
-        host = local_tensor(tensor).detach().contiguous().cpu()
-        digest.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.digest()
-
-
-def weight_groups(by_rank: list[dict[int, str]]) -> dict[int, tuple[str, ...]]:
-    """Each group's weights as the tuple of its ranks' digests (every rank of this group
-    exchanged its own shard's digest with the same rank of the other groups)."""
-    groups = sorted(set.intersection(*(set(d) for d in by_rank)))
-    return {g: tuple(d[g] for d in by_rank) for g in groups}
-
-
-def odd_groups(weights: dict[int, tuple[str, ...]], leading: int | None) -> list[int]:
-    """The groups whose weights differ from the most common ones (on a tie, from those of the
-    leading group, which writes the checkpoints)."""
-    counts: dict[tuple[str, ...], int] = {}
-    for w in weights.values():
-        counts[w] = counts.get(w, 0) + 1
-    top = max(counts.values())
-    common = [w for w, n in counts.items() if n == top]
-    reference = weights[leading] if leading in weights and weights[leading] in common else common[0]
-    return sorted(g for g, w in weights.items() if w != reference)
 
 
 def late_reason(
@@ -246,86 +170,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Recorded:
-    """torchft's ManagerClient, with the last quorum's result kept (who takes part)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.last: Any = None
-
-    def _quorum(self, **kwargs: Any) -> Any:
-        self.last = self.client._quorum(**kwargs)
-        return self.last
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-class _TimedTransport:
-    """A checkpoint transport that measures what it received (seconds, bytes)."""
-
-    def __init__(self, transport: Any) -> None:
-        self.transport, self.received_s, self.received_bytes = transport, 0.0, 0
-
-    def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        state = self.transport.recv_checkpoint(*args, **kwargs)
-        self.received_s = time.perf_counter() - started
-        self.received_bytes = nested_bytes(state)
-        return state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
-
-
-def quiet_torchft() -> None:
-    """torchft's Rust side logs every quorum and commit at INFO on stderr: warnings only, unless
-    the user set RUST_LOG (before torchft is imported: its logger reads it once). ConfigError
-    when torchft is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(
-            "key 'fault_tolerance.groups' is above 1, which needs torchft: "
-            "pip install 'bigtrain[ft]' (torchft==0.2.0)"
-        )
-    os.environ.setdefault("RUST_LOG", "warn")
-    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    manager_log = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _NoFlightRecorderNote) for f in manager_log.filters):
-        manager_log.addFilter(_NoFlightRecorderNote())
-
-
-class _NoFlightRecorderNote(logging.Filter):
-    """torchft warns at every new quorum that it cannot reset NCCL's flight recorder when the
-    torch build has no NCCL (CPU groups on gloo): nothing is lost there, so the line goes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-def _process_group(timeout: timedelta, device: torch.device) -> Any:
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    return ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
-
-
-def _transport(cfg: FaultToleranceConfig, pg: Any, device: torch.device) -> Any:
-    from torchft.checkpointing import HTTPTransport
-    from torchft.checkpointing.pg_transport import PGTransport
-
-    timeout = timedelta(seconds=cfg.timeout_s)
-    if cfg.transport == "pg":
-        return PGTransport(pg, timeout=timeout, device=device)
-    return HTTPTransport(timeout=timeout, num_chunks=0)
-
-
-def group_ids(replica_ids: list[str]) -> list[int]:
-    """Replica group indices from torchft's replica ids (`group<g>:<uuid>`), sorted."""
-    return sorted(int(r.split(":")[0].removeprefix("group")) for r in replica_ids)
-
-
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The gradients in runs of one dtype and at most BUCKET_ELEMENTS elements (one at least)."""
     out: list[list[torch.Tensor]] = []
@@ -340,18 +184,6 @@ def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
-def _own_store(layout: Layout) -> tuple[str, int, Any]:
-    """A fresh TCPStore for torchft's manager of this group (rank 0 serves it; its port is shared
-    over the group's process group): a restarted group never reads a dead attempt's addresses,
-    which torchrun's store, kept across restarts, would still hold."""
-    from torch.distributed import TCPStore
-
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    server = TCPStore(host, 0, is_master=True, wait_for_workers=False) if layout.rank == 0 else None
-    port = all_gather_objects(server.port if server is not None else None)[0]
-    return host, port, server
-
-
 class ReplicaGroups:
     """This group's torchft Manager and what the loop asks of it (module docstring)."""
 
@@ -361,9 +193,9 @@ class ReplicaGroups:
 
         self.cfg, self.layout, self.groups = cfg, layout, layout.ft
         timeout = timedelta(seconds=cfg.timeout_s)
-        pg = self.pg = _process_group(timeout, device)
-        self.transport = _TimedTransport(_transport(cfg, pg, device))
-        host, port, self._store = _own_store(layout)
+        pg = self.pg = process_group(timeout, device)
+        self.transport = TimedTransport(transport(cfg, pg, device))
+        host, port, self._store = own_store(layout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=None,
@@ -382,7 +214,7 @@ class ReplicaGroups:
             checkpoint_transport=self.transport,
             init_sync=False,  # every group starts from the same seeded weights or checkpoint
         )
-        self.client = _Recorded(self.manager._client)
+        self.client = Recorded(self.manager._client)
         self.manager._client = self.client  # type: ignore[assignment]
         self.participants: list[int] = []
         self.quorum_id: int | None = None

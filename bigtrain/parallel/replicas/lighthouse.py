@@ -4,7 +4,7 @@ every step (docs/fault-tolerance.md), with the config's fault_tolerance settings
 from __future__ import annotations
 
 from bigtrain.config.fault_tolerance import FaultToleranceConfig
-from bigtrain.parallel.replicas.groups import quiet_torchft
+from bigtrain.parallel.replicas.connect import quiet_torchft
 
 
 def serve_lighthouse(cfg: FaultToleranceConfig, port: int) -> int:

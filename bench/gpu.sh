@@ -77,6 +77,6 @@ step checkpoint 120 $PY bench/checkpoint.py configs/llama-1b.yaml "${RUN[@]}" "$
 
 step moe 90 $PY -m bigtrain train configs/moe-tiny.yaml "${RUN[@]}" train.out_dir="$OUT/moe" \
     checkpoint.every=-1 train.eval_every=100
-step moe_kernel 60 $PY -m pytest -q -p no:cacheprovider tests/model/test_moe.py
+step moe_kernel 60 $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/model/test_moe.py
 
 $PY bench/gpu_data.py --summary "$OUT"

@@ -44,17 +44,17 @@ LONGEST_FIRST = {
     for i, name in enumerate(
         [
             "tests/parallel/test_ft.py",
-            "tests/test_slurm.py",
-            "tests/test_launchers.py",
             "tests/test_bench_detection.py",
-            "tests/callbacks/test_heal.py",
             "tests/precision/test_engine.py",
-            "tests/checkpoint/test_export_cli.py",
             "tests/precision/test_int8.py",
+            "tests/checkpoint/test_export_cli.py",
             "tests/parallel/test_tensor_parallel.py",
             "tests/resilience/test_backends.py",
             "tests/checkpoint/test_async.py",
             "tests/parallel/test_sharding.py",
+            "tests/test_slurm.py",
+            "tests/test_launchers.py",
+            "tests/callbacks/test_heal.py",
         ]
     )
 }
@@ -62,7 +62,9 @@ LONGEST_FIRST = {
 (pyproject's `-n 2 --dist loadfile`, a module's tests on one worker so that its shared runs are
 made once), and starting the longest modules first keeps one worker from running a long one
 alone at the end. The replica-group and SLURM modules mostly wait (heartbeats, drills' sleeps,
-slurmctld), so the other worker's work overlaps them. A stable sort: the rest keep their order."""
+slurmctld): they stand apart in this list (the replica groups first, SLURM once they are about
+done), so that each overlaps the other worker's computing, not the other's waiting. A stable
+sort: the rest keep their order."""
 
 
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -20,6 +20,7 @@ from bigtrain.callbacks.checkpointing import CheckpointCallback
 from bigtrain.callbacks.cost_ledger import CostLedger
 from bigtrain.callbacks.drills import Drills
 from bigtrain.callbacks.evaluate import EvalCallback
+from bigtrain.callbacks.fp8_health import Fp8Health
 from bigtrain.callbacks.int8_calibration import Int8Calibration
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.mixture_events import SourceEvents
@@ -59,7 +60,7 @@ from bigtrain.parallel.replicas.groups import (
     make_replica_groups,
 )
 from bigtrain.parallel.tensor.plans import dropout_seed, uses_gpt_plan
-from bigtrain.precision import dtype_name
+from bigtrain.precision import PrecisionPolicy, dtype_name
 from bigtrain.resilience import Healer
 from bigtrain.resume import (
     find_resume,
@@ -275,6 +276,11 @@ def make_callbacks(
         Drills(cfg.drill, env.rank, built.group),
         # The step's activations folded in before checkpoints and the healer's snapshot hold it.
         Int8Calibration(built.int8_layers, cfg.precision.int8) if built.int8_layers else None,
+        # Moves FP8 layers to BF16 after the healer's decision (a rollback keeps the move);
+        # writes the fp8 numbers into result.telemetry, which the metrics record holds.
+        Fp8Health(built.fp8_layers, cfg.precision.fp8, built.policy)
+        if built.fp8_layers and built.policy is not None
+        else None,
         # Writes result.val_loss, which the metrics record and the sinks read.
         EvalCallback(built.val, cfg.train.eval_every),
         # Writes result.samples after evaluation; the sinks read them.
@@ -319,10 +325,12 @@ class BuiltParts:
 
     val: list  # the validation batches
     int8_layers: dict
+    fp8_layers: dict
     tokenizer_dir: str
     sinks: list  # the metric sinks, not yet started (every rank checks the packages)
     costs: CostLedger
     group: int = 0  # this process's replica group (0 without fault tolerance)
+    policy: PrecisionPolicy | None = None  # the precision policy (its FP8 rows change at resume)
 
 
 def _assemble(
@@ -367,7 +375,16 @@ def _assemble(
     setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
     ledger = CostLedger(clock)
     sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
-    parts = BuiltParts(val, facts.int8_layers, data.tokenizer_dir, sinks, ledger, layout.ft_group)
+    parts = BuiltParts(
+        val,
+        facts.int8_layers,
+        facts.fp8_layers,
+        data.tokenizer_dir,
+        sinks,
+        ledger,
+        layout.ft_group,
+        facts.policy,
+    )
     callbacks = make_callbacks(cfg, env, run_dir, manager, parts)
     initial = start_weights(cfg.model, cfg.train.seed, backend, manager, device)
     healer = Healer(
@@ -437,6 +454,7 @@ def _run_setup(
         monitor_kernel="triton" if monitor.use_kernel else "torch",
         build_site=facts.build_site,
         skipped_rows=data.skipped_rows,
+        fp8_layers=facts.fp8_layers,
     )
 
 

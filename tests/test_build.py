@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 def callback_names(tmp_path, *overrides: str, sinks: list | None = None) -> list[str]:
     cfg = load_config([], list(overrides))
     manager = CheckpointManager(tmp_path / "checkpoints", keep=1)
-    parts = BuiltParts([], {}, str(tmp_path), sinks or [], CostLedger(StartupClock()))
+    parts = BuiltParts([], {}, {}, str(tmp_path), sinks or [], CostLedger(StartupClock()))
     made = make_callbacks(cfg, DistEnv(), RunDir(tmp_path, True), manager, parts)
     return [type(c).__name__ for c in made]
 

@@ -97,10 +97,36 @@ class Drills(Callback):
             trainer.event("fault", type="kill_group", group=trainer.setup.layout.ft_group)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def _fp8_drills(self, trainer, step: int) -> None:
+        """The FP8 drills on `drill.fp8_layer` for this step (first run and replay)."""
+        cfg = self.cfg
+        if not self.active or (not cfg.fp8_amax_step and cfg.fp8_outlier_from < 0):
+            return
+        layers = trainer.setup.fp8_layers
+        if not layers:
+            raise ConfigError(
+                "key 'drill.fp8_amax_step'/'drill.fp8_outlier_from': the model has no FP8 "
+                "layer (precision.fp8.enabled=true)"
+            )
+        name = cfg.fp8_layer or next(iter(layers))
+        if name not in layers:
+            raise ConfigError(
+                f"key 'drill.fp8_layer' got {name!r}, expected an FP8 layer such as "
+                f"{next(iter(layers))!r}"
+            )
+        layer = layers[name]
+        layer.drill_amax = cfg.fp8_amax if step in cfg.fp8_amax_step else None
+        outlier = 0 <= cfg.fp8_outlier_from <= step
+        layer.drill_outlier = cfg.fp8_outlier_factor if outlier else 0.0
+        if not trainer.replaying and (step in cfg.fp8_amax_step or step == cfg.fp8_outlier_from):
+            kind = "fp8_amax" if step in cfg.fp8_amax_step else "fp8_outlier"
+            trainer.event("fault", type=kind, layer=name)
+
     def on_before_forward(self, trainer, step: int) -> None:
         """The router-bias drill: on for the forwards of its steps (first run and replay); the
         activation bit flip, armed for the first run's forward."""
         self._arm_activation_flip(trainer, step)
+        self._fp8_drills(trainer, step)
         expert = self.cfg.router_bias
         if not self.active or expert < 0:
             return

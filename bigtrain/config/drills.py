@@ -94,6 +94,22 @@ class DrillConfig:
     and at the end (an error event and exit 7). -1: off."""
     diverge_step: list[int] = field(default_factory=list)
     """Steps after which `diverge_group` changes its weights; empty: its last step."""
+    fp8_layer: str = ""
+    """Canonical name of the FP8 layer the FP8 drills target (e.g. `blocks.0.mlp.up`); empty:
+    the first FP8 layer."""
+    fp8_amax_step: list[int] = field(default_factory=list)
+    """Steps at which `fp8_layer` of `rank` casts its input to FP8 with the scale of an amax of
+    `fp8_amax` (Inf or NaN: a broken amax reduction), in the step's first run and its replay: the
+    layer's FP8 result turns non-finite from finite inputs."""
+    fp8_amax: float = float("inf")
+    """The amax of the fp8_amax drill (inf or nan)."""
+    fp8_outlier_from: int = -1
+    """From this step on, `fp8_layer` of `rank` sees its first input channel times
+    `fp8_outlier_factor` and that weight column divided by it (the same product exactly: an
+    activation outlier absorbed by a small weight), which tensorwise FP8 scales by the outlier
+    and so flushes the other inputs. -1: off."""
+    fp8_outlier_factor: float = 1.0e6
+    """Factor of the fp8_outlier drill."""
 
 
 def check_drill_groups(f: DrillConfig, groups: int) -> None:

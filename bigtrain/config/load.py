@@ -57,6 +57,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.int8.weight_scheme": ("symmetric",),
     "precision.int8.activation_scheme": ("affine", "symmetric"),
     "precision.int8.calibration": ("fixed", "ema"),
+    "precision.fp8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "monitor.nonfinite": ("rollback", "skip", "abort"),
@@ -87,6 +88,8 @@ POSITIVE = (
     "resilience.lr_backoff",
     "resilience.clip_backoff",
     "resilience.max_transient_per_rank",
+    "precision.fp8.patience",
+    "precision.fp8.max_error",
     "monitor.straggler_factor",
 )
 NON_NEGATIVE = (
@@ -95,6 +98,7 @@ NON_NEGATIVE = (
     "monitor.every",
     "monitor.timing_every",
     "drill.slow_s",
+    "precision.fp8.check_every",
     "drill.jitter_s",
     "resilience.snapshot_every",
     "resilience.confirm_steps",

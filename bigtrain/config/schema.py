@@ -26,6 +26,9 @@ class PrecisionPhase:
     """Compute dtype of the phase: `bf16`, `fp16` or `fp32`."""
     fp32_modules: list[str] = field(default_factory=list)
     """Module name patterns kept entirely in FP32 during the phase (added to precision.fp32_modules)."""
+    fp8: bool | None = None
+    """FP8 layers on (true) or in BF16 (false) during the phase; None: as precision.fp8.enabled.
+    Needs precision.fp8 on (the layers are converted once, at build)."""
 
 
 @dataclass
@@ -65,6 +68,45 @@ class Int8Config:
     """calibration=ema: weight of the old max |x| in each step's update."""
     smoothing_alpha: float = 0.5
     """SmoothQuant migration strength in (0, 1]: s = amax(x)^a / amax(W)^(1-a) per channel."""
+
+
+@dataclass
+class Fp8Config:
+    enabled: bool | None = None
+    """FP8 matmuls (torchao's Float8Linear, dynamic scaling) for the selected linear layers,
+    forward and backward, against FP32 master weights; needs BF16 compute. None: auto, on only
+    where it pays (a GPU with FP8 tensor cores, CUDA capability >= 8.9, and a model of at least
+    1B parameters; docs/precision.md); off on CPU unless set to true. Needs torchao
+    (`pip install 'bigtrain[fp8]'`)."""
+    recipe: str = "tensorwise"
+    """torchao's scaling recipe: `tensorwise` (one scale per tensor; FP8 all-gather),
+    `rowwise` (a scale per row, power-of-two scales) or `rowwise_with_gw_hp` (rowwise, the
+    weight gradient in high precision)."""
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    """Name patterns (fnmatch on canonical names) of the `nn.Linear` layers to convert."""
+    exclude: list[str] = field(default_factory=lambda: ["*lm_head", "*emb*", "*wte", "*wpe"])
+    """Patterns kept in BF16 even when `modules` selects them. Besides these, MoE routers (the
+    linear layer beside an `experts` module), batched expert weights and layers whose dimensions
+    FP8 kernels cannot take (not multiples of 16) are excluded automatically, each with its
+    reason in the policy table."""
+    all_gather: bool | None = None
+    """FSDP2 all-gathers the FP8 layers' weights in FP8 (half BF16's bytes), with the scales
+    precomputed once per step for all layers. None: on with parallel.backend=fsdp and the
+    tensorwise recipe (the only recipe torchao gathers in FP8)."""
+    emulate: bool = False
+    """Emulate the FP8 matmuls in high precision (tests on hardware without `torch._scaled_mm`)."""
+    check_every: int = 50
+    """Every this many steps each FP8 layer's result is compared with its BF16 result on the
+    step's first micro-batch (one extra forward of the FP8 layers); 0: never."""
+    max_error: float = 0.25
+    """The sampled relative error ||y_fp8 - y_bf16|| / ||y_bf16|| above which a check counts
+    against a layer (healthy FP8 layers measure ~0.03-0.08; docs/precision.md)."""
+    patience: int = 2
+    """Consecutive checks above max_error after which the layer goes back to BF16 for the rest
+    of the run."""
+    fallback: bool = True
+    """Move a layer whose checks fail, or whose FP8 cast turned finite inputs non-finite, to BF16
+    by itself (an `fp8_fallback` event). False: the events only."""
 
 
 @dataclass
@@ -116,6 +158,8 @@ class PrecisionConfig:
     """Healthy steps remembered by adaptive clipping."""
     int8: Int8Config = field(default_factory=Int8Config)
     """INT8 forward for linear layers (see Int8Config)."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """FP8 matmuls for linear layers (see Fp8Config)."""
     schedule: list[PrecisionPhase] = field(default_factory=list)
     """Phases by fraction of the run, e.g. FP32 for the first 5%, BF16 to 99%, BF16 with chosen
     modules in FP32 for the rest. Empty: the resolved compute dtype throughout."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bigtrain.config.schema import Config, Int8Config, ModelConfig, ParallelConfig
+from bigtrain.config.schema import Config, Fp8Config, Int8Config, ModelConfig, ParallelConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model import GPT, architecture_only, build_model, model_flops_per_token, num_params
 from bigtrain.parallel.layout import Layout
@@ -78,6 +78,44 @@ def apply_int8(
     return layers
 
 
+def fp8_all_gather(fp8: Fp8Config, p: ParallelConfig) -> bool:
+    """Whether FSDP2 gathers the FP8 layers' weights in FP8 (precision.fp8.all_gather)."""
+    if fp8.all_gather is None:
+        return p.backend == "fsdp" and fp8.recipe == "tensorwise"
+    if fp8.all_gather and p.backend != "fsdp":
+        raise ConfigError(
+            f"key 'precision.fp8.all_gather' is true with parallel.backend={p.backend}: the FP8 "
+            "all-gather is FSDP2's (parallel.backend=fsdp); set it to false or leave it unset"
+        )
+    if fp8.all_gather and fp8.recipe != "tensorwise":
+        raise ConfigError(
+            f"key 'precision.fp8.all_gather' is true with precision.fp8.recipe={fp8.recipe}: "
+            "torchao gathers weights in FP8 with one scale per tensor only (recipe tensorwise)"
+        )
+    return fp8.all_gather
+
+
+def apply_fp8(cfg: Config, model: nn.Module, policy: PrecisionPolicy) -> dict[str, nn.Module]:
+    """Convert the selected linear layers to FP8 (after INT8, before any wrapping or sharding),
+    and record them and the excluded ones, with reasons, in the policy's table."""
+    if not policy.fp8:
+        return {}
+    from bigtrain.precision.fp8 import convert_to_fp8
+
+    fp8 = cfg.precision.fp8
+    if cfg.parallel.backend == "zero":
+        raise ConfigError(
+            "precision.fp8.enabled=true with parallel.backend=zero: DeepSpeed casts the whole "
+            "model to its compute dtype and runs its own mixed precision, around which torchao's "
+            "FP8 casts and scales are not kept; use parallel.backend=fsdp (FP8 all-gather) or local"
+        )
+    policy.fp8_all_gather = fp8_all_gather(fp8, cfg.parallel)
+    fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
+    layers, excluded = convert_to_fp8(model, fp8, policy.fp8_all_gather, policy.fp8_auto, fp32)
+    policy.fp8_modules, policy.fp8_excluded = tuple(layers), excluded
+    return layers
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What building the model found out."""
@@ -87,6 +125,7 @@ class ModelFacts:
     shapes: dict[str, list[int]]  # by canonical name: the whole parameters, on every site
     flops_per_token: float  # from the shapes: a partitioned model holds only its part
     int8_layers: dict[str, Int8Layer]
+    fp8_layers: dict[str, nn.Module]  # Fp8Linear by canonical name (precision/fp8.py)
     build_site: str  # partitioned, meta or whole (build_site)
 
 
@@ -119,11 +158,13 @@ def make_model(
                 "per-document mask and positions from the EOS tokens)"
             )
         model.document_eos = eos_id
+    int8_layers = apply_int8(cfg.precision.int8, model, policy, device)
     return model, ModelFacts(
         policy=policy,
         num_params=n_params,
         shapes={canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
         flops_per_token=model_flops_per_token(shaped, cfg.model),
-        int8_layers=apply_int8(cfg.precision.int8, model, policy, device),
+        int8_layers=int8_layers,
+        fp8_layers=apply_fp8(cfg, model, policy),
         build_site=site,
     )

@@ -44,6 +44,7 @@ from bigtrain.parallel.transforms import (
     apply_compile,
     transformer_blocks,
 )
+from bigtrain.precision.fp8 import record_fsdp_owners
 from bigtrain.precision.policy import PrecisionPolicy
 
 
@@ -105,6 +106,7 @@ def _fully_sharded(
     fully_shard(model, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     if on_meta:  # parallel.meta_init: only this rank's shards are ever allocated
         materialize(model, device, seed)
+    record_fsdp_owners(model)  # FP8 layers that may later gather in BF16
     return model
 
 

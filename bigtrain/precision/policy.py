@@ -17,6 +17,12 @@ from bigtrain.utils.names import compress_names
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_SOFTMAX_PARAMS = 7_000_000_000
+FP8_PARAMS = 1_000_000_000
+"""`precision.fp8.enabled` auto turns FP8 on from this size: below ~2048 wide, linear layers are
+too small for FP8 GEMMs plus their casts to beat BF16 (torchao's H100 tables; the published
+gains start at Llama 3 8B: +25% tensorwise on 8 H100s)."""
+FP8_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (sm89), Hopper (sm90) and later."""
 
 
 @dataclass(frozen=True)
@@ -58,11 +64,13 @@ class Phase:
     until: float
     compute_dtype: torch.dtype
     fp32_modules: tuple[str, ...]
+    fp8: bool = False
+    """The FP8 layers compute in FP8 during the phase (else in the compute dtype)."""
 
     @property
     def name(self) -> str:
         extra = f"+fp32[{','.join(self.fp32_modules)}]" if self.fp32_modules else ""
-        return f"{dtype_name(self.compute_dtype)}{extra}"
+        return f"{'fp8+' if self.fp8 else ''}{dtype_name(self.compute_dtype)}{extra}"
 
 
 @dataclass
@@ -81,6 +89,17 @@ class PrecisionPolicy:
     int8_patterns: tuple[str, ...] = ()
     int8_modules: tuple[str, ...] = ()
     """Canonical names of the layers converted to INT8 (filled in when the model is converted)."""
+    fp8: bool = False
+    fp8_auto: bool = False
+    """FP8 was turned on by `auto` (layers too small to pay are then left out too)."""
+    fp8_recipe: str = "tensorwise"
+    fp8_all_gather: bool = False
+    fp8_modules: tuple[str, ...] = ()
+    """Canonical names of the layers converted to FP8 (filled in when the model is converted)."""
+    fp8_excluded: dict[str, str] = field(default_factory=dict)
+    """Linear layers left in BF16, each with its reason (filled in at conversion)."""
+    fp8_fallen_back: tuple[str, ...] = ()
+    """FP8 layers the run moved to BF16 (fp8_fallback events; set again at resume)."""
     reasons: dict[str, str] = field(default_factory=dict)
 
     def phase_at(self, step: int, max_steps: int) -> Phase:
@@ -122,9 +141,31 @@ class PrecisionPolicy:
             rows.append(("int8 forward", modules, self.reasons["int8"]))
         else:
             rows.append(("int8 forward", "off", self.reasons["int8"]))
+        rows.extend(self._fp8_rows())
         if len(self.phases) > 1:
             spans = ", ".join(f"{p.name} to {p.until:.0%}" for p in self.phases)
             rows.append(("schedule", f"{len(self.phases)} phases", spans))
+        return rows
+
+    def _fp8_rows(self) -> list[tuple[str, str, str]]:
+        if not self.fp8:
+            return [("fp8 linears", "off", self.reasons["fp8"])]
+        modules = compress_names(list(self.fp8_modules)) if self.fp8_modules else "-"
+        gather = ", FP8 all-gather" if self.fp8_all_gather else ""
+        rows = [("fp8 linears", f"{self.fp8_recipe}: {modules}", self.reasons["fp8"] + gather)]
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.fp8_excluded.items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            rows.append(("fp8 excluded", compress_names(names), reason))
+        if self.fp8_fallen_back:
+            rows.append(
+                (
+                    "fp8 fell back",
+                    ", ".join(self.fp8_fallen_back),
+                    "in BF16 for the rest of the run (fp8_fallback events)",
+                )
+            )
         return rows
 
     def table(self) -> str:
@@ -214,7 +255,8 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         allow_tf32 = False
         reasons["tf32"] = "no TF32 on this hardware"
 
-    phases = _phases(cfg, compute, scaling)
+    fp8, fp8_auto, reasons["fp8"] = _fp8(cfg, hw, num_params, compute)
+    phases = _phases(cfg, compute, scaling, fp8)
     reasons["int8"] = _int8_reason(cfg, compute)
     return PrecisionPolicy(
         master_dtype=DTYPES[cfg.master_dtype],
@@ -229,8 +271,62 @@ def resolve_policy(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> Preci
         phases=phases,
         int8=cfg.int8.enabled,
         int8_patterns=tuple(cfg.int8.modules),
+        fp8=fp8,
+        fp8_auto=fp8_auto,
+        fp8_recipe=cfg.fp8.recipe,
         reasons=reasons,
     )
+
+
+def _fp8(
+    cfg: PrecisionConfig, hw: Hardware, num_params: int, compute: str
+) -> tuple[bool, bool, str]:
+    """Whether the linear layers compute in FP8, whether `auto` chose it, and why."""
+    f = cfg.fp8
+    if f.enabled is False:
+        return False, False, "precision.fp8.enabled=false"
+    if f.enabled is None:
+        cap = hw.cuda_capability
+        if hw.device_type != "cuda" or cap is None:
+            return (
+                False,
+                False,
+                "auto: no FP8 tensor cores here (set precision.fp8.enabled=true to run it)",
+            )
+        if cap < FP8_CAPABILITY:
+            return (
+                False,
+                False,
+                f"auto: {hw.name} (sm{cap[0]}{cap[1]}) has no FP8 tensor cores (sm89+)",
+            )
+        if compute != "bf16":
+            return False, False, f"auto: FP8 layers need BF16 compute, not {compute}"
+        if num_params < FP8_PARAMS:
+            return (
+                False,
+                False,
+                f"auto: {num_params / 1e9:.2f}B parameters < 1B: layers too small for FP8 to pay",
+            )
+        return (
+            True,
+            True,
+            (
+                f"auto: {hw.name} (sm{cap[0]}{cap[1]}) has FP8 tensor cores, "
+                f"{num_params / 1e9:.1f}B parameters >= 1B"
+            ),
+        )
+    if compute != "bf16":
+        why = (
+            "FP32 compute has no low-precision region for FP8 to replace"
+            if compute == "fp32"
+            else "FP16 compute's loss scaling and torchao's FP8 casts do not compose (torchao "
+            "trains FP8 beside BF16)"
+        )
+        raise ConfigError(
+            f"precision.fp8.enabled=true with precision.compute_dtype={compute}: {why}; set "
+            "precision.compute_dtype=bf16 (FP8 matmuls, BF16 everywhere else)"
+        )
+    return True, False, "precision.fp8.enabled=true"
 
 
 def _loss_scaling(cfg: PrecisionConfig, compute: str) -> tuple[str, str]:
@@ -291,9 +387,9 @@ def _size_rule(
     )
 
 
-def _phases(cfg: PrecisionConfig, compute: str, scaling: str) -> tuple[Phase, ...]:
+def _phases(cfg: PrecisionConfig, compute: str, scaling: str, fp8: bool) -> tuple[Phase, ...]:
     if not cfg.schedule:
-        return (Phase(0.0, 1.0, DTYPES[compute], tuple(cfg.fp32_modules)),)
+        return (Phase(0.0, 1.0, DTYPES[compute], tuple(cfg.fp32_modules), fp8),)
     phases, start = [], 0.0
     for i, p in enumerate(cfg.schedule):
         key = f"precision.schedule[{i}]"
@@ -309,12 +405,24 @@ def _phases(cfg: PrecisionConfig, compute: str, scaling: str) -> tuple[Phase, ..
             raise ConfigError(
                 f"{key}.compute_dtype=fp16 needs precision.loss_scaling=dynamic or static"
             )
+        phase_fp8 = fp8 if p.fp8 is None else p.fp8
+        if p.fp8 and not fp8:
+            raise ConfigError(
+                f"{key}.fp8=true, but precision.fp8 is off: the FP8 layers are made once, at "
+                "build; set precision.fp8.enabled=true (and fp8: false in the phases without it)"
+            )
+        if phase_fp8 and p.compute_dtype != "bf16":
+            raise ConfigError(
+                f"{key}: FP8 layers with compute_dtype={p.compute_dtype}; FP8 phases compute in "
+                f"bf16 (set {key}.fp8=false, or compute_dtype: bf16)"
+            )
         phases.append(
             Phase(
                 start,
                 p.until,
                 DTYPES[p.compute_dtype],
                 tuple(cfg.fp32_modules) + tuple(p.fp32_modules),
+                phase_fp8,
             )
         )
         start = p.until

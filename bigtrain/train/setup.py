@@ -29,6 +29,7 @@ class RunSetup:
     monitor_kernel: str  # triton or torch
     build_site: str  # partitioned, meta or whole (parallel/model_setup.py)
     skipped_rows: dict[str, int] = field(default_factory=dict)  # unreadable rows by file
+    fp8_layers: dict[str, Any] = field(default_factory=dict)  # Fp8Linear by name (precision/fp8.py)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def test_only_group_0_feeds_the_metric_sinks(tmp_path):
     manager = CheckpointManager(tmp_path / "checkpoints", keep=1)
 
     def names(group: int) -> list[str]:
-        parts = BuiltParts([], {}, str(tmp_path), ["sink"], CostLedger(StartupClock()), group)
+        parts = BuiltParts([], {}, {}, str(tmp_path), ["sink"], CostLedger(StartupClock()), group)
         made = make_callbacks(cfg, DistEnv(), RunDir(tmp_path, True), manager, parts)
         return [type(c).__name__ for c in made]
 

@@ -54,6 +54,16 @@ from bigtrain.utils.seeds import derived_seed
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
+
+def linear_style(module: nn.Module, style: str, **kwargs) -> ParallelStyle:
+    """torch's style for a linear layer, or for an FP8 layer of the tensorwise recipe
+    torchao's float8 one (its input all-gathered in FP8; precision/fp8.py)."""
+    from bigtrain.precision.fp8 import fp8_tp_styles, uses_fp8_tp_styles
+
+    kind = fp8_tp_styles()[style] if uses_fp8_tp_styles(module) else STYLES[style]
+    return kind(**kwargs)
+
+
 GPT_PLAN = {
     "attn.q": "colwise",
     "attn.k": "colwise",
@@ -156,7 +166,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[
         conv1d = {n: s for n, s in plan.items() if is_conv1d(block.get_submodule(n))}
         for name, style in conv1d.items():
             parallelize_conv1d(block, name, style, tp_mesh)
-        linear = {n: STYLES[s]() for n, s in plan.items() if n not in conv1d}
+        linear = {
+            n: linear_style(block.get_submodule(n), s) for n, s in plan.items() if n not in conv1d
+        }
         if linear:
             parallelize_module(block, tp_mesh, linear)
 
@@ -170,9 +182,10 @@ def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:
     for block in transformer_blocks(model):
         present = dict(unwrapped(block).named_modules())  # a GELU MLP has no gate
         layers = {
-            name: ColwiseParallel()
+            name: linear_style(present[name], "colwise")
             if style == "colwise"
-            else RowwiseParallel(output_layouts=seq)  # reduce-scatter into sequence shards
+            # reduce-scatter into sequence shards
+            else linear_style(present[name], "rowwise", output_layouts=seq)
             for name, style in GPT_PLAN.items()
             if name in present
         }

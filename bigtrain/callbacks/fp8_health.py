@@ -1,0 +1,174 @@
+"""FP8 health: each FP8 layer watched, and moved to BF16 by itself when FP8 hurts it.
+
+Every forward of an FP8 layer folds its statistics into a small buffer without a host sync
+(precision/fp8.py). The buffers are read only on the steps that need them, in one MAX all-reduce
+over all ranks, so every rank takes the same decisions:
+
+- a checked step (every `precision.fp8.check_every`): the relative error of each layer's FP8
+  result against its BF16 result on the step's first micro-batch, and the share of its nonzero
+  inputs that FP8 flushes to zero. `patience` checks in a row above `max_error` move the layer
+  to BF16 (`fp8_fallback`, reason `error`);
+- an anomalous step (the healer replayed it) and the step's first run: a layer whose FP8 result
+  turned finite inputs non-finite (a broken scale: BF16 cannot do this) moves to BF16 at once
+  (reason `nonfinite`). The healer has already handled the step as any anomaly (replay, then
+  skip or rollback); the rerun of the step after a rollback runs the layer in BF16.
+
+The layers in BF16 are part of the run's state (this callback's, in checkpoints, rollback
+snapshots and a rejoining group's transfer). A rollback restores an older state, but never puts
+a layer back in FP8: the set only grows. With FP8 all-gather a layer that falls back also gathers
+its weight in BF16 from then on; the all-gather's scales are computed for every layer before each
+step's forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigtrain.config.schema import Fp8Config
+from bigtrain.precision import PrecisionPolicy
+from bigtrain.precision.fp8 import (
+    STATS,
+    gather_in_bf16,
+    gathers_in_fp8,
+    precompute_scales,
+    reset_stats,
+)
+from bigtrain.train.hooks import Callback
+from bigtrain.train.step import StepResult
+from bigtrain.utils.tensors import local_tensor
+
+
+class Fp8Health(Callback):
+    state_key = "fp8"
+
+    def __init__(
+        self, layers: dict[str, torch.nn.Module], cfg: Fp8Config, policy: PrecisionPolicy
+    ) -> None:
+        """`policy`: its table shows the layers in BF16 (also those a resumed run brings)."""
+        self.layers, self.cfg, self.policy = layers, cfg, policy
+        self.bf16: list[str] = []  # layers moved to BF16, in the order they moved
+        self.strikes: dict[str, int] = {}  # checks in a row above max_error
+        self.phase_fp8 = True  # the precision phase runs the FP8 layers in FP8
+        self.checked = False  # this step measures the error against BF16
+        self.first_run: torch.Tensor | None = None  # a replayed step's first-run statistics
+        self.model: torch.nn.Module | None = None
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def on_start(self, trainer) -> None:
+        self.model = trainer.backend.model
+        self._apply()
+
+    def on_before_forward(self, trainer, step: int) -> None:
+        if trainer.replaying:  # keep the first run's numbers: the replay overwrites them
+            self.first_run = self._stats()
+        else:
+            self.first_run = None
+            self.phase_fp8 = trainer.phase.fp8
+            self._apply()
+        reset_stats(self.layers)
+        every = self.cfg.check_every
+        self.checked = bool(every) and step % every == 0 and self.phase_fp8
+        for layer in self.layers.values():
+            layer.watch = self.checked and layer.fp8
+        if self.model is not None and any(
+            layer.fp8 and gathers_in_fp8(layer) for layer in self.layers.values()
+        ):
+            precompute_scales(self.model)  # the weights as this step gathers them
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        replayed = self.first_run is not None
+        if not (self.checked or replayed or result.anomaly is not None):
+            return  # no host sync on other steps
+        stats = self._stats()
+        if replayed:
+            stats = torch.maximum(stats, self.first_run)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        rows = stats.tolist()  # host sync: checked and anomalous steps only
+        names = list(self.layers)
+        for name, row in zip(names, rows, strict=True):
+            values = dict(zip(STATS, row, strict=True))
+            if name in self.bf16:
+                continue
+            if values["nonfinite"] > 0:
+                self._fall_back(trainer, name, "nonfinite", values)
+            elif self.checked:
+                self._judge_error(trainer, name, values)
+        if self.checked:
+            errors = {n: r[STATS.index("error")] for n, r in zip(names, rows, strict=True)}
+            errors = {n: e for n, e in errors.items() if n not in self.bf16}
+            worst = max(errors, key=errors.get) if errors else None
+            result.telemetry.update(
+                fp8_error_max=errors[worst] if worst else 0.0,
+                fp8_error_layer=worst or "",
+                fp8_underflow_max=max(r[STATS.index("underflow")] for r in rows),
+                fp8_bf16_layers=len(self.bf16),
+            )
+        self.first_run = None
+
+    # --- decisions ----------------------------------------------------------------------------
+
+    def _judge_error(self, trainer, name: str, values: dict[str, float]) -> None:
+        if values["error"] <= self.cfg.max_error:
+            self.strikes.pop(name, None)
+            return
+        self.strikes[name] = self.strikes.get(name, 0) + 1
+        trainer.event(
+            "fp8_check",
+            layer=name,
+            error=round(values["error"], 5),
+            underflow=round(values["underflow"], 5),
+            strikes=self.strikes[name],
+            patience=self.cfg.patience,
+        )
+        if self.strikes[name] >= self.cfg.patience:
+            self._fall_back(trainer, name, "error", values)
+
+    def _fall_back(self, trainer, name: str, reason: str, values: dict[str, float]) -> None:
+        numbers = {
+            k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in values.items()
+        }
+        if not self.cfg.fallback:
+            trainer.event("fp8_fault", layer=name, reason=reason, moved=False, **numbers)
+            return
+        self.bf16.append(name)
+        self.strikes.pop(name, None)
+        self._apply()
+        trainer.event(
+            "fp8_fallback",
+            layer=name,
+            reason=reason,
+            max_error=self.cfg.max_error,
+            bf16_layers=len(self.bf16),
+            **numbers,
+        )
+
+    def _apply(self) -> None:
+        self.policy.fp8_fallen_back = tuple(self.bf16)
+        for name, layer in self.layers.items():
+            layer.fp8 = self.phase_fp8 and name not in self.bf16
+            if name in self.bf16 and gathers_in_fp8(layer):
+                gather_in_bf16(layer)
+
+    def _stats(self) -> torch.Tensor:
+        return torch.stack(
+            [local_tensor(layer.fp8_stats).float() for layer in self.layers.values()]
+        )
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bf16": list(self.bf16), "strikes": dict(self.strikes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's or a peer's set of BF16 layers; a rollback's older set never puts a
+        layer back in FP8 (the union is kept). Names this run has no FP8 layer for (the run
+        resumed with other precision.fp8 modules, or without FP8) are dropped."""
+        kept = [n for n in state.get("bf16", []) if n in self.layers]
+        self.bf16 = self.bf16 + [n for n in kept if n not in self.bf16]
+        self.strikes = {n: int(c) for n, c in state.get("strikes", {}).items() if n in self.layers}
+        self._apply()

@@ -111,8 +111,8 @@ class Drills(Callback):
         name = cfg.fp8_layer or next(iter(layers))
         if name not in layers:
             raise ConfigError(
-                f"key 'drill.fp8_layer' got {name!r}, expected an FP8 layer such as "
-                f"{next(iter(layers))!r}"
+                f"key 'drill.fp8_layer' got {name!r}, expected an FP8 layer that rank "
+                f"{self.rank} runs, such as {next(iter(layers))!r}"
             )
         layer = layers[name]
         layer.drill_amax = cfg.fp8_amax if step in cfg.fp8_amax_step else None

@@ -33,11 +33,13 @@ from bigtrain.precision.fp8 import (
     STATS,
     gather_in_bf16,
     gathers_in_fp8,
+    is_fp8_linear,
     precompute_scales,
     reset_stats,
 )
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
+from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_tensor
 
 
@@ -49,6 +51,7 @@ class Fp8Health(Callback):
     ) -> None:
         """`policy`: its table shows the layers in BF16 (also those a resumed run brings)."""
         self.layers, self.cfg, self.policy = layers, cfg, policy
+        self.names = list(layers)  # every rank's, in one order: the MAX all-reduce's rows
         self.bf16: list[str] = []  # layers moved to BF16, in the order they moved
         self.strikes: dict[str, int] = {}  # checks in a row above max_error
         self.phase_fp8 = True  # the precision phase runs the FP8 layers in FP8
@@ -59,7 +62,14 @@ class Fp8Health(Callback):
     # --- hooks ----------------------------------------------------------------------------------
 
     def on_start(self, trainer) -> None:
+        """The FP8 layers this rank runs, found again in the backend's model: a pipeline stage
+        is a copy of its part of the model. The layers of other stages count as zeros."""
         self.model = trainer.backend.model
+        live = {canonical_name(n): m for n, m in self.model.named_modules() if is_fp8_linear(m)}
+        unknown = sorted(set(live) - set(self.names))
+        assert not unknown, f"FP8 layers the build did not make: {unknown}"
+        self.layers.clear()  # in place: the drills read the same dict (RunSetup.fp8_layers)
+        self.layers.update(live)
         self._apply()
 
     def on_before_forward(self, trainer, step: int) -> None:
@@ -89,7 +99,7 @@ class Fp8Health(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         rows = stats.tolist()  # host sync: checked and anomalous steps only
-        names = list(self.layers)
+        names = self.names
         for name, row in zip(names, rows, strict=True):
             values = dict(zip(STATS, row, strict=True))
             if name in self.bf16:
@@ -155,9 +165,10 @@ class Fp8Health(Callback):
                 gather_in_bf16(layer)
 
     def _stats(self) -> torch.Tensor:
-        return torch.stack(
-            [local_tensor(layer.fp8_stats).float() for layer in self.layers.values()]
-        )
+        """Every layer's statistics; zeros for a layer another pipeline stage holds."""
+        held = {n: local_tensor(layer.fp8_stats).float() for n, layer in self.layers.items()}
+        zeros = torch.zeros(len(STATS), device=next(iter(held.values())).device)
+        return torch.stack([held.get(n, zeros) for n in self.names])
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -168,7 +179,7 @@ class Fp8Health(Callback):
         """A checkpoint's or a peer's set of BF16 layers; a rollback's older set never puts a
         layer back in FP8 (the union is kept). Names this run has no FP8 layer for (the run
         resumed with other precision.fp8 modules, or without FP8) are dropped."""
-        kept = [n for n in state.get("bf16", []) if n in self.layers]
+        kept = [n for n in state.get("bf16", []) if n in self.names]
         self.bf16 = self.bf16 + [n for n in kept if n not in self.bf16]
-        self.strikes = {n: int(c) for n, c in state.get("strikes", {}).items() if n in self.layers}
+        self.strikes = {n: int(c) for n, c in state.get("strikes", {}).items() if n in self.names}
         self._apply()

@@ -333,8 +333,14 @@ def precompute_scales(model: nn.Module) -> None:
     torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def _held(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor object a (sharded) parameter holds: a DTensor's own local tensor, not the
+    view `to_local()` makes."""
+    return getattr(weight, "_local_tensor", weight)
+
+
 def gathers_in_fp8(layer: nn.Module) -> bool:
-    weight = local_tensor(layer.weight)
+    weight = _held(layer.weight)
     return hasattr(weight, "fsdp_pre_all_gather") and not getattr(weight, "bf16_gather", False)
 
 
@@ -342,7 +348,7 @@ def gather_in_bf16(layer: nn.Module) -> None:
     """From the next all-gather on, FSDP2 gathers this layer's weight in the parameter dtype,
     not FP8. FSDP2 keeps the gather's buffers from the first all-gather, so they are dropped
     here, while the weight is sharded (between steps), to be made again in the new dtype."""
-    weight = local_tensor(layer.weight)
+    weight = _held(layer.weight)
     if not hasattr(weight, "fsdp_pre_all_gather"):
         return
     weight.bf16_gather = True
@@ -436,16 +442,68 @@ def fp8_tp_styles() -> dict[str, type]:
                 },
             )
 
+        bytes_for_gloo()
         _CLASSES["colwise"] = switched(Float8ColwiseParallel, ColwiseParallel)
         _CLASSES["rowwise"] = switched(Float8RowwiseParallel, RowwiseParallel)
     return {"colwise": _CLASSES["colwise"], "rowwise": _CLASSES["rowwise"]}
 
 
+def bytes_for_gloo() -> None:
+    """FP8 tensors through gloo's collectives as their bytes: gloo has no float8 types, so the
+    all-gathers of torchao's float8 styles (and their waits) on CPU tensors move the data as
+    uint8 (the same bytes NCCL moves) and view it back as FP8 afterwards. CUDA tensors take
+    torchao's own path. Installed once, when a float8 style is first made."""
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    table = float8_ops.FLOAT8_OPS_TABLE
+    gathers = [
+        torch.ops.c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+    ]
+    waits = [
+        torch.ops.c10d_functional.wait_tensor.default,
+        torch.ops._c10d_functional.wait_tensor.default,
+    ]
+    if getattr(table[gathers[1]], "bigtrain_bytes", False):
+        return
+    torchao_gather, torchao_wait = table[gathers[1]], table[waits[1]]
+
+    def wrap(t: Any, data: torch.Tensor) -> Any:
+        return Float8TrainingTensor(
+            data, t._scale, t._orig_dtype, t._linear_mm_config, t._gemm_input_role
+        )
+
+    def gather(aten_op, args, kwargs=None):
+        t = args[0]
+        if t._data.device.type != "cpu":
+            return torchao_gather(aten_op, args, kwargs)
+        out = wrap(t, aten_op(t._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {})))
+        out.fp8_dtype = t._data.dtype
+        return out
+
+    def wait(aten_op, args, kwargs=None):
+        t = args[0]
+        dtype = getattr(t, "fp8_dtype", None)
+        if dtype is None:
+            return torchao_wait(aten_op, args, kwargs)
+        return wrap(t, aten_op(t._data, *args[1:], **(kwargs or {})).view(dtype))
+
+    gather.bigtrain_bytes = True
+    for op in gathers:
+        table[op] = gather
+    for op in waits:
+        table[op] = wait
+
+
 def uses_fp8_tp_styles(module: nn.Module) -> bool:
-    """FP8 layers of the tensorwise recipe take torchao's float8 styles; rowwise recipes keep
-    torch's (torchao's styles assume one scale per tensor), under which Float8Linear casts the
-    local shards itself."""
-    if not is_fp8_linear(module):
+    """FP8 layers of the tensorwise recipe on GPUs take torchao's float8 styles; rowwise recipes
+    keep torch's (torchao's styles assume one scale per tensor), under which Float8Linear casts
+    the DTensor shards itself, with the amax reduced over the tp ranks. So do CPU tensors: there
+    the float8 styles' backward fails in torch._scaled_mm ("Invalid scaling configuration",
+    torchao 0.18 on gloo), so CPU runs test the FP8 matmuls under tensor parallelism, not the FP8
+    all-gather of the inputs."""
+    if not is_fp8_linear(module) or module.weight.device.type == "cpu":
         return False
     from torchao.float8.config import ScalingGranularity
 

@@ -40,6 +40,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that only wraps a plain tensor (torchao's weight that FSDP2 gathers in
+    FP8 holds its high-precision values in `_tensor`) as that tensor; any other as is."""
+    while type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        inner = getattr(t, "_tensor", None)
+        if not isinstance(inner, torch.Tensor):
+            break
+        t = inner
+    return t
+
+
 def local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offset, shape) of this rank's block of a parameter: its DTensor shard, or all of it."""
     if isinstance(p, DTensor):

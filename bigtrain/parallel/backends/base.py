@@ -26,7 +26,7 @@ from bigtrain.parallel.layout import Layout
 from bigtrain.precision.policy import Phase
 from bigtrain.precision.scaler import LossScaler, ScaleUpdate
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import local_tensor, to_cpu
+from bigtrain.utils.tensors import local_tensor, plain_tensor, to_cpu
 
 
 class Backend(abc.ABC):
@@ -236,7 +236,7 @@ def weights_fingerprint(named: Iterable[tuple[str, Callable[[], torch.Tensor]]])
 
 def hash_tensor(h: Any, name: str, tensor: torch.Tensor) -> None:
     """One parameter into a weights_fingerprint hash: (name, shape, FP32 bytes)."""
-    data = tensor.detach().to("cpu", torch.float32).contiguous()
+    data = plain_tensor(tensor.detach()).to("cpu", torch.float32).contiguous()
     h.update(f"{name}:{tuple(data.shape)};".encode())
     h.update(data.numpy().tobytes())
 

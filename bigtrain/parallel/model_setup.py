@@ -95,21 +95,22 @@ def fp8_all_gather(fp8: Fp8Config, p: ParallelConfig) -> bool:
     return fp8.all_gather
 
 
-def apply_fp8(cfg: Config, model: nn.Module, policy: PrecisionPolicy) -> dict[str, nn.Module]:
+def apply_fp8(
+    fp8: Fp8Config, parallel: ParallelConfig, model: nn.Module, policy: PrecisionPolicy
+) -> dict[str, nn.Module]:
     """Convert the selected linear layers to FP8 (after INT8, before any wrapping or sharding),
     and record them and the excluded ones, with reasons, in the policy's table."""
     if not policy.fp8:
         return {}
     from bigtrain.precision.fp8 import convert_to_fp8
 
-    fp8 = cfg.precision.fp8
-    if cfg.parallel.backend == "zero":
+    if parallel.backend == "zero":
         raise ConfigError(
             "precision.fp8.enabled=true with parallel.backend=zero: DeepSpeed casts the whole "
             "model to its compute dtype and runs its own mixed precision, around which torchao's "
             "FP8 casts and scales are not kept; use parallel.backend=fsdp (FP8 all-gather) or local"
         )
-    policy.fp8_all_gather = fp8_all_gather(fp8, cfg.parallel)
+    policy.fp8_all_gather = fp8_all_gather(fp8, parallel)
     fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
     layers, excluded = convert_to_fp8(model, fp8, policy.fp8_all_gather, policy.fp8_auto, fp32)
     policy.fp8_modules, policy.fp8_excluded = tuple(layers), excluded
@@ -165,6 +166,6 @@ def make_model(
         shapes={canonical_name(n): list(p.shape) for n, p in shaped.named_parameters()},
         flops_per_token=model_flops_per_token(shaped, cfg.model),
         int8_layers=int8_layers,
-        fp8_layers=apply_fp8(cfg, model, policy),
+        fp8_layers=apply_fp8(cfg.precision.fp8, cfg.parallel, model, policy),
         build_site=site,
     )

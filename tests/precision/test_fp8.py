@@ -320,3 +320,20 @@ def test_an_outlier_that_fp8_flushes_moves_its_layer_after_patience_checks(micro
     ]
     assert fallback[0]["error"] > 0.25
     assert "anomaly" not in [e["kind"] for e in events]  # the loss never broke: no rollback
+
+
+@pytest.mark.e2e
+def test_the_precision_schedule_switches_fp8_by_phase(micro):
+    """BF16 for the first quarter, FP8 after: the phase names the metrics carry, and error
+    checks only in the FP8 phase."""
+    cfg = micro(
+        *FP8_RUN,
+        "precision.schedule=[{until: 0.25, compute_dtype: bf16, fp8: false}, "
+        "{until: 1.0, compute_dtype: bf16}]",
+        out="schedule",
+    )
+    run(cfg, DistEnv())
+    metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
+    phases = {m["step"]: m["precision_phase"] for m in metrics}
+    assert phases[1] == phases[2] == "bf16" and phases[3] == phases[8] == "fp8+bf16"
+    assert [m["step"] for m in metrics if "fp8_error_max" in m] == [4, 6, 8]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -102,8 +102,19 @@ def apply_fp8(
     and record them and the excluded ones, with reasons, in the policy's table."""
     if not policy.fp8:
         return {}
+    import importlib.util
+
     from bigtrain.precision.fp8 import convert_to_fp8
 
+    if policy.fp8_auto and (parallel.backend == "zero" or not importlib.util.find_spec("torchao")):
+        why = (
+            "parallel.backend=zero"
+            if parallel.backend == "zero"
+            else "torchao is not installed (pip install 'bigtrain[fp8]')"
+        )
+        policy.fp8, policy.phases = False, tuple(replace(p, fp8=False) for p in policy.phases)
+        policy.reasons["fp8"] = f"auto: would pay here, but {why}"
+        return {}
     if parallel.backend == "zero":
         raise ConfigError(
             "precision.fp8.enabled=true with parallel.backend=zero: DeepSpeed casts the whole "
@@ -114,7 +125,14 @@ def apply_fp8(
     fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
     layers, excluded = convert_to_fp8(model, fp8, policy.fp8_all_gather, policy.fp8_auto, fp32)
     policy.fp8_modules, policy.fp8_excluded = tuple(layers), excluded
+    policy.fp8_share = fp8_share(model, layers)
     return layers
+
+
+def fp8_share(model: nn.Module, layers: dict[str, nn.Module]) -> float:
+    """The share of the model's parameters that FP8 layers hold (their weights)."""
+    total = sum(p.numel() for p in model.parameters())
+    return sum(layer.weight.numel() for layer in layers.values()) / max(1, total)
 
 
 @dataclass(frozen=True)

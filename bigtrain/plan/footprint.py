@@ -152,6 +152,8 @@ def planned(
     n, block = count_params(model, layout.ep)
     tp = tp_split(model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
     policy = resolve_policy(cfg.precision, hardware, n)
+    if policy.fp8:
+        plan_fp8(cfg, model, policy)
     shape = model_shape(cfg.model, cfg.data)
     return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware, held)
 
@@ -214,11 +216,36 @@ def largest_micro_batch(
     return max(0, int(free // per_sequence))
 
 
-def gathered_dtype_bytes(policy: PrecisionPolicy) -> int:
-    """Bytes per element of the weights FSDP2 all-gathers (its MixedPrecisionPolicy)."""
+def plan_fp8(cfg: Config, model: torch.nn.Module, policy: PrecisionPolicy) -> None:
+    """The FP8 layers a run of `cfg` would make, as shares of the model (nothing is converted):
+    the policy's FP8 all-gather and the share of the parameters in FP8 layers."""
+    from bigtrain.parallel.model_setup import fp8_all_gather
+    from bigtrain.precision.fp8 import select_fp8_layers
+
+    if policy.fp8_auto and cfg.parallel.backend == "zero":  # as a run decides (model_setup.py)
+        policy.fp8 = False
+        policy.phases = tuple(dataclasses.replace(p, fp8=False) for p in policy.phases)
+        policy.reasons["fp8"] = "auto: would pay here, but parallel.backend=zero"
+        return
+    fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
+    chosen, policy.fp8_excluded = select_fp8_layers(model, cfg.precision.fp8, policy.fp8_auto, fp32)
+    policy.fp8_all_gather = cfg.parallel.backend == "fsdp" and fp8_all_gather(
+        cfg.precision.fp8, cfg.parallel
+    )
+    fp8 = sum(layer.weight.numel() for _, _, layer in chosen)
+    policy.fp8_share = fp8 / max(1, sum(p.numel() for p in model.parameters()))
+
+
+def gathered_dtype_bytes(policy: PrecisionPolicy) -> float:
+    """Bytes per element of the weights FSDP2 all-gathers (its MixedPrecisionPolicy); with the
+    FP8 all-gather, the FP8 layers' weights (policy.fp8_share of them) travel in one byte (their
+    scales, one FP32 number per tensor, are left out)."""
     from bigtrain.parallel.backends.fsdp import fsdp_mixed_precision
 
-    return fsdp_mixed_precision(policy).param_dtype.itemsize  # type: ignore[union-attr]
+    itemsize = fsdp_mixed_precision(policy).param_dtype.itemsize  # type: ignore[union-attr]
+    if policy.fp8 and policy.fp8_all_gather:
+        return itemsize * (1 - policy.fp8_share) + 1 * policy.fp8_share
+    return itemsize
 
 
 def transient_weight_bytes(

@@ -6,7 +6,8 @@ One optimizer step on a GPU cluster (H100-class, as in docs/parallelism.md):
 - compute: the model's training FLOPs per token (model_flops_per_token: active parameters of an
   MoE model, attention included) times the tokens of one data-parallel rank (micro-batch x
   accumulation x sequence), over the tp x pp GPUs that share them, at 989 TFLOP/s (BF16 dense)
-  x 40% (Llama 3 405B ran at 38-43% MFU), stretched by the pipeline's bubble;
+  x 40% (Llama 3 405B ran at 38-43% MFU), stretched by the pipeline's bubble; with FP8 linears
+  the FP8 layers' share of it runs faster by FP8_STEP_SPEEDUP;
 - tp: the tensor-parallel collectives of the rank's blocks over NVLink (450 GB/s);
 - dp: the data-parallel collectives of the rank's parameters (FSDP2's all-gathers and
   reduce-scatters, HSDP's all-reduce, the experts' over their own ranks, or ZeRO's) over
@@ -33,6 +34,11 @@ from bigtrain.plan.stages import most_states, p2p_bytes, step_bubble
 
 PEAK_FLOPS = 989e12
 EFFICIENCY = 0.4
+FP8_STEP_SPEEDUP = {"tensorwise": 1.25, "rowwise": 1.10, "rowwise_with_gw_hp": 1.10}
+"""Whole-step speedup of FP8 linears over BF16 by recipe, as torchao publishes it for Llama 3 8B
+on 8 H100s (tensorwise with FP8 all-gather +25%, rowwise +10%); larger models gain more (405B on
+512 GPUs: 1.5x), so this is conservative there. It applies to the FP8 layers' share of the
+compute (policy.fp8_share of the parameters)."""
 NVLINK_BYTES_S = 450e9
 NETWORK_BYTES_S = 50e9
 GPUS_PER_NODE = 8
@@ -128,8 +134,13 @@ def step_time(run: PlannedRun) -> StepTime:
     tokens = train.micro_batch_size * train.grad_accum_steps * cfg.model.seq_len
     flops = model_flops_per_token(run.model, cfg.model) * tokens / layout.model_size
     traffic = rank_traffic(run)
+    compute = flops / (PEAK_FLOPS * EFFICIENCY) / (1 - step_bubble(run))
+    policy = run.policy
+    if policy.fp8:
+        share = policy.fp8_share
+        compute *= (1 - share) + share / FP8_STEP_SPEEDUP[policy.fp8_recipe]
     parts = {
-        "compute": flops / (PEAK_FLOPS * EFFICIENCY) / (1 - step_bubble(run)),
+        "compute": compute,
         "tp": sum(t.bytes_per_step for t in traffic if t.axis == "tp") / NVLINK_BYTES_S,
         "dp": sum(t.bytes_per_step for t in traffic if t.axis != "tp") / NETWORK_BYTES_S,
         "p2p": p2p_bytes(run) / NETWORK_BYTES_S,

@@ -166,7 +166,7 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = Fa
         if run.layout.pp > 1:
             held += " of the pipeline rank"
         lines.append(
-            f"  + transient: {held} in {gathered * 8}-bit "
+            f"  + transient: {held} in {gathered * 8:.3g}-bit "
             f"({fmt_bytes(load.transient_bytes)} with one block of FP32 gradients"
             + (", per tp rank)" if run.tp_split_ways > 1 else ")")
         )

@@ -98,6 +98,8 @@ class PrecisionPolicy:
     """Canonical names of the layers converted to FP8 (filled in when the model is converted)."""
     fp8_excluded: dict[str, str] = field(default_factory=dict)
     """Linear layers left in BF16, each with its reason (filled in at conversion)."""
+    fp8_share: float = 0.0
+    """The share of the parameters in FP8 layers (set at conversion, and by the planner)."""
     fp8_fallen_back: tuple[str, ...] = ()
     """FP8 layers the run moved to BF16 (fp8_fallback events; set again at resume)."""
     reasons: dict[str, str] = field(default_factory=dict)
@@ -150,7 +152,11 @@ class PrecisionPolicy:
     def _fp8_rows(self) -> list[tuple[str, str, str]]:
         if not self.fp8:
             return [("fp8 linears", "off", self.reasons["fp8"])]
-        modules = compress_names(list(self.fp8_modules)) if self.fp8_modules else "-"
+        modules = (
+            compress_names(list(self.fp8_modules))
+            if self.fp8_modules
+            else "the selected linear layers"  # a plan: nothing converted
+        )
         gather = ", FP8 all-gather" if self.fp8_all_gather else ""
         rows = [("fp8 linears", f"{self.fp8_recipe}: {modules}", self.reasons["fp8"] + gather)]
         by_reason: dict[str, list[str]] = {}

@@ -337,3 +337,30 @@ def test_the_precision_schedule_switches_fp8_by_phase(micro):
     phases = {m["step"]: m["precision_phase"] for m in metrics}
     assert phases[1] == phases[2] == "bf16" and phases[3] == phases[8] == "fp8+bf16"
     assert [m["step"] for m in metrics if "fp8_error_max" in m] == [4, 6, 8]
+
+
+@pytest.mark.unit
+def test_the_plan_counts_fp8_gathers_and_compute():
+    """bigtrain plan on an sm90 GPU: FP8 (auto from 1B) gathers the FP8 layers' weights in one
+    byte, so the all-gather traffic and the transient weights shrink by their share, and the
+    modelled compute by the recipe's published step speedup."""
+    from bigtrain.config import load_config
+    from bigtrain.plan.footprint import planned
+    from bigtrain.plan.step_time import FP8_STEP_SPEEDUP, rank_traffic, step_time
+    from tests.conftest import ROOT
+
+    recipe = str(ROOT / "configs" / "llama-7b.yaml")  # FSDP2
+    on = planned(load_config([recipe], []), 8, H100)
+    off = planned(load_config([recipe], ["precision.fp8.enabled=false"]), 8, H100)
+    assert on.policy.fp8 and on.policy.fp8_auto and on.policy.fp8_all_gather
+    share = on.policy.fp8_share
+    assert 0.5 < share < 1.0  # the blocks' linear layers; embeddings and lm_head are not
+    gathers = {
+        name: next(t for t in rank_traffic(run) if "all-gather" in t.collective).bytes_per_step
+        for name, run in (("on", on), ("off", off))
+    }
+    assert gathers["on"] / gathers["off"] == pytest.approx(1 - share / 2, rel=1e-6)
+    compute = step_time(on).parts["compute"] / step_time(off).parts["compute"]
+    assert compute == pytest.approx((1 - share) + share / FP8_STEP_SPEEDUP["tensorwise"])
+    zero = planned(load_config([recipe], ["parallel.backend=zero"]), 8, H100)
+    assert not zero.policy.fp8 and "parallel.backend=zero" in zero.policy.reasons["fp8"]

@@ -165,7 +165,9 @@ def main() -> None:
             f"{model:<6} {recipe:<10} {seed:>4} {drill:<8} {step if step else 'missed':>14}  "
             f"({result['rollbacks']})"
         )
-    mean = {r: sum(sum(v) for v in m.values()) / sum(len(v) for v in m.values()) for r, m in rel.items()}
+    mean = {
+        r: sum(sum(v) for v in m.values()) / sum(len(v) for v in m.values()) for r, m in rel.items()
+    }
     by_model = {r: {m: sum(v) / len(v) for m, v in ms.items()} for r, ms in rel.items()}
     print(
         "\nval loss (fp8 - bf16) / bf16, mean over models and seeds: "

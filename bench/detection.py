@@ -3,7 +3,7 @@
     python bench/detection.py [--quick] [--seeds 1,2] [--runs N] [--steps 300] [--validate K]
                               [--short-runs N] [--short-steps 100]
                               [--no-candidates] [--save-fixtures DIR] [--threads T]
-                              [--moe] [--router-drills N]
+                              [--moe] [--router-drills N] [--fp8]
                               [--save-traces FILE] [--load-traces FILE ...]
 
 1. Healthy sweep: real runs in this process, detection on as configured (monitor.*): seeds x
@@ -37,6 +37,10 @@
 --save-traces keeps the healthy runs' traces; --load-traces judges saved ones again with this
 checkout's rules instead of training (the simulated numbers only: the runs' own were the
 recording's): how a rule is compared with another on the same runs.
+
+--fp8: the BF16 runs of the matrix train with FP8 linears (precision.fp8, tensorwise, an error
+check every 25 steps); every `fp8_fallback` of a healthy run is a false alarm of the FP8 rule
+(`fp8_fallbacks_healthy` in the JSON).
 
 --moe: the same matrix with every block a mixture of 4 experts (top 2): false alarms of every
 rule (the router rules included), the fault sweep on the MoE traces, and `--router-drills` real
@@ -129,6 +133,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the healthy runs")
     ap.add_argument("--moe", action="store_true", help="MoE models (4 experts, top 2) + drills")
+    ap.add_argument(
+        "--fp8", action="store_true", help="the BF16 runs with FP8 linears (precision.fp8)"
+    )
     ap.add_argument("--router-drills", type=int, default=None, help="real router-bias runs")
     args = ap.parse_args()
     args.seeds = [int(s) for s in (args.seeds or ("1" if args.quick else "1,2")).split(",")]
@@ -147,7 +154,8 @@ def healthy_sweep(specs: list, out_root: str) -> list[Trace]:
         print(
             f"  {i + 1:2d}/{len(specs)} {spec.name:<42} {trace.seconds:5.1f} s  "
             f"false alarms {len(trace.anomalies)}  suspicions {len(trace.suspicions)}  "
-            f"loss <= {jumps['loss']:.3f}x  "
+            + (f"fp8 fallbacks {len(trace.fp8_fallbacks)}  " if trace.spec.fp8 else "")
+            + f"loss <= {jumps['loss']:.3f}x  "
             f"grad norm <= {jumps['grad_norm']:.1f}x  one tensor <= {jumps['tensor']:.0f}x"
             + "".join(f"  {m} <= {jumps[m]:.2f}x" for m in ROUTER_RULES if m in jumps),
             flush=True,
@@ -159,8 +167,8 @@ def healthy_sweep(specs: list, out_root: str) -> list[Trace]:
 def sweep_specs(args: argparse.Namespace) -> tuple[list, list]:
     """The long sweep (--quick: micro, else tiny; --steps each) and the short one (tiny,
     --short-steps each, the matrix's first --short-runs)."""
-    long = matrix(args.seeds, args.quick, args.steps, args.moe)[: args.runs]
-    short = matrix(args.seeds, False, args.short_steps, args.moe)[: args.short_runs]
+    long = matrix(args.seeds, args.quick, args.steps, args.moe, args.fp8)[: args.runs]
+    short = matrix(args.seeds, False, args.short_steps, args.moe, args.fp8)[: args.short_runs]
     return long, short
 
 
@@ -454,6 +462,13 @@ def summary(args, sweeps: dict, checked: dict, found: dict) -> dict:
         "bench": "detection",
         "mode": "quick" if args.quick else "full",
         "moe": args.moe,
+        "fp8": args.fp8,
+        # FP8 layers moved to BF16 in healthy runs (docs/fp8.md): each one a false alarm
+        "fp8_fallbacks_healthy": [
+            [t.name, e["step"], e["layer"], e["reason"]]
+            for t in traces
+            for e in getattr(t, "fp8_fallbacks", [])
+        ],
         "router_bias": {
             "trials": len(drills),
             "caught_at_step": sum(t["steps_to_detect"] == 0 for t in drills),

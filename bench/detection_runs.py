@@ -89,11 +89,14 @@ class RunSpec:
     micro: bool  # the micro model (--quick) rather than configs/tiny.yaml
     steps: int = 300
     moe: bool = False  # every block's MLP a mixture of experts (MOE; bench/detection.py --moe)
+    fp8: bool = False  # the BF16 runs with FP8 linears (bench/detection.py --fp8)
 
     @property
     def name(self) -> str:
         size = ("micro" if self.micro else "tiny") + ("-moe" if self.moe else "")
-        name = f"{size}-{self.style}-{self.precision}-{self.corpus}-lr{self.lr_mult}x-s{self.seed}"
+        fp8 = getattr(self, "fp8", False)  # a trace saved before --fp8 existed
+        precision = "fp8" if fp8 and self.precision == "bf16" else self.precision
+        name = f"{size}-{self.style}-{precision}-{self.corpus}-lr{self.lr_mult}x-s{self.seed}"
         return name + (f"-{self.steps}steps" if self.steps != 300 else "")
 
     def overrides(self, out_dir: str, world_size: int = 1) -> list[str]:
@@ -109,10 +112,14 @@ class RunSpec:
         args += [f"train.grad_accum_steps={RANKS // world_size}", f"train.out_dir={out_dir}"]
         if world_size > 1:
             args += ["parallel.backend=fsdp"]
+        if self.fp8 and self.precision == "bf16":  # FP8 computes beside BF16
+            args += ["precision.fp8.enabled=true", "precision.fp8.check_every=25"]
         return args + (MOE if self.moe else []) + QUIET
 
 
-def matrix(seeds: list[int], micro: bool, steps: int, moe: bool = False) -> list[RunSpec]:
+def matrix(
+    seeds: list[int], micro: bool, steps: int, moe: bool = False, fp8: bool = False
+) -> list[RunSpec]:
     """Seeds x precisions x styles x corpora x LRs, seed by seed. Within a seed the half
     fraction whose levels (as 0/1) add up to an even number comes first: any 6 leading runs
     cover both levels of every factor (bench --runs 6 makes the test fixtures)."""
@@ -120,7 +127,12 @@ def matrix(seeds: list[int], micro: bool, steps: int, moe: bool = False) -> list
     combos = sorted(itertools.product(range(2), repeat=4), key=lambda c: (sum(c) % 2, c))
     return [
         RunSpec(
-            seed, *(level[i] for level, i in zip(levels, combo, strict=True)), micro, steps, moe
+            seed,
+            *(level[i] for level, i in zip(levels, combo, strict=True)),
+            micro,
+            steps,
+            moe,
+            fp8,
         )
         for seed in seeds
         for combo in combos
@@ -142,6 +154,7 @@ class Trace:
     routers: list[dict[str, float]] = field(default_factory=list)  # [step] MoE router telemetry
     anomalies: list[dict] = field(default_factory=list)  # the run's anomaly events
     suspicions: list[dict] = field(default_factory=list)  # its suspicion events (replays)
+    fp8_fallbacks: list[dict] = field(default_factory=list)  # its fp8_fallback events
     seconds: float = 0.0
 
     @property
@@ -225,6 +238,7 @@ def healthy_run(spec: RunSpec, out_dir: str) -> Trace:
     events = read_events(out_dir)
     trace.anomalies = [e for e in events if e["kind"] == "anomaly"]
     trace.suspicions = [e for e in events if e["kind"] == "suspicion"]
+    trace.fp8_fallbacks = [e for e in events if e["kind"] == "fp8_fallback"]
     trace.seconds = time.perf_counter() - started
     return trace
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared run on a machine with one CUDA GPU, in about 7 minutes:
+# The GPU checks in one prepared run on a machine with one CUDA GPU, in about 9 minutes:
 #   default     configs/tiny.yaml on CUDA (300 steps): loss falls, no anomaly
 #   rollback    a NaN drill on CUDA: the run rolls back, skips the data and finishes
 #   mfu         the Llama-style 1B (configs/llama-1b.yaml), BF16, torch.compile, no activation
 #               checkpointing, 30 steps: MFU (goal >= 50% on an H100/H200)
+#   fp8         the same 1B with FP8 linears (precision.fp8, tensorwise; torchao): tokens/s
+#               against the mfu step's BF16 (goal >= 1.3x on an H200), peak memory
 #   optimizer   bench/optimizer.py: bigtrain's AdamW (FP32/BF16/FP16 states) vs torch's fused
 #   precision   GPT-2 124M: BF16 vs BF16 + FP16 states vs FP16 + loss scaling (goal: FP16
 #               states >= 0.95x BF16 tokens/s)
@@ -67,6 +69,11 @@ step mfu 150 $PY -m bigtrain train configs/llama-1b.yaml "${RUN[@]}" "${DATA[@]}
     train.grad_accum_steps=1 train.log_every=10 precision.compute_dtype=bf16 \
     parallel.compile=true parallel.activation_checkpointing=none checkpoint.every=-1 \
     train.eval_every=0
+step fp8 150 $PY -m bigtrain train configs/llama-1b.yaml "${RUN[@]}" "${DATA[@]}" \
+    train.out_dir="$OUT/llama-1b-fp8" train.max_steps=30 train.micro_batch_size=8 \
+    train.grad_accum_steps=1 train.log_every=10 precision.compute_dtype=bf16 \
+    precision.fp8.enabled=true parallel.compile=true parallel.activation_checkpointing=none \
+    checkpoint.every=-1 train.eval_every=0
 step optimizer 30 $PY bench/optimizer.py --device cuda --total 100000000
 step precision 90 $PY bench/precision.py "${GPT2[@]}" --steps 30 \
     --variants bf16,bf16+fp16-states,fp16+loss-scaling

@@ -95,6 +95,14 @@ def summary(out: Path) -> int:
         tps = sum(m["tokens_per_s"] for m in mfu) / len(mfu)
         rows["mfu"] = f"Llama 1B: {mean:.1%} MFU, {tps:,.0f} tokens/s"
         values["mfu"] = {"mfu": mean, "tokens_per_s": tps}
+    fp8 = [m for m in _metrics(out, "llama-1b-fp8") if "tokens_per_s" in m][1:]
+    if fp8 and "mfu" in values:
+        tps = sum(m["tokens_per_s"] for m in fp8) / len(fp8)
+        ratio = tps / values["mfu"]["tokens_per_s"]
+        peaks = [max(_json(out, n).get("peak_memory_bytes_by_rank") or [0]) for n in ("mfu", "fp8")]
+        memory = f", peak memory {peaks[1] / peaks[0]:.2f}x" if all(peaks) else ""
+        rows["fp8"] = f"Llama 1B FP8 (tensorwise): {tps:,.0f} tokens/s, {ratio:.2f}x BF16{memory}"
+        values["fp8"] = {"tokens_per_s": tps, "vs_bf16": ratio, "peak_bytes": peaks}
     opt = _json(out, "optimizer")
     if opt:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in opt["ratio_vs_torch"].items())

@@ -39,6 +39,11 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
     )
     ckpt = {"bytes": 15e9, "sync_s": 30.0, "async_stall_s": 1.5, "ratio": 0.05}
     (tmp_path / "checkpoint.json").write_text(json.dumps({"backends": {"local": ckpt}}))
+    (tmp_path / "llama-1b-fp8").mkdir()
+    fp8 = [{"step": s, "tokens_per_s": t} for s, t in ((10, 1000.0), (20, 78000.0))]
+    (tmp_path / "llama-1b-fp8" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in fp8))
+    (tmp_path / "mfu.json").write_text(json.dumps({"peak_memory_bytes_by_rank": [40e9]}))
+    (tmp_path / "fp8.json").write_text(json.dumps({"peak_memory_bytes_by_rank": [36e9]}))
     (tmp_path / "moe").mkdir()
     moe = [
         {"step": s, "loss": v, "moe_load_max_mean": r, "tokens_per_s": 90000.0}
@@ -53,6 +58,8 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "50.0% MFU" in result.stdout  # the first interval (compilation) is left out
+    # FP8 against the BF16 step's tokens/s, the compiling first interval left out of both
+    assert "78,000 tokens/s, 1.30x BF16, peak memory 0.90x" in result.stdout
     assert "1000M 80%" in result.stdout
     assert "async stall 1.50 s (0.050 of sync)" in result.stdout
     assert (

@@ -216,6 +216,8 @@ def _compute(cfg: PrecisionConfig, hw: Hardware, num_params: int) -> tuple[str, 
     presets = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
     if cfg.preset in presets:
         return presets[cfg.preset], f"precision.preset={cfg.preset}"
+    if cfg.fp8.enabled:
+        return "bf16", "precision.fp8.enabled=true: FP8 linears compute beside BF16"
     return _auto_compute(hw, num_params)
 
 

@@ -70,6 +70,15 @@ def test_fp8_needs_bf16_compute(overrides, match):
 
 
 @pytest.mark.unit
+def test_fp8_asked_for_makes_auto_compute_bf16_even_without_native_bf16():
+    no_bf16 = Hardware("cpu", "CPU", cpu_bf16=False)
+    policy = resolve_policy(PrecisionConfig(fp8=Fp8Config(enabled=True)), no_bf16, 1_000_000)
+    assert policy.compute_dtype == torch.bfloat16 and policy.fp8
+    assert policy.reasons["compute"].startswith("precision.fp8.enabled=true")
+    assert resolve_policy(PrecisionConfig(), no_bf16, 1_000_000).compute_dtype == torch.float32
+
+
+@pytest.mark.unit
 def test_a_phase_with_fp8_needs_fp8_enabled_and_bf16():
     from bigtrain.config.schema import PrecisionPhase
 
@@ -364,3 +373,20 @@ def test_the_plan_counts_fp8_gathers_and_compute():
     assert compute == pytest.approx((1 - share) + share / FP8_STEP_SPEEDUP["tensorwise"])
     zero = planned(load_config([recipe], ["parallel.backend=zero"]), 8, H100)
     assert not zero.policy.fp8 and "parallel.backend=zero" in zero.policy.reasons["fp8"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extra", [("parallel.activation_checkpointing=block",)], ids=["ac"])
+def test_fp8_with_activation_checkpointing_trains_the_same_steps(micro, extra):
+    """Recomputed forwards cast the same tensors to FP8 the same way: every loss equals the run
+    without checkpointing, and the error checks (maxima) read the same."""
+    plain = micro(*FP8_RUN, "checkpoint.every=0", out="plain")
+    again = micro(*FP8_RUN, "checkpoint.every=0", *extra, out="again")
+    run(plain, DistEnv())
+    run(again, DistEnv())
+    assert losses(again.train.out_dir) == losses(plain.train.out_dir)
+    checks = [
+        [m.get("fp8_error_max") for m in read_jsonl(Path(c.train.out_dir) / "metrics.jsonl")]
+        for c in (plain, again)
+    ]
+    assert checks[0] == checks[1]

@@ -1,6 +1,6 @@
 """FP8 under the layouts (spawned, world size 2, gloo): FSDP2 with and without the FP8 all-gather,
-tensor parallelism with torchao's float8 styles, pipeline stages; each against one process's
-FP8 run of the same batches. A layer that falls back under the FP8 all-gather gathers in BF16."""
+HSDP, tensor parallelism, pipeline stages; each against one process's FP8 run of the same
+batches. A layer that falls back under the FP8 all-gather gathers in BF16."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def fp8_args(tmp, name, corpus_files, cache_dir, *extra: str) -> list[str]:
 LAYOUTS = {
     "fsdp": ("parallel.backend=fsdp", "checkpoint.every=6"),
     "fsdp_no_gather": ("parallel.backend=fsdp", "precision.fp8.all_gather=false"),
+    "hsdp": ("parallel.backend=fsdp", "parallel.replicate=2"),
     "tp": ("parallel.backend=fsdp", "parallel.tensor_parallel=2"),
     "pp": ("parallel.backend=fsdp", "parallel.pipeline_parallel=2", "checkpoint.every=6"),
 }
@@ -42,7 +43,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_files, cache_dir):
     tmp = tmp_path_factory.mktemp("fp8")
-    out = {"local": train_run(fp8_args(tmp, "local", corpus_files, cache_dir))}
+    out = {"tmp": tmp, "local": train_run(fp8_args(tmp, "local", corpus_files, cache_dir))}
     for name, extra in LAYOUTS.items():
         out[name] = run_distributed(
             train_run, 2, fp8_args(tmp, name, corpus_files, cache_dir, *extra)
@@ -69,6 +70,17 @@ def test_each_layout_trains_fp8_like_one_process(runs, layout):
     checked = [m for m in ranks[0]["metrics"] if "fp8_error_max" in m]
     assert [m["step"] for m in checked] == [3, 6]
     assert all(0 < m["fp8_error_max"] < 0.25 for m in checked), checked
+
+
+def test_fsdp_with_fp8_gathers_resumes_on_the_same_trajectory(runs, corpus_files, cache_dir):
+    """A run stopped at step 4 (its weights held in torchao's FP8-gathering tensors) and resumed
+    to step 6 ends with the weights of the layout's run that trained 6 steps straight."""
+    tmp, extra = runs["tmp"], LAYOUTS["fsdp"]
+    args = fp8_args(tmp, "resumed", corpus_files, cache_dir, *extra)
+    run_distributed(train_run, 2, [*args, "train.stop_at_step=4"])
+    resumed = run_distributed(train_run, 2, args)
+    assert [e for e in resumed[0]["events"] if e["kind"] == "resume"][-1]["step"] == 4
+    assert resumed[0]["final"]["fingerprint"] == runs["fsdp"][0]["final"]["fingerprint"]
 
 
 def fallback_under_gather(args: list[str]) -> dict:

@@ -162,8 +162,14 @@ class PrecisionPolicy:
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.fp8_excluded.items():
             by_reason.setdefault(reason, []).append(name)
-        for reason, names in by_reason.items():
-            rows.append(("fp8 excluded", compress_names(names), reason))
+        if by_reason:  # one row: the start event and the sinks key rows by component
+            rows.append(
+                (
+                    "fp8 excluded",
+                    compress_names(list(self.fp8_excluded)),
+                    "; ".join(f"{compress_names(n)}: {r}" for r, n in by_reason.items()),
+                )
+            )
         if self.fp8_fallen_back:
             rows.append(
                 (

@@ -390,3 +390,24 @@ def test_fp8_with_activation_checkpointing_trains_the_same_steps(micro, extra):
         for c in (plain, again)
     ]
     assert checks[0] == checks[1]
+
+
+@pytest.mark.e2e
+def test_an_moe_model_keeps_its_experts_and_routers_out_of_fp8_and_trains(micro):
+    """bigtrain's MoE: attention in FP8; the batched experts excluded with the reason (no
+    grouped FP8 GEMM on CPU); the router is no nn.Linear at all. Trains with the loss finite."""
+    cfg = micro(
+        *FP8_RUN, "model.moe.experts=4", "model.moe.top_k=2", "train.max_steps=3", out="moe"
+    )
+    final = run(cfg, DistEnv())
+    start = next(
+        e for e in read_jsonl(Path(cfg.train.out_dir) / "events.jsonl") if e["kind"] == "start"
+    )
+    policy = start["precision"]
+    assert policy["fp8 linears"]["choice"].startswith("tensorwise: blocks.*.attn")
+    assert "moe" not in policy["fp8 linears"]["choice"]
+    excluded = policy["fp8 excluded"]
+    assert "blocks.*.moe.experts" in excluded["choice"] and "lm_head" in excluded["choice"]
+    assert "blocks.*.moe.experts: batched expert weights" in excluded["reason"]
+    assert "lm_head: precision.fp8.exclude '*lm_head'" in excluded["reason"]
+    assert math.isfinite(final["loss"])

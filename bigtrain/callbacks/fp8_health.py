@@ -6,8 +6,8 @@ over all ranks, so every rank takes the same decisions:
 
 - a checked step (every `precision.fp8.check_every`): the relative error of each layer's FP8
   result against its BF16 result on the step's first micro-batch, and the share of its nonzero
-  inputs that FP8 flushes to zero. `patience` checks in a row above `max_error` move the layer
-  to BF16 (`fp8_fallback`, reason `error`);
+  inputs that FP8 flushes to zero. `patience` checks in a row above `max_error` or
+  `max_underflow` move the layer to BF16 (`fp8_fallback`, reason `error`);
 - an anomalous step (the healer replayed it) and the step's first run: a layer whose FP8 result
   turned finite inputs non-finite (a broken scale: BF16 cannot do this) moves to BF16 at once
   (reason `nonfinite`). The healer has already handled the step as any anomaly (replay, then
@@ -105,7 +105,7 @@ class Fp8Health(Callback):
             if name in self.bf16:
                 continue
             if values["nonfinite"] > 0:
-                self._fall_back(trainer, name, "nonfinite", values)
+                self._fall_back(trainer, name, "nonfinite", values, result.step)
             elif self.checked:
                 self._judge_error(trainer, name, values)
         if self.checked:
@@ -123,7 +123,8 @@ class Fp8Health(Callback):
     # --- decisions ----------------------------------------------------------------------------
 
     def _judge_error(self, trainer, name: str, values: dict[str, float]) -> None:
-        if values["error"] <= self.cfg.max_error:
+        cfg = self.cfg
+        if values["error"] <= cfg.max_error and values["underflow"] <= cfg.max_underflow:
             self.strikes.pop(name, None)
             return
         self.strikes[name] = self.strikes.get(name, 0) + 1
@@ -136,14 +137,20 @@ class Fp8Health(Callback):
             patience=self.cfg.patience,
         )
         if self.strikes[name] >= self.cfg.patience:
-            self._fall_back(trainer, name, "error", values)
+            self._fall_back(trainer, name, "error", values, trainer.step)
 
-    def _fall_back(self, trainer, name: str, reason: str, values: dict[str, float]) -> None:
+    def _fall_back(
+        self, trainer, name: str, reason: str, values: dict[str, float], seen_at: int
+    ) -> None:
+        """`seen_at`: the step whose numbers moved the layer (after a rollback the event's own
+        step is the one the run went back to)."""
         numbers = {
             k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in values.items()
         }
         if not self.cfg.fallback:
-            trainer.event("fp8_fault", layer=name, reason=reason, moved=False, **numbers)
+            trainer.event(
+                "fp8_fault", layer=name, reason=reason, moved=False, seen_at=seen_at, **numbers
+            )
             return
         self.bf16.append(name)
         self.strikes.pop(name, None)
@@ -152,7 +159,9 @@ class Fp8Health(Callback):
             "fp8_fallback",
             layer=name,
             reason=reason,
+            seen_at=seen_at,
             max_error=self.cfg.max_error,
+            max_underflow=self.cfg.max_underflow,
             bf16_layers=len(self.bf16),
             **numbers,
         )

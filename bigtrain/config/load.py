@@ -90,6 +90,7 @@ POSITIVE = (
     "resilience.max_transient_per_rank",
     "precision.fp8.patience",
     "precision.fp8.max_error",
+    "precision.fp8.max_underflow",
     "monitor.straggler_factor",
 )
 NON_NEGATIVE = (

@@ -101,9 +101,13 @@ class Fp8Config:
     max_error: float = 0.25
     """The sampled relative error ||y_fp8 - y_bf16|| / ||y_bf16|| above which a check counts
     against a layer (healthy FP8 layers measure ~0.03-0.08; docs/precision.md)."""
+    max_underflow: float = 0.1
+    """The share of a layer's nonzero inputs that FP8 flushes to zero above which a check also
+    counts against it (healthy layers measure < 0.001: an outlier that sets the scale flushes
+    the rest, and the model may learn around the loss, lowering the error but not this)."""
     patience: int = 2
-    """Consecutive checks above max_error after which the layer goes back to BF16 for the rest
-    of the run."""
+    """Consecutive failed checks (error above max_error or underflow above max_underflow) after
+    which the layer goes back to BF16 for the rest of the run."""
     fallback: bool = True
     """Move a layer whose checks fail, or whose FP8 cast turned finite inputs non-finite, to BF16
     by itself (an `fp8_fallback` event). False: the events only."""

@@ -36,14 +36,16 @@ def host_ready(device: torch.device) -> torch.cuda.Event | None:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor as is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A DTensor's local shard; a plain tensor as is. A shard that only wraps a plain tensor
+    (torchao's weight that FSDP2 gathers in FP8) as that tensor: checkpoints, snapshots and
+    loads see the values, never the subclass."""
+    return plain_tensor(t.to_local() if hasattr(t, "to_local") else t)
 
 
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor subclass that only wraps a plain tensor (torchao's weight that FSDP2 gathers in
     FP8 holds its high-precision values in `_tensor`) as that tensor; any other as is."""
-    while type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    while type(t) is not torch.Tensor:  # (not isinstance: a Parameter's check is by a flag)
         inner = getattr(t, "_tensor", None)
         if not isinstance(inner, torch.Tensor):
             break

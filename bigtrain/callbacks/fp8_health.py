@@ -53,7 +53,7 @@ class Fp8Health(Callback):
         self.layers, self.cfg, self.policy = layers, cfg, policy
         self.names = list(layers)  # every rank's, in one order: the MAX all-reduce's rows
         self.bf16: list[str] = []  # layers moved to BF16, in the order they moved
-        self.strikes: dict[str, int] = {}  # checks in a row above max_error
+        self.strikes: dict[str, int] = {}  # failed checks in a row (error or underflow)
         self.phase_fp8 = True  # the precision phase runs the FP8 layers in FP8
         self.checked = False  # this step measures the error against BF16
         self.first_run: torch.Tensor | None = None  # a replayed step's first-run statistics

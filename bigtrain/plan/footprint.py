@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bigtrain.config.parallel import reshards_after_forward
-from bigtrain.config.schema import Config, ParallelConfig
+from bigtrain.config.schema import Config, Fp8Config, ParallelConfig
 from bigtrain.parallel.layout import Layout
 from bigtrain.plan.comm import TPSplit, tp_split
 from bigtrain.plan.shapes import Shape, count_params, meta_model, model_shape
@@ -153,7 +153,7 @@ def planned(
     tp = tp_split(model, cfg.parallel.tp_plan) if layout.tp > 1 else TPSplit()
     policy = resolve_policy(cfg.precision, hardware, n)
     if policy.fp8:
-        plan_fp8(cfg, model, policy)
+        plan_fp8(cfg.precision.fp8, cfg.parallel, model, policy)
     shape = model_shape(cfg.model, cfg.data)
     return PlannedRun(cfg, layout, model, n, block, tp, policy, shape, hardware, held)
 
@@ -216,22 +216,22 @@ def largest_micro_batch(
     return max(0, int(free // per_sequence))
 
 
-def plan_fp8(cfg: Config, model: torch.nn.Module, policy: PrecisionPolicy) -> None:
+def plan_fp8(
+    fp8: Fp8Config, parallel: ParallelConfig, model: torch.nn.Module, policy: PrecisionPolicy
+) -> None:
     """The FP8 layers a run of `cfg` would make, as shares of the model (nothing is converted):
     the policy's FP8 all-gather and the share of the parameters in FP8 layers."""
     from bigtrain.parallel.model_setup import fp8_all_gather
     from bigtrain.precision.fp8 import select_fp8_layers
 
-    if policy.fp8_auto and cfg.parallel.backend == "zero":  # as a run decides (model_setup.py)
+    if policy.fp8_auto and parallel.backend == "zero":  # as a run decides (model_setup.py)
         policy.fp8 = False
         policy.phases = tuple(dataclasses.replace(p, fp8=False) for p in policy.phases)
         policy.reasons["fp8"] = "auto: would pay here, but parallel.backend=zero"
         return
     fp32 = tuple(p for phase in policy.phases for p in phase.fp32_modules)
-    chosen, policy.fp8_excluded = select_fp8_layers(model, cfg.precision.fp8, policy.fp8_auto, fp32)
-    policy.fp8_all_gather = cfg.parallel.backend == "fsdp" and fp8_all_gather(
-        cfg.precision.fp8, cfg.parallel
-    )
+    chosen, policy.fp8_excluded = select_fp8_layers(model, fp8, policy.fp8_auto, fp32)
+    policy.fp8_all_gather = parallel.backend == "fsdp" and fp8_all_gather(fp8, parallel)
     fp8 = sum(layer.weight.numel() for _, _, layer in chosen)
     policy.fp8_share = fp8 / max(1, sum(p.numel() for p in model.parameters()))
 

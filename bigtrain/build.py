@@ -21,7 +21,7 @@ from bigtrain.callbacks.cost_ledger import CostLedger
 from bigtrain.callbacks.drills import Drills
 from bigtrain.callbacks.evaluate import EvalCallback
 from bigtrain.callbacks.fp8_health import Fp8Health
-from bigtrain.callbacks.int8_calibration import Int8Calibration
+from bigtrain.callbacks.int8_calibration import Int8Calibration, held_layers
 from bigtrain.callbacks.metrics import ConsoleProgress, MetricsLogger
 from bigtrain.callbacks.mixture_events import SourceEvents
 from bigtrain.callbacks.preempt import PreemptionHandler
@@ -377,7 +377,7 @@ def _assemble(
     sinks = make_sinks(cfg.log, cfg.wandb, run_dir.path)  # every rank checks the packages
     parts = BuiltParts(
         val,
-        facts.int8_layers,
+        held_layers(backend.model, facts.int8_layers),
         facts.fp8_layers,
         data.tokenizer_dir,
         sinks,

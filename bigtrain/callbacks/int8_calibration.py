@@ -14,8 +14,32 @@ from bigtrain.errors import ConfigError
 from bigtrain.precision.int8 import Int8Layer
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
-from bigtrain.utils.names import compress_names
+from bigtrain.utils.names import canonical_name, compress_names
 from bigtrain.utils.tensors import local_tensor
+
+
+class OtherStage:
+    """An INT8 layer another pipeline stage runs: its calibration vectors, whole, filled in by the
+    MAX across ranks, so every rank holds (and a checkpoint saves) every layer's."""
+
+    def __init__(self, in_features: int, device: torch.device) -> None:
+        self.act_amax = torch.zeros(in_features, device=device)
+        self.step_amax = torch.zeros(in_features, device=device)
+        self.smoothing = self.observe = False
+
+
+def held_layers(model: torch.nn.Module, built: dict[str, Int8Layer]) -> dict[str, Any]:
+    """The INT8 layers as `model` (the backend's) runs them, by the names the build gave: a
+    pipeline stage is a copy of its part of the model, and the layers of other stages are
+    OtherStage holders."""
+    live = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, Int8Layer)}
+    if not live or live.keys() == built.keys():
+        return {n: live.get(n, layer) for n, layer in built.items()}
+    device = next(iter(live.values())).act_amax.device
+    return {
+        n: live[n] if n in live else OtherStage(layer.in_features, device)
+        for n, layer in built.items()
+    }
 
 
 class Int8Calibration(Callback):
@@ -79,6 +103,8 @@ class Int8Calibration(Callback):
         observe = not self.calibrated or self.cfg.calibration == "ema"
         on = self.calibrated and self.cfg.calibration_steps > 0
         for layer in self.layers.values():
+            if isinstance(layer, OtherStage):
+                continue
             layer.smoothing = on
             layer.observe = observe and self.cfg.calibration_steps > 0
         self.smoothing_on = on

@@ -215,12 +215,17 @@ def calibration_on_ranks(args: list[str]) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("backend", "stage"), [("fsdp", 0), ("zero", 2), ("zero", 3)])
+@pytest.mark.parametrize(
+    ("backend", "stage", "stages"), [("fsdp", 0, 1), ("fsdp", 0, 2), ("zero", 2, 1), ("zero", 3, 1)]
+)
 def test_calibration_is_the_max_over_ranks_and_identical_on_every_rank(
-    tmp_path, corpus_files, cache_dir, backend, stage
+    tmp_path, corpus_files, cache_dir, backend, stage, stages
 ):
+    """Also with pipeline stages: each stage runs copies of its layers; the calibration holds
+    every layer's whole vector on every rank (the other stage's from the MAX across ranks)."""
     args = micro_overrides(tmp_path / backend, corpus_files, cache_dir) + [
         f"parallel.backend={backend}",
+        f"parallel.pipeline_parallel={stages}",
         f"parallel.zero_stage={stage or 2}",
         "precision.compute_dtype=bf16",
         "precision.int8.enabled=true",
@@ -231,8 +236,9 @@ def test_calibration_is_the_max_over_ranks_and_identical_on_every_rank(
     ]
     r0, r1 = run_distributed(calibration_on_ranks, 2, args)
     assert r0 == r1 and r0["steps"] == 3
-    amax = r0["act_amax"]["blocks.0.mlp.up"]
-    assert len(amax) == 64 and min(amax) > 0
+    for block in (0, 1):  # with 2 stages, one on each rank
+        amax = r0["act_amax"][f"blocks.{block}.mlp.up"]
+        assert len(amax) == 64 and min(amax) > 0
 
 
 @pytest.mark.e2e

@@ -58,6 +58,7 @@ class Fp8Health(Callback):
         self.checked = False  # this step measures the error against BF16
         self.first_run: torch.Tensor | None = None  # a replayed step's first-run statistics
         self.model: torch.nn.Module | None = None
+        self.gathers = False  # some layer gathers its weight in FP8 now (set by _apply)
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -84,9 +85,7 @@ class Fp8Health(Callback):
         self.checked = bool(every) and step % every == 0 and self.phase_fp8
         for layer in self.layers.values():
             layer.watch = self.checked and layer.fp8
-        if self.model is not None and any(
-            layer.fp8 and gathers_in_fp8(layer) for layer in self.layers.values()
-        ):
+        if self.model is not None and self.gathers:
             precompute_scales(self.model)  # the weights as this step gathers them
 
     def on_step_end(self, trainer, result: StepResult) -> None:
@@ -172,6 +171,7 @@ class Fp8Health(Callback):
             layer.fp8 = self.phase_fp8 and name not in self.bf16
             if name in self.bf16 and gathers_in_fp8(layer):
                 gather_in_bf16(layer)
+        self.gathers = any(m.fp8 and gathers_in_fp8(m) for m in self.layers.values())
 
     def _stats(self) -> torch.Tensor:
         """Every layer's statistics; zeros for a layer another pipeline stage holds."""

@@ -36,8 +36,6 @@ from bigtrain.errors import ConfigError
 from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import autocast_dtype, local_tensor
 
-logger = logging.getLogger(__name__)
-
 ALIGN = 16
 """FP8 GEMMs (cuBLASLt through torch._scaled_mm) take matrices whose dimensions are multiples of 16."""
 STATS = ("amax", "nonfinite", "error", "underflow")
@@ -237,9 +235,12 @@ def _too_small(recipe: str, out_features: int, in_features: int) -> bool:
 
 
 def _inside(name: str, patterns: tuple[str, ...]) -> str | None:
-    parts = name.split(".")
-    ancestors = [".".join(parts[: i + 1]) for i in range(len(parts))]
-    return next((p for p in patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors)), None)
+    """The first pattern that matches `name` or a module it sits in."""
+    from bigtrain.precision.int8 import ancestors
+
+    return next(
+        (p for p in patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors(name))), None
+    )
 
 
 def select_fp8_layers(

@@ -331,7 +331,7 @@ def convert_to_int8(
         if any(fnmatch.fnmatchcase(cname, p) for p in cfg.exclude):
             continue
         inside_fp32 = [
-            p for p in fp32_patterns if any(fnmatch.fnmatchcase(a, p) for a in _ancestors(cname))
+            p for p in fp32_patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors(cname))
         ]
         if inside_fp32:
             raise ConfigError(
@@ -357,6 +357,7 @@ def convert_to_int8(
     return converted
 
 
-def _ancestors(name: str) -> list[str]:
+def ancestors(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: the modules a name sits in, itself included."""
     parts = name.split(".")
     return [".".join(parts[: i + 1]) for i in range(len(parts))]

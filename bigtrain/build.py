@@ -46,6 +46,7 @@ from bigtrain.data.read.sources import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.model.gpt import gradient_roles
 from bigtrain.monitor import kernel
+from bigtrain.monitor.fp8 import Fp8Stats
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
 from bigtrain.parallel.backends.base import Backend
@@ -94,9 +95,10 @@ def make_monitor(
     layout: Layout,
     device: torch.device,
     model: ModelConfig | None = None,
+    fp8: Fp8Stats | None = None,
 ) -> GradMonitor:
     """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs;
-    with an MoE `model`, its routers' numbers too."""
+    with an MoE `model`, its routers' numbers too; with FP8 layers, their statistics."""
     choice = cfg.kernel
     if choice == "triton" and not kernel.available(device):
         raise ConfigError(
@@ -108,7 +110,8 @@ def make_monitor(
     names, replicas = backend.monitored()
     blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
     routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
-    return GradMonitor(cfg, names, device, use_kernel, replicas, layout, routers=routers)
+    riders = [r for r in (routers, fp8) if r is not None]
+    return GradMonitor(cfg, names, device, use_kernel, replicas, layout, riders=riders)
 
 
 @dataclass(frozen=True)
@@ -278,8 +281,8 @@ def make_callbacks(
         Int8Calibration(built.int8_layers, cfg.precision.int8) if built.int8_layers else None,
         # Moves FP8 layers to BF16 after the healer's decision (a rollback keeps the move);
         # writes the fp8 numbers into result.telemetry, which the metrics record holds.
-        Fp8Health(built.fp8_layers, cfg.precision.fp8, built.policy)
-        if built.fp8_layers and built.policy is not None
+        Fp8Health(built.fp8, cfg.precision.fp8, built.policy)
+        if built.fp8 is not None and built.policy is not None
         else None,
         # Writes result.val_loss, which the metrics record and the sinks read.
         EvalCallback(built.val, cfg.train.eval_every),
@@ -325,7 +328,7 @@ class BuiltParts:
 
     val: list  # the validation batches
     int8_layers: dict
-    fp8_layers: dict
+    fp8: Fp8Stats | None  # the FP8 layers and their statistics (the monitor carries them)
     tokenizer_dir: str
     sinks: list  # the metric sinks, not yet started (every rank checks the packages)
     costs: CostLedger
@@ -370,7 +373,8 @@ def _assemble(
     backend = parallelize(model, cfg, layout, facts.policy, device)  # TP, AC, compile, FSDP2/ZeRO
     if layout.tp > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
-    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model)
+    fp8 = Fp8Stats(facts.fp8_layers) if facts.fp8_layers else None
+    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model, fp8)
     clock.mark("model")
     setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
     ledger = CostLedger(clock)
@@ -378,7 +382,7 @@ def _assemble(
     parts = BuiltParts(
         val,
         held_layers(backend.model, facts.int8_layers),
-        facts.fp8_layers,
+        fp8,
         data.tokenizer_dir,
         sinks,
         ledger,

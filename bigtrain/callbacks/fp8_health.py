@@ -1,8 +1,9 @@
 """FP8 health: each FP8 layer watched, and moved to BF16 by itself when FP8 hurts it.
 
 Every forward of an FP8 layer folds its statistics into a small buffer without a host sync
-(precision/fp8.py). The buffers are read only on the steps that need them, in one MAX all-reduce
-over all ranks, so every rank takes the same decisions:
+(precision/fp8.py). The buffers ride along the monitor's MAX all-reduce (monitor/fp8.py), over all
+ranks and, with replica groups, over the live groups before they commit, so every rank of every
+group takes the same decisions. They are judged on the steps that need them:
 
 - a checked step (every `precision.fp8.check_every`): the relative error of each layer's FP8
   result against its BF16 result on the step's first micro-batch, and the share of its nonzero
@@ -24,10 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from bigtrain.config.schema import Fp8Config
+from bigtrain.monitor.fp8 import Fp8Stats
 from bigtrain.precision import PrecisionPolicy
 from bigtrain.precision.fp8 import (
     STATS,
@@ -40,24 +39,23 @@ from bigtrain.precision.fp8 import (
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import local_tensor
 
 
 class Fp8Health(Callback):
     state_key = "fp8"
 
-    def __init__(
-        self, layers: dict[str, torch.nn.Module], cfg: Fp8Config, policy: PrecisionPolicy
-    ) -> None:
-        """`policy`: its table shows the layers in BF16 (also those a resumed run brings)."""
-        self.layers, self.cfg, self.policy = layers, cfg, policy
-        self.names = list(layers)  # every rank's, in one order: the MAX all-reduce's rows
+    def __init__(self, stats: Fp8Stats, cfg: Fp8Config, policy: PrecisionPolicy) -> None:
+        """`stats`: the FP8 layers and their reduced statistics (the monitor's rider); `policy`:
+        its table shows the layers in BF16 (also those a resumed run brings)."""
+        self.stats, self.cfg, self.policy = stats, cfg, policy
+        self.layers = stats.layers
+        self.names = stats.names  # every rank's, in one order: the reduction's rows
         self.bf16: list[str] = []  # layers moved to BF16, in the order they moved
         self.strikes: dict[str, int] = {}  # failed checks in a row (error or underflow)
         self.phase_fp8 = True  # the precision phase runs the FP8 layers in FP8
         self.checked = False  # this step measures the error against BF16
-        self.first_run: torch.Tensor | None = None  # a replayed step's first-run statistics
-        self.model: torch.nn.Module | None = None
+        self.replayed = False  # the step ran twice (the healer's replay)
+        self.model: Any = None
         self.gathers = False  # some layer gathers its weight in FP8 now (set by _apply)
 
     # --- hooks ----------------------------------------------------------------------------------
@@ -74,10 +72,9 @@ class Fp8Health(Callback):
         self._apply()
 
     def on_before_forward(self, trainer, step: int) -> None:
-        if trainer.replaying:  # keep the first run's numbers: the replay overwrites them
-            self.first_run = self._stats()
-        else:
-            self.first_run = None
+        self.replayed = trainer.replaying  # the first run's reduced rows are kept (monitor/fp8.py)
+        if not trainer.replaying:
+            self.stats.clear()
             self.phase_fp8 = trainer.phase.fp8
             self._apply()
         reset_stats(self.layers)
@@ -89,15 +86,9 @@ class Fp8Health(Callback):
             precompute_scales(self.model)  # the weights as this step gathers them
 
     def on_step_end(self, trainer, result: StepResult) -> None:
-        replayed = self.first_run is not None
-        if not (self.checked or replayed or result.anomaly is not None):
-            return  # no host sync on other steps
-        stats = self._stats()
-        if replayed:
-            stats = torch.maximum(stats, self.first_run)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        rows = stats.tolist()  # host sync: checked and anomalous steps only
+        rows = self.stats.rows  # reduced over ranks and groups with the monitor's numbers
+        if rows is None or not (self.checked or self.replayed or result.anomaly is not None):
+            return
         names = self.names
         for name, row in zip(names, rows, strict=True):
             values = dict(zip(STATS, row, strict=True))
@@ -117,7 +108,7 @@ class Fp8Health(Callback):
                 fp8_underflow_max=max(r[STATS.index("underflow")] for r in rows),
                 fp8_bf16_layers=len(self.bf16),
             )
-        self.first_run = None
+        self.replayed = False
 
     # --- decisions ----------------------------------------------------------------------------
 
@@ -172,12 +163,6 @@ class Fp8Health(Callback):
             if name in self.bf16 and gathers_in_fp8(layer):
                 gather_in_bf16(layer)
         self.gathers = any(m.fp8 and gathers_in_fp8(m) for m in self.layers.values())
-
-    def _stats(self) -> torch.Tensor:
-        """Every layer's statistics; zeros for a layer another pipeline stage holds."""
-        held = {n: local_tensor(layer.fp8_stats).float() for n, layer in self.layers.items()}
-        zeros = torch.zeros(len(STATS), device=next(iter(held.values())).device)
-        return torch.stack([held.get(n, zeros) for n in self.names])
 
     # --- state ----------------------------------------------------------------------------------
 

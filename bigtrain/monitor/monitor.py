@@ -11,18 +11,17 @@ norm for clipping is the square root of the summed squares: no second pass over 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor import kernel
-from bigtrain.monitor.routers import ROUTER_EXTREMES, ROUTER_SUMS, RouterStats
 from bigtrain.monitor.shards import SHARDS, ShardHistory, shard_levels, shard_slot
-from bigtrain.monitor.slots import Pack, Slot, SlotLayout
+from bigtrain.monitor.slots import HostValues, Pack, Slot, SlotLayout
 from bigtrain.monitor.stats import (
     LOSS,
     MAX_ABS,
@@ -49,6 +48,25 @@ AcrossGroups = Callable[
     tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
 ]
 """(loss, summed, maxed) -> the same reduced over fault-tolerant replica groups (by name)."""
+
+
+class Rider(Protocol):
+    """Numbers of a part of the model that ride along the step's collectives: an MoE model's
+    routers (routers.py), the FP8 layers' statistics (fp8.py). Its slots are reduced over every
+    rank and every live replica group by their kinds, inside the step (before a group commits),
+    and read back in the monitor's one host read."""
+
+    def slots(self) -> list[Slot]:
+        """The slots `take` fills: the same on every step and every rank."""
+        ...
+
+    def take(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's values of the run of the step just computed, by slot name."""
+        ...
+
+    def read(self, host: HostValues) -> dict[str, Any]:
+        """The reduced values, identical on every rank: the step's telemetry from them."""
+        ...
 
 
 @dataclass
@@ -100,19 +118,20 @@ class GradMonitor:
         replication: list[int] | None = None,
         layout: Layout | None = None,
         across_groups: AcrossGroups | None = None,
-        routers: RouterStats | None = None,
+        riders: Sequence[Rider] = (),
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
         replicas hold equal shards): its local statistics are weighted 1/replication before the
         SUM all-reduce, so a tensor counts once however many ranks repeat it. `layout`: where
         this rank sits (one process by default): the loss is averaged over its loss ranks, and
         its HSDP replicas are compared on full steps (one more small collective).
-        `across_groups`: the loss averaged, the HSDP probe's flags and the router sums summed
-        and the router extremes maxed over fault-tolerant replica groups
-        (parallel/replicas/groups.py), whose gradients were averaged before the monitor reads
-        them; the preemption flag stays the group's.
-        `routers`: an MoE model's router sums (monitor/routers.py), summed over ranks (and
-        groups) in the same all-reduce, and their extremes in the MAX one."""
+        `across_groups`: the loss averaged, the HSDP probe's flags and the riders' slots reduced
+        by their kinds over fault-tolerant replica groups (parallel/replicas/groups.py), whose
+        gradients were averaged before the monitor reads them; the preemption flag stays the
+        group's.
+        `riders`: numbers that ride along (an MoE model's router sums and extremes, the FP8
+        layers' statistics): their SUM slots in the SUM all-reduce, their MAX slots in the MAX
+        one, over ranks and groups."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group
@@ -123,7 +142,7 @@ class GradMonitor:
         self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
         self.last_local: torch.Tensor | None = None
         self.across_groups = across_groups
-        self.routers = routers
+        self.riders = list(riders)
         self.sizes: torch.Tensor | None = None  # values per local shard, kept from the first step
         self.history = ShardHistory(
             cfg.suspicion.window, len(names), device, cfg.suspicion.neighbours
@@ -138,16 +157,16 @@ class GradMonitor:
     def slots(self, full: bool) -> SlotLayout:
         """What a step's collectives carry, declared once per kind of step: the gradient
         statistics and the loss (max |g| on full steps), the preemption request, on full steps
-        under HSDP one difference flag per replica, the suspicion tier's shard statistics, an
-        MoE model's router sums and extremes."""
+        under HSDP one difference flag per replica, the suspicion tier's shard statistics, the
+        riders' slots."""
         if full not in self.layouts:
             slots = grad_slots(len(self.names), full) + [Slot(STOP, 1, "sum")]
             if full and self.replica_group is not None:
                 slots.append(Slot(REPLICAS, self.layout.replicate, "sum"))
             if self.cfg.suspicion.enabled:
                 slots.append(shard_slot(len(self.names)))
-            if self.routers is not None:
-                slots += self.routers.slots()
+            for rider in self.riders:
+                slots += rider.slots()
             self.layouts[full] = SlotLayout(slots)
         return self.layouts[full]
 
@@ -170,8 +189,8 @@ class GradMonitor:
         if full and self.replica_group is not None:  # the HSDP consistency probe
             local = torch.cat([stats.sum_sq, stats.nonfinite])
             values[REPLICAS] = replica_differences(local, self.replica_group)
-        if self.routers is not None:
-            values[ROUTER_SUMS], values[ROUTER_EXTREMES] = self.routers.take(self.device)
+        for rider in self.riders:
+            values.update(rider.take(self.device))
         levels = self._levels(named_grads, stats.sum_sq, grad_factor)
         if levels is not None:
             values[SHARDS] = self.history.statistics(levels)
@@ -183,8 +202,8 @@ class GradMonitor:
         host = pack.replaced(stats_values(stats)).read({GRAD_NORM: norm})
         sum_sq, nonfinite, max_abs = host[SUM_SQ], host[NONFINITE], host.get(MAX_ABS)
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
-        if self.routers is not None:
-            telemetry.update(self.routers.read(host[ROUTER_SUMS], host[ROUTER_EXTREMES]))
+        for rider in self.riders:
+            telemetry.update(rider.read(host))
         if max_abs is not None:
             layer_norm, layer_max = layer_stats(self.names, sum_sq, max_abs)
             telemetry.update(layer_grad_norm=layer_norm, layer_grad_max=layer_max)
@@ -207,12 +226,14 @@ class GradMonitor:
         )
 
     def _across_groups(self, pack: Pack) -> Pack:
-        """The loss averaged, the replica flags and router sums summed, the router extremes
-        maxed over the replica groups. The gradient and shard statistics need not cross (the
+        """The loss averaged, the replica flags and the riders' slots summed or maxed (by their
+        kinds) over the replica groups. The gradient and shard statistics need not cross (the
         groups' gradients are equal); the preemption request stays the group's own."""
         assert self.across_groups is not None
-        summed = {k: pack[k] for k in (REPLICAS, ROUTER_SUMS) if k in pack}
-        maxed = {k: pack[k] for k in (ROUTER_EXTREMES,) if k in pack}
+        riding = [slot for rider in self.riders for slot in rider.slots()]
+        summed = {k: pack[k] for k in (REPLICAS,) if k in pack}
+        summed |= {s.name: pack[s.name] for s in riding if s.reduce == "sum"}
+        maxed = {s.name: pack[s.name] for s in riding if s.reduce == "max"}
         loss, summed, maxed = self.across_groups(pack[LOSS], summed, maxed)
         return pack.replaced({LOSS: loss} | summed | maxed)
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from bigtrain.model.moe import STATS_EXTRA, MoE
-from bigtrain.monitor.slots import Slot
+from bigtrain.monitor.slots import HostValues, Slot
 from bigtrain.utils.names import canonical_name
 
 ROUTER_SUMS, ROUTER_EXTREMES = "router_sums", "router_extremes"
@@ -95,7 +95,7 @@ class RouterStats:
         extremes = len(self.names) * 2 * self.experts
         return [Slot(ROUTER_SUMS, self.size, "sum"), Slot(ROUTER_EXTREMES, extremes, "max")]
 
-    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The step's sums (for a SUM) and extremes (for a MAX) of every MoE layer held here
         (zeros elsewhere: neutral in both), and the layers' records cleared for the next step
         (or the step's replay)."""
@@ -110,15 +110,16 @@ class RouterStats:
                 extremes.append(layer.extremes.to(device, copy=True))
                 layer.stats.zero_()
                 layer.extremes.zero_()
-        return torch.cat(sums), torch.cat(extremes)
+        return {ROUTER_SUMS: torch.cat(sums), ROUTER_EXTREMES: torch.cat(extremes)}
 
-    def read(self, host: list[float], extremes: list[float]) -> dict[str, Any]:
+    def read(self, values: HostValues) -> dict[str, Any]:
         """The router metrics of the reduced sums (over every rank and micro-batch): per layer the
         busiest expert's load over the mean (1.0: balanced; experts / top_k: every token sends
         the same experts), the entropy of the load over log(experts) (1.0: balanced), the mean
         load-balancing and z-losses; the model's worst layer's ratio, entropy and losses, the
         mean losses over layers and the dropped pairs; per layer and worst the importance's
         spread over the forwards (module docstring) from the MAX-reduced `extremes`."""
+        host, extremes = values[ROUTER_SUMS], values[ROUTER_EXTREMES]
         n = self.experts
         by_layer: dict[str, dict[str, float]] = {}
         dropped = 0.0

@@ -9,7 +9,7 @@ import torch
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import ROUTER_EXTREMES, ROUTER_SUMS
-from bigtrain.monitor.slots import Slot
+from bigtrain.monitor.slots import HostValues, Slot
 
 pytestmark = pytest.mark.unit
 
@@ -84,11 +84,11 @@ class Routers:
     def slots(self) -> list[Slot]:
         return [Slot(ROUTER_SUMS, 2, "sum"), Slot(ROUTER_EXTREMES, 2, "max")]
 
-    def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor([1.0, 2.0]), torch.tensor([0.25, 0.5])
+    def take(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {ROUTER_SUMS: torch.tensor([1.0, 2.0]), ROUTER_EXTREMES: torch.tensor([0.25, 0.5])}
 
-    def read(self, sums: list[float], extremes: list[float]) -> dict:
-        return {"sums": sums, "extremes": extremes}
+    def read(self, host: HostValues) -> dict:
+        return {"sums": host[ROUTER_SUMS], "extremes": host[ROUTER_EXTREMES]}
 
 
 def test_across_groups_gets_and_gives_back_the_parts_that_cross_by_name():
@@ -103,8 +103,8 @@ def test_across_groups_gets_and_gives_back_the_parts_that_cross_by_name():
         return (loss + 4.0) / 2, summed, {k: v.clamp_min(0.75) for k, v in maxed.items()}
 
     cpu = torch.device("cpu")
-    alone = GradMonitor(MonitorConfig(), NAMES, cpu, False, routers=Routers())
-    grouped = GradMonitor(MonitorConfig(), NAMES, cpu, False, routers=Routers())
+    alone = GradMonitor(MonitorConfig(), NAMES, cpu, False, riders=[Routers()])
+    grouped = GradMonitor(MonitorConfig(), NAMES, cpu, False, riders=[Routers()])
     grouped.across_groups = across_groups
     named = grads()
     h = grouped.check(named, torch.tensor(2.0), 1.0, full=True, stop_requested=True)

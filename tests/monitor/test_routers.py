@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bigtrain.model.gpt import GPT
-from bigtrain.monitor.routers import RouterStats
+from bigtrain.monitor.routers import ROUTER_EXTREMES, ROUTER_SUMS, RouterStats
+from bigtrain.monitor.slots import HostValues
 from bigtrain.resilience.detect import ROUTER_SERIES, ROUTER_VALUES, _router_of
 from tests.model.test_moe import model_cfg
 
@@ -26,12 +27,13 @@ def test_take_lays_out_every_block_and_clears_read_derives_the_metrics():
     # importance per expert: largest of a forward, then 1 - smallest
     model.blocks[1].moe.extremes.copy_(torch.tensor([0.3, 0.3, 0.25, 0.25, 0.8, 0.75, 0.75, 0.8]))
     model.blocks[2].moe.extremes.copy_(torch.tensor([0.6, 0.2, 0.2, 0.3, 0.6, 0.9, 0.8, 0.8]))
-    vector, extremes = stats.take(torch.device("cpu"))
+    taken = stats.take(torch.device("cpu"))
+    vector, extremes = taken[ROUTER_SUMS], taken[ROUTER_EXTREMES]
     assert vector.shape == (3 * 12,) and vector[:12].sum() == 0
     assert extremes.shape == (3 * 8,) and extremes[:8].sum() == 0
     assert all(m.moe.stats.sum() == 0 for m in model.blocks[1:])  # cleared for the next step
     assert all(m.moe.extremes.sum() == 0 for m in model.blocks[1:])
-    out = stats.read(vector.tolist(), extremes.tolist())
+    out = stats.read(HostValues({k: v.tolist() for k, v in taken.items()}))
     assert set(out["moe_layer_load"]) == {"blocks.1", "blocks.2"}
     assert out["moe_layer_load_max_mean"] == {"blocks.1": 1.0, "blocks.2": 30 / 32 * 4}
     assert out["moe_load_max_mean"] == 30 / 32 * 4

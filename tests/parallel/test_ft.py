@@ -368,3 +368,31 @@ def test_a_slow_group_is_let_go_by_the_policy(micro_args, tmp_path):
     done = {e["group"]: e for e in events(let_go, "finish")}
     assert sorted(done) == [0, 1] and len({e["fingerprint"] for e in done.values()}) == 1
     assert done[0]["tokens_skipped_by_group"]["2"] > 0 and not events(let_go, "groups_missing")
+
+
+def test_an_fp8_fault_seen_by_one_group_moves_the_layer_in_every_group(micro_args, tmp_path):
+    """The FP8 layers' statistics ride the monitor's reduction over the groups: group 1's broken
+    amax at step 3 (the drill, first run and replay) moves blocks.1.mlp.up to BF16 in both groups
+    at the same step, and the groups end with one fingerprint. (Reduced within each group only,
+    group 0 would keep the layer in FP8 and train it in another precision than group 1.)"""
+    pytest.importorskip("torchao")
+    out = tmp_path / "run"
+    args = micro_args(
+        "precision.compute_dtype=bf16",
+        "precision.fp8.enabled=true",
+        "train.max_steps=5",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "drill.group=1",
+        "drill.fp8_amax_step=[3]",
+        "drill.fp8_layer=blocks.1.mlp.up",
+    )
+    ft(2, 1, args, tmp_path / "logs")
+    # (the drill's step runs again after the rollback, the layer then in BF16 everywhere)
+    assert {(e["group"], e["type"]) for e in events(out, "fault")} == {(1, "fp8_amax")}
+    moved = {
+        (e["group"], e["layer"], e["reason"], e["seen_at"]) for e in events(out, "fp8_fallback")
+    }
+    assert moved == {(g, "blocks.1.mlp.up", "nonfinite", 3) for g in (0, 1)}
+    assert len({e["fingerprint"] for e in finishes(out, 2).values()}) == 1

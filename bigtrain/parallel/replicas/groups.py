@@ -384,7 +384,8 @@ class ReplicaGroups:
         before the monitor read them), reduced over the live groups and handed back by the same
         names: the loss averaged, the `summed` parts (the HSDP probe's flags, MoE router sums:
         replicas that differ in one group make every group act) summed, the `maxed` parts (the
-        router extremes, zeros neutral: a group that sits out sends zeros) maxed. What the
+        router extremes, the FP8 layers' statistics; zeros neutral: a group that sits out sends
+        zeros) maxed. What the
         monitor does not pass stays the group's: its preemption flag stops its own group only,
         which leaves like a failed one and rejoins when relaunched. Each group's own loss rides
         along in its slot (`group_losses`, logged at log steps), and so does its own work's time

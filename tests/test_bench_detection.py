@@ -1,4 +1,4 @@
-"""bench/detection.py end to end on its smallest matrix: 2 healthy micro runs of 40 steps, the
+"""bench/detection.py end to end on its smallest matrix: 2 healthy micro runs of 30 steps, the
 simulated fault sweep and the candidates, no real 2-rank validation runs."""
 
 from __future__ import annotations
@@ -65,17 +65,17 @@ def test_the_simulated_ranks_shard_statistics_are_the_monitors(monkeypatch):
 
 @pytest.mark.e2e
 def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
-    sweeps = ["--runs", "2", "--steps", "40", "--short-runs", "1", "--short-steps", "30"]
+    sweeps = ["--runs", "2", "--steps", "30", "--short-runs", "1", "--short-steps", "24"]
     saved = str(tmp_path / "traces.pkl")
     report = detection_bench(cache_dir, *sweeps, "--validate", "0", "--save-traces", saved)
     assert report["bench"] == "detection" and report["mode"] == "quick"
-    assert (report["healthy_runs"], report["healthy_steps"]) == (3, 2 * 40 + 30)
+    assert (report["healthy_runs"], report["healthy_steps"]) == (3, 2 * 30 + 24)
     assert ISSUE_KINDS <= set(report["detection_rate"]) <= set(report["steps_to_detect"])
     # Non-finite values are always caught, at their own step, on either rank at every step from 2
     # of every run (the short one included).
     for kind in ("nan_grad", "inf_grad", "nan_loss"):
         assert report["detection_rate"][kind] == 1.0
-        assert report["steps_to_detect"][kind] == {"0": 2 * (2 * 39 + 29), "missed": 0}
+        assert report["steps_to_detect"][kind] == {"0": 2 * (2 * 29 + 23), "missed": 0}
     # The real runs' alarms and the simulation's replay of the same steps agree.
     assert report["false_alarms"] == report["false_alarms_simulated"]
     assert report["validated"] == [0, 0]
@@ -90,8 +90,8 @@ def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
     assert 0.0 <= report["detection_rate"]["bitflip"] <= 1.0
     assert set(report["one_process"]["detection_rate"]) == {"grad_spike_x10", "grad_spike_x50"}
     long, short = report["sweeps"]["long"], report["sweeps"]["short"]
-    assert (long["runs"], long["steps"], long["model"]) == (2, 80, "micro")
-    assert (short["runs"], short["steps"], short["model"]) == (1, 30, "tiny")
+    assert (long["runs"], long["steps"], long["model"]) == (2, 60, "micro")
+    assert (short["runs"], short["steps"], short["model"]) == (1, 24, "tiny")
     for key in ("suspicions_per_1k", "suspicions_real_per_1k", "suspicions_one_process_per_1k"):
         whole = sum(s[key] * s["steps"] for s in (long, short)) / report["healthy_steps"]
         assert report[key] == pytest.approx(whole, abs=1e-3)  # over every step of every run
@@ -102,7 +102,7 @@ def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
         assert sum(sweep["suspicions_by_phase"].values()) == len(sweep["suspicion_steps"])
         real = sweep["suspicion_steps_real"]
         assert len(real) == round(sweep["suspicions_real_per_1k"] * sweep["steps"] / 1000)
-        assert all(1 < step <= 40 and "." in tensor for _, step, tensor in real)
+        assert all(1 < step <= 30 and "." in tensor for _, step, tensor in real)
     assert report["rules"]["suspicion"]["lead"] > 1.0
     # The saved traces judged again (how a rule is studied offline): the same simulated numbers,
     # and none of the runs' own, which the recording's rules made.

@@ -1,9 +1,10 @@
 """slurm/train.sbatch on a real single-node SLURM cluster (launch/local-slurm.sh): a job trains to
-completion on 2 tasks, and jobs requeued mid-run (`scontrol requeue`, and USR1 to the batch shell)
-resume from their checkpoint and end with the uninterrupted job's weights."""
+completion on 2 tasks, and a job requeued mid-run (`scontrol requeue`, then USR1 to the batch shell)
+resumes from its checkpoints and ends with the uninterrupted job's weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -94,10 +95,22 @@ def wait_until(env, job_id: str, ready, timeout: float = 200) -> dict[str, str]:
     return info
 
 
-def wait_for_checkpoint(out: Path, step: int, timeout: float = 200) -> None:
+def events_of(out: Path, kind: str) -> list[dict]:
+    """The run's events of `kind` so far (a line being written is left for the next look)."""
+    path, found = out / "events.jsonl", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if event["kind"] == kind:
+                found.append(event)
+    return found
+
+
+def wait_for_event(out: Path, kind: str, count: int, timeout: float = 200) -> None:
+    """Until the run's events hold `count` events of `kind` (a loaded machine is slow)."""
     deadline = time.time() + timeout
-    while not (out / "checkpoints" / f"step_{step:08d}").is_dir():
-        assert time.time() < deadline, f"no checkpoint at step {step} in {out}"
+    while len(events_of(out, kind)) < count:
+        assert time.time() < deadline, f"fewer than {count} {kind!r} events in {out}"
         time.sleep(0.3)
 
 
@@ -118,25 +131,30 @@ def test_sbatch_trains_to_completion_on_two_tasks(uninterrupted):
     assert "resume" not in [e["kind"] for e in read_jsonl(out / "events.jsonl")]
 
 
-@pytest.mark.parametrize("how", ["scontrol_requeue", "usr1_to_batch_shell"])
-def test_requeued_job_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_dir, how):
-    out = tmp_path / how
-    job_id = submit(slurm, out, cache_dir)
-    wait_for_checkpoint(out, 10)
-    if how == "scontrol_requeue":
-        command = ["scontrol", "requeue", job_id]
-    else:  # what --signal=B:USR1@120 does before the time limit
-        command = ["scancel", "--batch", "--signal=USR1", job_id]
-    subprocess.run(command, env=slurm, check=True)
-    info = wait_for(slurm, job_id, restarts=1)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
-    events = read_jsonl(out / "events.jsonl")
-    (preempt,) = [e for e in events if e["kind"] == "preempt"]
-    signal = "SIGTERM" if how == "scontrol_requeue" else "SIGUSR1"
-    assert signal in preempt["reason"]
-    (resume,) = [e for e in events if e["kind"] == "resume"]
-    assert resume["slurm_restart_count"] == 1
-    assert resume["path"].endswith(f"step_{preempt['step']:08d}")
+def test_a_job_requeued_twice_resumes_bit_exactly(slurm, uninterrupted, tmp_path, cache_dir):
+    """Requeued after its first checkpoint by `scontrol requeue` (SIGTERM) and, run again, after
+    its first checkpoint of the second run by USR1 to the batch shell (what
+    --signal=B:USR1@120 does before the time limit): each time it checkpoints, is requeued and
+    resumes from that checkpoint; the job ends with the uninterrupted job's weights."""
+    out = tmp_path / "requeued"
+    job_id = submit(slurm, out, cache_dir, "checkpoint.every=5")
+    wait_for_event(out, "checkpoint", 1)
+    subprocess.run(["scontrol", "requeue", job_id], env=slurm, check=True)
+    wait_for_event(out, "resume", 1)
+    checkpoints = len(events_of(out, "checkpoint"))  # the preemption's and those before it
+    wait_for_event(out, "checkpoint", checkpoints + 1)  # one of the second run
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True)
+    info = wait_for(slurm, job_id, restarts=2)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", info
+    preempts, resumes = events_of(out, "preempt"), events_of(out, "resume")
+    assert [("SIGTERM" in p["reason"], "SIGUSR1" in p["reason"]) for p in preempts] == [
+        (True, False),
+        (False, True),
+    ], preempts
+    assert [r["slurm_restart_count"] for r in resumes] == [1, 2]
+    for preempt, resume in zip(preempts, resumes, strict=True):
+        assert resume["path"].endswith(f"step_{preempt['step']:08d}")
+    assert preempts[0]["step"] < preempts[1]["step"] < 30
     final = json.loads((out / "final.json").read_text())
     straight = json.loads((uninterrupted[1] / "final.json").read_text())
     assert final["step"] == 30 and final["fingerprint"] == straight["fingerprint"]
@@ -185,7 +203,7 @@ def test_ft_sbatch_relaunches_only_the_failed_groups_step(slurm, tmp_path, cache
     and both end with the same weights."""
     out = tmp_path / "ft"
     overrides = (
-        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=50 model.n_layers=2 "
+        f"data.cache_dir={cache_dir} parallel.backend=fsdp train.max_steps=25 model.n_layers=2 "
         "model.d_model=64 train.micro_batch_size=8 train.eval_every=0 checkpoint.every=10 "
         "wandb.mode=disabled train.log_every=1 drill.kill_group=1 drill.kill_step=5 "
         "drill.slow_rank=0 drill.slow_s=0.4 fault_tolerance.heartbeat_timeout_s=1"

@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 
-from bigtrain.parallel.env import free_port
 from bigtrain.store.rundir import read_jsonl
 from bigtrain.telemetry.report import build_report
 from tests import test_launchers as launchers
+from tests.distributed import run_distributed, train_run
 
 pytestmark = pytest.mark.distributed
 
@@ -55,20 +55,9 @@ def ft(groups: int, nproc: int, args: list[str], log_dir, *extra: str, ok: bool 
 
 
 def plain(world: int, args: list[str]) -> None:
-    launch(
-        [
-            "torchrun",
-            "--nproc-per-node",
-            str(world),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "bigtrain",
-            "train",
-            *args,
-            "parallel.backend=fsdp",
-        ]
-    )
+    """The plain fsdp run of the same data-parallel size, in ranks forked from the preloaded
+    server (tests/distributed.py): the reference, not what is under test."""
+    run_distributed(train_run, world, [*args, "parallel.backend=fsdp"])
 
 
 def losses(out) -> dict[int, float]:

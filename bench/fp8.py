@@ -2,6 +2,7 @@
 
     python bench/fp8.py [--steps 300] [--seeds 0 1 2] [--models tiny wide] [--jobs 2]
                         [--wide-seeds 0] [--drills-on tiny]
+    python bench/fp8.py --check-cost 40     # only the error check's cost per checked step
 
 For each model (configs/tiny.yaml in the Llama style, and a wider one) and seed:
   - healthy runs in BF16, tensorwise FP8 and rowwise FP8: the validation loss after `--steps`
@@ -90,6 +91,7 @@ def train(overrides: list[str]) -> dict:
         "events = read_jsonl(out / 'events.jsonl')\n"
         "print(json.dumps({'val_loss': [m['val_loss'] for m in metrics if 'val_loss' in m][-1],\n"
         "  'loss': final['loss'], 'rollbacks': final['rollbacks'],\n"
+        "  'median_step_s': final['costs']['median_step_s'],\n"
         "  'fallback': [{k: e[k] for k in ('step', 'layer', 'reason')} for e in events\n"
         "               if e['kind'] == 'fp8_fallback']}))\n"
     )
@@ -106,6 +108,35 @@ def train(overrides: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def check_cost(steps: int) -> None:
+    """The FP8 error check's cost, side by side: configs/tiny.yaml (Llama style, tensorwise) for
+    `steps` steps with a check on every step and with none, alternated three times (one thread
+    each, one at a time); the median of the runs' median step times of each. A checked step runs
+    each FP8 layer's BF16 matmul once more on the step's first micro-batch."""
+    out = tempfile.mkdtemp(prefix="bigtrain-fp8-cost-")
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for trial in range(3):
+        for every in (0, 1):
+            overrides = common(steps, f"{out}/every{every}-{trial}", 0, every)
+            overrides += [*LLAMA, *VARIANTS["tensorwise"]]
+            times[every].append(train(overrides)["median_step_s"])
+    plain, checked = (sorted(times[e])[1] for e in (0, 1))
+    extra = checked / plain - 1
+    print(f"median step: {plain:.4f} s unchecked, {checked:.4f} s checked: +{extra:.1%} a check")
+    for every in (25, 50):
+        print(f"  at check_every={every}: +{extra / every:.2%} of the run's time")
+    print(
+        json.dumps(
+            {
+                "check_cost": extra,
+                "step_s": {"unchecked": plain, "checked": checked},
+                "runs_s": {str(k): v for k, v in times.items()},
+                "steps": steps,
+            }
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -115,7 +146,18 @@ def main() -> None:
     parser.add_argument("--drills-on", nargs="+", default=None, choices=list(MODELS))
     parser.add_argument("--check-every", type=int, default=25)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--check-cost",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="only measure the error check's cost: tiny FP8 runs of STEPS steps, checked every "
+        "step and never, alternated 3 times",
+    )
     args = parser.parse_args()
+    if args.check_cost:
+        check_cost(args.check_cost)
+        return
     out = tempfile.mkdtemp(prefix="bigtrain-fp8-")
     jobs: dict[tuple, list[str]] = {}
     seeds = {m: args.seeds for m in args.models}

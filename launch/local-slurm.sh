@@ -46,7 +46,7 @@ stop
 mkdir -p "$DIR"/{state,spool,log}
 host=$(hostname)
 getent hosts "$host" >/dev/null || { echo "local-slurm: hostname '$host' does not resolve" >&2; exit 3; }
-cpus=$(nproc)
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc would report OMP_NUM_THREADS
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 8 / 10 ))
 
 cat > "$DIR/slurm.conf" <<CONF

@@ -334,7 +334,7 @@ def test_groups_compare_weights_after_checkpoints_and_at_the_end(micro_args, tmp
 
 def test_a_slow_group_is_let_go_by_the_policy(micro_args, tmp_path):
     """Rank 0 of group 2 takes 0.4 s longer in every forward+backward. With
-    fault_tolerance.slow_group_leaves_after=2 it leaves once named twice in a row (exit 0: its
+    fault_tolerance.slow_group_leaves_after=3 it leaves once found slow 3 times in a row (exit 0: its
     launcher does not start it again), and the others finish without waiting for it, equal.
     (The default, waiting for it: the test above.)"""
     slow = (
@@ -351,7 +351,9 @@ def test_a_slow_group_is_let_go_by_the_policy(micro_args, tmp_path):
         1,
         micro_args(*FP32, *slow, out="let_go"),
         tmp_path / "logs",
-        "fault_tolerance.slow_group_leaves_after=2",
+        # 3 timing steps in a row: on a loaded 2-core machine a healthy group was once found
+        # slow on 2 (its own work 20% of a step and 10 ms over the other's, from the scheduler)
+        "fault_tolerance.slow_group_leaves_after=3",
     )
     left = events(let_go, "group_left")
     assert {(e["group"], e["reason"]) for e in left if e["reported_by"] in (0, 2)} >= {(2, "slow")}

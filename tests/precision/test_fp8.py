@@ -394,29 +394,42 @@ def test_fp8_with_activation_checkpointing_trains_the_same_steps(micro, extra):
 
 @pytest.mark.e2e
 def test_compiled_blocks_run_fp8_checks_and_fallback_like_eager_ones(micro):
-    """parallel.compile=true: inductor compiles each block with its FP8 layers. The checked steps
-    (a BF16 reference in the layer: another graph), the broken-amax drill at step 5 and the
-    layer's move to BF16 afterwards (its `fp8` switch: a recompile) run as in eager mode. The
-    losses agree to 5e-3 per step (8e-5 measured): inductor fuses the casts around the FP8
-    matmuls and may round a BF16 value differently (BF16's step is 4e-3 relative)."""
-    drill = ("drill.fp8_amax_step=[5]", "drill.fp8_layer=blocks.1.mlp.up", "checkpoint.every=0")
+    """parallel.compile=true: inductor compiles each block with its FP8 layers. Checked steps (a
+    BF16 reference in each layer), the broken-amax drill at step 3 and the layer's move to BF16
+    afterwards (its `fp8` switch: a recompile) run as in eager mode. The losses agree to 5e-3 per
+    step (8e-5 measured): inductor fuses the casts around the FP8 matmuls and may round a BF16
+    value differently (BF16's step is 4e-3 relative)."""
+    # Inductor's compile is the test's cost (~15 s per graph on 2 cores, cold): one block,
+    # checked on every step, so two graphs (all FP8, and the drilled layer in BF16).
+    drill = (
+        "model.n_layers=1",
+        "train.max_steps=4",
+        "precision.fp8.check_every=1",
+        "drill.fp8_amax_step=[3]",
+        "drill.fp8_layer=blocks.0.mlp.up",
+        "checkpoint.every=0",
+    )
     eager = micro(*FP8_RUN, *drill, out="eager")
     compiled = micro(*FP8_RUN, *drill, "parallel.compile=true", out="compiled")
     run(eager, DistEnv())
     run(compiled, DistEnv())
     a, b = losses(eager.train.out_dir), losses(compiled.train.out_dir)
-    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert sorted(a) == sorted(b) == list(range(1, 5))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=5e-3), step
+    checked_steps = []
     for cfg in (eager, compiled):
         events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
         moved = [(e["layer"], e["seen_at"]) for e in events if e["kind"] == "fp8_fallback"]
-        assert moved == [("blocks.1.mlp.up", 5)], cfg.train.out_dir
+        assert moved == [("blocks.0.mlp.up", 3)], cfg.train.out_dir
         metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
         checked = [(m["step"], m["fp8_error_max"]) for m in metrics if "fp8_error_max" in m]
-        # steps 2 and 4, then again after the rollback from step 5 to the start
-        assert [s for s, _ in checked] == [2, 4, 2, 4, 6, 8], checked
-        assert all(0 < e < 0.25 for _, e in checked), checked
+        assert [s for s, _ in checked][-4:] == [1, 2, 3, 4], checked  # again after the rollback
+        # the drilled step's first run measured a non-finite error (logged as text); the others
+        healthy = [e for s, e in checked[-4:]]
+        assert all(isinstance(e, float) and 0 < e < 0.25 for e in healthy), checked
+        checked_steps.append([s for s, _ in checked])
+    assert checked_steps[0] == checked_steps[1]
     assert torch.compiler.is_compiling() is False
 
 

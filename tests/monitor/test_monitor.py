@@ -114,3 +114,26 @@ def test_across_groups_gets_and_gives_back_the_parts_that_cross_by_name():
     plain = alone.check(named, torch.tensor(2.0), 1.0, full=True)
     assert h.host_sum_sq == plain.host_sum_sq and h.host_max_abs == plain.host_max_abs
     assert h.shards == plain.shards and h.host_grad_norm == plain.host_grad_norm
+
+
+def test_the_fp8_rider_lays_out_every_layer_and_keeps_the_worse_run_of_a_step():
+    """monitor/fp8.py: one row of FP8 statistics per layer of the whole model (zeros for a layer
+    this rank does not hold), NaN sent as +inf (a MAX all-reduce keeps it), and the larger of a
+    step's two runs (first run and replay) kept until the next step clears it."""
+    from torch import nn
+
+    from bigtrain.monitor.fp8 import FP8, Fp8Stats
+
+    held = nn.Module()
+    held.register_buffer("fp8_stats", torch.tensor([2.0, 0.0, float("nan"), 0.5]))
+    layers = {"blocks.0.mlp.up": held, "blocks.1.mlp.up": held}
+    stats = Fp8Stats(layers)
+    del layers["blocks.1.mlp.up"]  # another pipeline stage's layer
+    taken = stats.take(torch.device("cpu"))[FP8].reshape(-1)  # the pack flattens it
+    assert taken.tolist() == [2.0, 0.0, float("inf"), 0.5, 0.0, 0.0, 0.0, 0.0]
+    assert [s.size for s in stats.slots()] == [8] and stats.slots()[0].reduce == "max"
+    stats.read(HostValues({FP8: [1.0, 0.0, 0.1, 0.0, 3.0, 1.0, 0.0, 0.0]}))
+    stats.read(HostValues({FP8: [2.0, 0.0, 0.05, float("nan"), 0.0, 0.0, 0.2, 0.0]}))
+    assert stats.rows == [[2.0, 0.0, 0.1, float("inf")], [3.0, 1.0, 0.2, 0.0]]
+    stats.clear()
+    assert stats.rows is None

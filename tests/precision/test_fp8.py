@@ -25,6 +25,7 @@ from bigtrain.precision.fp8 import (
 )
 from bigtrain.runner import run
 from bigtrain.store.rundir import read_jsonl
+from tests.conftest import run_cli
 
 pytest.importorskip("torchao")
 
@@ -242,8 +243,9 @@ def losses(out: str) -> dict[int, float]:
 
 @pytest.mark.e2e
 def test_fp8_trains_near_bf16_and_resumes_either_way(micro):
-    """FP8 (tensorwise) tracks the BF16 run over 8 steps; a run saved with FP8 resumes without
-    it, and one saved without resumes with it (the checkpoint holds FP32 masters only)."""
+    """FP8 (tensorwise) tracks the BF16 run over 8 steps; a run saved with FP8 exports to Hugging
+    Face (logits checked) and resumes without FP8, and one saved without resumes with it (the
+    checkpoint holds FP32 masters only)."""
     fp8 = micro(*FP8_RUN, out="fp8")
     bf16 = micro(*FP8_RUN, "precision.fp8.enabled=false", out="bf16")
     run(fp8, DistEnv())
@@ -262,6 +264,12 @@ def test_fp8_trains_near_bf16_and_resumes_either_way(micro):
         e for e in read_jsonl(Path(fp8.train.out_dir) / "events.jsonl") if e["kind"] == "start"
     )
     assert start["precision"]["fp8 linears"]["choice"].startswith("tensorwise: blocks.*")
+    # the checkpoint exports to Hugging Face as any other: FP32 masters, logits checked
+    hf = Path(fp8.train.out_dir) / "hf"
+    ckpt = Path(fp8.train.out_dir) / "checkpoints/step_00000008"
+    done = run_cli("export", str(ckpt), "--hf", str(hf), "--check")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["check"]["ok"]
     # FP8 -> BF16 and BF16 -> FP8 resumes from step 8 continue the run
     for src, flag in ((fp8, "false"), (bf16, "true")):
         out = Path(src.train.out_dir)

@@ -99,10 +99,11 @@ class DrillConfig:
     the first FP8 layer."""
     fp8_amax_step: list[int] = field(default_factory=list)
     """Steps at which `fp8_layer` of `rank` casts its input to FP8 with the scale of an amax of
-    `fp8_amax` (Inf or NaN: a broken amax reduction), in the step's first run and its replay: the
-    layer's FP8 result turns non-finite from finite inputs."""
+    `fp8_amax`, in the step's first run and its replay. Inf or NaN (a broken amax reduction): the
+    layer's FP8 result turns non-finite from finite inputs. A finite amax below the inputs' (a
+    stale one, as the inputs grow): the cast saturates, FP8 clips the inputs to its range."""
     fp8_amax: float = float("inf")
-    """The amax of the fp8_amax drill (inf or nan)."""
+    """The amax of the fp8_amax drill: inf or nan, or a finite value below the inputs' amax."""
     fp8_outlier_from: int = -1
     """From this step on, `fp8_layer` of `rank` sees its first input channel times
     `fp8_outlier_factor` and that weight column divided by it (the same product exactly: an

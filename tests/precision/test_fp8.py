@@ -340,6 +340,30 @@ def test_an_outlier_that_fp8_flushes_moves_its_layer_after_patience_checks(micro
 
 
 @pytest.mark.e2e
+def test_inputs_that_fp8_clips_move_their_layer_after_patience_checks(micro):
+    """A stale amax 1,000x below the inputs' (drill.fp8_amax, finite: what a broken amax
+    reduction or a delayed scale gives when the inputs grow) makes the cast saturate: FP8 clips
+    the inputs to its range. The result stays finite, so only the checks see it: the error at
+    steps 4 and 6, then the fallback (reason error)."""
+    cfg = micro(
+        *FP8_RUN,
+        "drill.fp8_amax_step=[3,4,5,6,7,8]",
+        "drill.fp8_amax=0.001",
+        "drill.fp8_layer=blocks.0.mlp.up",
+        out="clip",
+    )
+    run(cfg, DistEnv())
+    events = read_jsonl(Path(cfg.train.out_dir) / "events.jsonl")
+    checks = [(e["layer"], e["step"], e["strikes"]) for e in events if e["kind"] == "fp8_check"]
+    fallback = [e for e in events if e["kind"] == "fp8_fallback"]
+    assert checks == [("blocks.0.mlp.up", 4, 1), ("blocks.0.mlp.up", 6, 2)], checks
+    assert [(e["layer"], e["reason"], e["seen_at"]) for e in fallback] == [
+        ("blocks.0.mlp.up", "error", 6)
+    ]
+    assert fallback[0]["error"] > 0.25 and fallback[0]["nonfinite"] == 0
+
+
+@pytest.mark.e2e
 def test_the_precision_schedule_switches_fp8_by_phase(micro):
     """BF16 for the first quarter, FP8 after: the phase names the metrics carry, and error
     checks only in the FP8 phase."""

@@ -27,13 +27,6 @@ FP8 = "fp8_stats"
 """The slot of `Fp8Stats.take`: one row of STATS per FP8 layer, maxed over ranks and groups."""
 
 
-def _worse(a: float, b: float) -> float:
-    """The larger of two statistics; NaN (a broken measurement) counts as the largest."""
-    if a != a or b != b:
-        return float("inf")
-    return max(a, b)
-
-
 class Fp8Stats:
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         """`layers`: the FP8 layers by canonical name, every one the build made (the vector's
@@ -62,7 +55,7 @@ class Fp8Stats:
         rows = [flat[i * width : (i + 1) * width] for i in range(len(self.names))]
         if self.rows is not None:
             rows = [
-                [_worse(a, b) for a, b in zip(old, new, strict=True)]
+                [max(a, b) for a, b in zip(old, new, strict=True)]  # no NaN: `take` sent +inf
                 for old, new in zip(self.rows, rows, strict=True)
             ]
         self.rows = rows

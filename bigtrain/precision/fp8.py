@@ -33,7 +33,7 @@ from torch import nn
 
 from bigtrain.config.schema import Fp8Config
 from bigtrain.errors import ConfigError
-from bigtrain.utils.names import canonical_name
+from bigtrain.utils.names import ancestors, canonical_name
 from bigtrain.utils.tensors import autocast_dtype, local_tensor
 
 ALIGN = 16
@@ -236,8 +236,6 @@ def _too_small(recipe: str, out_features: int, in_features: int) -> bool:
 
 def _inside(name: str, patterns: tuple[str, ...]) -> str | None:
     """The first pattern that matches `name` or a module it sits in."""
-    from bigtrain.precision.int8 import ancestors
-
     return next(
         (p for p in patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors(name))), None
     )

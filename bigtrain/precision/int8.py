@@ -46,7 +46,7 @@ from bigtrain.precision.int8_tp import (
     local_output,
     tp_split,
 )
-from bigtrain.utils.names import canonical_name
+from bigtrain.utils.names import ancestors, canonical_name
 from bigtrain.utils.tensors import autocast_dtype, autocast_off, full_shape, local_tensor
 
 logger = logging.getLogger(__name__)
@@ -355,9 +355,3 @@ def convert_to_int8(
         setattr(parent, child, layer)
         converted[cname] = layer
     return converted
-
-
-def ancestors(name: str) -> list[str]:
-    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: the modules a name sits in, itself included."""
-    parts = name.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]

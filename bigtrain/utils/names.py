@@ -28,3 +28,9 @@ def compress_names(names: list[str]) -> str:
         if pattern not in seen:
             seen.append(pattern)
     return ", ".join(seen)
+
+
+def ancestors(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: the modules a name sits in, itself included."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

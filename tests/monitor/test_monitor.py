@@ -133,7 +133,7 @@ def test_the_fp8_rider_lays_out_every_layer_and_keeps_the_worse_run_of_a_step():
     assert taken.tolist() == [2.0, 0.0, float("inf"), 0.5, 0.0, 0.0, 0.0, 0.0]
     assert [s.size for s in stats.slots()] == [8] and stats.slots()[0].reduce == "max"
     stats.read(HostValues({FP8: [1.0, 0.0, 0.1, 0.0, 3.0, 1.0, 0.0, 0.0]}))
-    stats.read(HostValues({FP8: [2.0, 0.0, 0.05, float("nan"), 0.0, 0.0, 0.2, 0.0]}))
+    stats.read(HostValues({FP8: [2.0, 0.0, 0.05, float("inf"), 0.0, 0.0, 0.2, 0.0]}))
     assert stats.rows == [[2.0, 0.0, 0.1, float("inf")], [3.0, 1.0, 0.2, 0.0]]
     stats.clear()
     assert stats.rows is None

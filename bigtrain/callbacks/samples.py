@@ -78,7 +78,7 @@ class SampleCallback(Callback):
             logits = backend.eval_logits(F.pad(ids, (0, self.max_len - length), value=eos_id))
             if isinstance(logits, DTensor):  # tensor parallel: split by vocabulary
                 logits = logits.full_tensor()
-            return logits[:, :length].float()
+            return backend.whole_sequence(logits)[:, :length].float()  # context parallel
 
         samples = []
         for prompt, ids in self.prompts:

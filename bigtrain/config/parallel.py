@@ -79,6 +79,19 @@ class ParallelConfig:
     (docs/moe.md). Must divide model.moe.experts and the shard degree; the experts are then
     FSDP2-sharded over the remaining shard / expert_parallel ranks, everything else over all
     of them. At start."""
+    context_parallel: int = 1
+    """fsdp: context-parallel degree, the mesh axis `cp` between shard and tp: each sequence is
+    split over this many ranks of one model copy, which share its loss and attend across each
+    other's chunks (docs/context-parallel.md). world size / (pipeline_parallel x replicate x
+    context_parallel x tensor_parallel) is the shard degree; FSDP2 shards over shard x cp. For
+    sequences whose activations do not fit one GPU. At start."""
+    cp_style: str = "ring"
+    """How attention crosses the cp ranks. `ring`: keys and values passed round the cp ranks,
+    partial outputs merged by their log-sum-exp; the sequence cut in 2 x context_parallel chunks,
+    rank i holding chunks i and 2 x context_parallel - 1 - i (equal work under causal masking);
+    any degree dividing the chunks. `all_to_all` (DeepSpeed-Ulysses): two all-to-alls turn the
+    sequence split into a head split and back; the degree must divide the query heads (per tp
+    rank); key/value heads fewer than the degree are repeated to it."""
     timeout_s: float = 600.0
     """Timeout of every collective: a lost rank stops the others after this long instead of never."""
 
@@ -99,6 +112,7 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     _check_tensor_parallel(p, m)
     check_pipeline(p, m)
     check_experts(p, m)
+    check_context(p, m)
     if p.timeout_s <= 0:
         raise ConfigError(
             f"key 'parallel.timeout_s' got {p.timeout_s}, expected a positive number of seconds"
@@ -108,6 +122,71 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
             "parallel.activation_checkpointing=selective with model.dropout > 0: the saved "
             "attention kernels would not advance the RNG in recompute, so dropout masks would "
             "differ from the forward's; use block checkpointing or dropout 0"
+        )
+
+
+CP_STYLES = ("ring", "all_to_all")
+
+
+def check_context(p: ParallelConfig, m: ModelConfig) -> None:
+    """Context parallelism against the backend, the model and the other dimensions."""
+    cp = p.context_parallel
+    if p.cp_style not in CP_STYLES:
+        raise ConfigError(
+            f"key 'parallel.cp_style' got {p.cp_style!r}, expected one of {list(CP_STYLES)}"
+        )
+    if cp < 1:
+        raise ConfigError(f"key 'parallel.context_parallel' got {cp}, expected a positive integer")
+    if cp == 1:
+        return
+    if p.backend == "zero":
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) needs parallel.backend=fsdp: DeepSpeed's "
+            "own sequence parallelism (Ulysses) runs inside its engine's model-parallel unit and "
+            "its own attention wrapper, which bigtrain's ZeRO backend does not build; use fsdp, "
+            "which shards the model over shard x cp ranks like ZeRO-3 (or ZeRO-2 with "
+            "parallel.reshard_after_forward=false)"
+        )
+    if p.backend != "fsdp":
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) needs parallel.backend=fsdp (the cp ranks "
+            f"share one model copy), got parallel.backend={p.backend}"
+        )
+    if m.kind != "gpt":
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) needs bigtrain's GPT (model.kind=gpt): "
+            "transformers models are not split by sequence yet"
+        )
+    pieces = 2 * cp if p.cp_style == "ring" else cp
+    if m.seq_len % pieces:
+        raise ConfigError(
+            f"key 'model.seq_len' ({m.seq_len}) must be a multiple of {pieces}: "
+            f"parallel.cp_style={p.cp_style} cuts each sequence into {pieces} equal chunks "
+            f"({'2 x ' if p.cp_style == 'ring' else ''}parallel.context_parallel={cp})"
+        )
+    heads = m.n_heads // p.tensor_parallel
+    if p.cp_style == "all_to_all" and heads % cp:
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) must divide the query heads of each rank "
+            f"({heads} = model.n_heads {m.n_heads} / parallel.tensor_parallel "
+            f"{p.tensor_parallel}) with parallel.cp_style=all_to_all, which splits them over the "
+            "cp ranks; use a degree that divides them, or cp_style=ring"
+        )
+    if m.dropout > 0:
+        raise ConfigError(
+            f"key 'model.dropout' ({m.dropout}) must be 0 with parallel.context_parallel={cp}: "
+            "the attention kernels across cp ranks run without dropout"
+        )
+    others = {
+        "parallel.pipeline_parallel": p.pipeline_parallel,
+        "parallel.tensor_parallel": p.tensor_parallel,
+        "parallel.expert_parallel": p.expert_parallel,
+    }
+    taken = [f"{key}={value}" for key, value in others.items() if value > 1]
+    if taken:
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) is not combined with {', '.join(taken)} "
+            "yet: context parallelism runs beside FSDP2/HSDP over the data ranks"
         )
 
 

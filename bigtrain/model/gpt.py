@@ -11,7 +11,7 @@ earlier ones are kept, so each generated token costs one position, not the whole
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,10 @@ from bigtrain.config.schema import ModelConfig, default_d_ff
 from bigtrain.model.init import initial_value
 from bigtrain.model.moe import MoE
 from bigtrain.utils.tensors import autocast_off
+
+if TYPE_CHECKING:  # set from outside, by parallel/context/
+    from bigtrain.parallel.context.attention import ContextAttention
+    from bigtrain.parallel.context.split import ContextSplit
 
 
 class RMSNorm(nn.Module):
@@ -85,6 +89,9 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.fp32_softmax = False
         """Set by the precision policy: compute scores and softmax in FP32 (explicit path)."""
+        self.context: ContextAttention | None = None
+        """Set by context parallelism (parallel/context/): attention over the whole sequence
+        from this rank's chunks, in place of SDPA (its kernels keep the softmax in FP32)."""
 
     def forward(
         self,
@@ -96,6 +103,8 @@ class CausalSelfAttention(nn.Module):
         """mask: None (causal), or (batch, 1, seq, seq) booleans, True where attention is
         allowed (causal within each document, see GPT.document_eos). With a `cache`, x holds the
         new tokens only and mask is KVCache.mask's (None: one new token, which sees them all).
+        Under context parallelism x holds this rank's chunks and mask is None or each token's
+        document number over the whole sequence (batch, seq): `self.context` makes the masks.
 
         Head counts come from the projections' outputs: under tensor parallelism each rank holds
         its share of the heads (parallel/tensor/plans.py)."""
@@ -108,6 +117,9 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.extend(k, v)
+        if self.context is not None:
+            y = self.context(q, k, v, mask).transpose(1, 2).reshape(batch, seq, -1)
+            return self.resid_dropout(self.proj(y))
         causal = mask is None and cache is None
         p = self.dropout if self.training else 0.0
         grouped = self.n_kv_heads != self.n_heads
@@ -241,6 +253,9 @@ class GPT(nn.Module):
         self.hidden_seq_shards = 1
         """Parts of the sequence a stage's hidden-state input holds one of (tensor parallelism's
         sequence shards, set by its plan): the whole sequence is this many times longer."""
+        self.context: ContextSplit | None = None
+        """Set by context parallelism (parallel/context/): forward takes whole sequences and
+        keeps this rank's chunks of them, at their true positions; logits are the chunks'."""
         self.document_eos: int | None = None
         """Set from outside (data.document_mask): the EOS id that ends each document packed into
         a sequence. Attention then stays inside a document and positions restart at each one."""
@@ -304,6 +319,8 @@ class GPT(nn.Module):
             return torch.arange(start, start + seq, device=idx.device), cache.mask(seq, idx.device)
         if self.document_eos is None:
             return torch.arange(seq, device=idx.device), None
+        if self.context is not None:  # document numbers: the ring makes each block's mask
+            return document_ids(idx, self.document_eos)
         return document_positions(idx, self.document_eos)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -318,9 +335,13 @@ class GPT(nn.Module):
                 f"sequence of {start + seq} tokens is longer than model.seq_len={self.cfg.seq_len}"
             )
         positions, mask = self._positions_and_mask(idx, seq, cache)
+        if self.context is not None:  # this rank's chunks, at their true positions
+            idx, positions = self.context.local(idx), self.context.local(positions, dim=-1)
         x = self._embed(idx, positions) if self.takes_tokens else idx
         rope = None
-        if self.cfg.position == "rope" and positions.dim() == 1:  # start, start + 1, ...
+        if self.cfg.position == "rope" and self.context is not None and positions.dim() == 1:
+            rope = (self.rope_cos[positions], self.rope_sin[positions])
+        elif self.cfg.position == "rope" and positions.dim() == 1:  # start, start + 1, ...
             rope = (self.rope_cos[start : start + seq], self.rope_sin[start : start + seq])
         elif self.cfg.position == "rope":  # per-token positions, broadcast over heads
             rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
@@ -412,10 +433,9 @@ class KVCache:
         return ones.tril(diagonal=self.length)
 
 
-def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+def document_ids(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For sequences of documents each ended by `eos`: each token's position within its document
-    (batch, seq), and the attention mask (batch, 1, seq, seq), True where token i may attend to
-    token j: j <= i in the same document."""
+    and its document's number in the sequence (both (batch, seq))."""
     seq = idx.shape[1]
     ends = idx == eos
     doc = torch.cumsum(ends, dim=1) - ends.long()  # EOS belongs to the document it ends
@@ -423,9 +443,17 @@ def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch
     starts = torch.ones_like(ends)
     starts[:, 1:] = ends[:, :-1]
     first = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=idx.device).tril()
+    return t - first, doc
+
+
+def document_positions(idx: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences of documents each ended by `eos`: each token's position within its document
+    (batch, seq), and the attention mask (batch, 1, seq, seq), True where token i may attend to
+    token j: j <= i in the same document."""
+    positions, doc = document_ids(idx, eos)
+    causal = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool, device=idx.device).tril()
     mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal
-    return t - first, mask.unsqueeze(1)
+    return positions, mask.unsqueeze(1)
 
 
 def num_params(model: nn.Module, non_embedding: bool = False, active: bool = False) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch import nn
 
 from bigtrain.config.model import MoEConfig
 from bigtrain.utils.tensors import autocast_off, local_tensor
+
+if TYPE_CHECKING:  # set from outside, by parallel/context/
+    from bigtrain.parallel.context.split import ContextSplit
 
 STATS_EXTRA = 4
 """Per MoE layer, after its per-expert loads: aux loss, z-loss, dropped pairs, forwards, then per
@@ -96,8 +99,17 @@ class Routing(NamedTuple):
     score_std: torch.Tensor  # (experts,) FP32: the standard deviation of that score over tokens
 
 
-def route(logits: torch.Tensor, k: int, score: str, normalize: bool) -> Routing:
-    """Top-k routing of FP32 router logits (tokens, experts)."""
+def route(
+    logits: torch.Tensor,
+    k: int,
+    score: str,
+    normalize: bool,
+    sequence: ContextSplit | None = None,
+) -> Routing:
+    """Top-k routing of FP32 router logits (tokens, experts). `sequence`: the cp ranks that
+    hold the other tokens of the same sequences (context parallelism): the load-balancing loss
+    counts the loads of all of them, so the mean of their losses is the whole sequences' (its
+    gradient flows through each rank's own mean probabilities only, as without them)."""
     n_experts = logits.shape[-1]
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     weights, experts = scores.topk(k, dim=-1)
@@ -107,7 +119,11 @@ def route(logits: torch.Tensor, k: int, score: str, normalize: bool) -> Routing:
     # Switch Transformer: E x sum_e (share of pairs routed to e) x (mean probability of e).
     probs = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
     importance = probs.mean(0)
-    aux = n_experts * (load.float() / experts.numel() * importance).sum()
+    shares = load.float() / experts.numel()
+    if sequence is not None:  # on the device: no host sync
+        shares = shares / sequence.degree
+        dist.all_reduce(shares, group=sequence.group)
+    aux = n_experts * (shares * importance).sum()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     spread = probs.detach().std(0, correction=0)
     return Routing(weights, experts, load, aux, z, importance.detach(), spread)
@@ -201,6 +217,9 @@ class MoE(nn.Module):
         self.shared = shared
         self.ep_group: dist.ProcessGroup | None = None
         """Set by expert parallelism: the ranks this layer's experts are split over."""
+        self.sequence: ContextSplit | None = None
+        """Set by context parallelism: the ranks holding the other chunks of each sequence
+        (`route`'s load-balancing loss counts their loads too)."""
         self.router_bias: torch.Tensor | None = None
         """Added to the router logits when set (the `drill.router_bias` drill)."""
         self.aux_grad_scale: float | None = None
@@ -222,7 +241,13 @@ class MoE(nn.Module):
             logits = flat.to(wide) @ local_tensor(self.router.weight).to(wide).t()
             if self.router_bias is not None:
                 logits = logits + self.router_bias
-            r = route(logits, self.cfg.top_k, self.cfg.score, self.cfg.normalize_weights)
+            r = route(
+                logits,
+                self.cfg.top_k,
+                self.cfg.score,
+                self.cfg.normalize_weights,
+                self.sequence if self.training else None,
+            )
         capacity = self.capacity(flat.shape[0])
         order, counts = dispatch_order(r.experts, self.cfg.experts, capacity)
         token = order // self.cfg.top_k

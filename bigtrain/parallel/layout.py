@@ -9,14 +9,18 @@ Dimensions, outermost first (docs/parallelism.md):
     pp         pipeline stages; 1 until pipeline parallelism is on.
     replicate  HSDP replicas of the sharded model (parallel.replicate).
     shard      FSDP2 shards or ZeRO partitions: what is left of the world.
+    cp         context parallelism (parallel.context_parallel): ranks of one model copy that
+               split each sequence between them and share its loss (parallel/context/);
+               FSDP2 shards over shard x cp.
     tp         tensor parallelism (parallel.tensor_parallel), innermost: a tp group is a run of
                consecutive ranks (one node's GPUs, for its per-layer collectives).
     ep         expert parallelism: a sub-group of a replica's shard ranks that splits the experts
                (consecutive shard ranks); 1 until mixture-of-experts models.
 
-Within a job, ranks are numbered row-major over (pp, replicate, shard, tp). The data-parallel
-ranks are (ft, replicate, shard) flattened: each reads its own slice of the global batch; the tp
-ranks and pipeline stages of one data-parallel rank read the same slice. Only the replicate axis's
+Within a job, ranks are numbered row-major over (pp, replicate, shard, cp, tp). The data-parallel
+ranks are (ft, replicate, shard) flattened: each reads its own slice of the global batch; the cp
+and tp ranks and pipeline stages of one data-parallel rank read the same slice (the cp ranks
+then keep their chunks of each sequence). Only the replicate axis's
 once-a-step all-reduce crosses replicas, and only the ft axis crosses jobs.
 
 A planned layout (no process group) and a run's are the same class: `connect()` adds the
@@ -36,11 +40,12 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from bigtrain.config.schema import ParallelConfig, TrainConfig
 from bigtrain.errors import SharedConfigError
+from bigtrain.parallel.context.split import ContextSplit
 
-JOB_AXES = ("pp", "replicate", "shard", "tp")
+JOB_AXES = ("pp", "replicate", "shard", "cp", "tp")
 """The axes of one job's ranks, outermost first (row-major rank order)."""
-MESH_AXES = ("replicate", "shard", "tp")
-"""The axes the DeviceMesh holds (size-1 replicate and tp left out)."""
+MESH_AXES = ("replicate", "shard", "cp", "tp")
+"""The axes the DeviceMesh holds (size-1 replicate, cp and tp left out)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class Layout:
     pp: int = 1
     replicate: int = 1
     shard: int = 1
+    cp: int = 1
+    cp_style: str = "ring"
     tp: int = 1
     ep: int = 1
     ft: int = 1
@@ -65,9 +72,12 @@ class Layout:
     expert_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """With ep > 1, once connected: the same ranks with `shard` unflattened into (`edp`, `ep`):
     the experts are split over ep and FSDP2-sharded over edp (and replicated over replicate)."""
+    sharded_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """With cp > 1, once connected: the data mesh, (replicate, shard_cp) or shard_cp, the shard
+    and cp ranks flattened into the one axis FSDP2 shards over."""
 
     def __post_init__(self) -> None:
-        assert self.pp * self.replicate * self.shard * self.tp == self.world_size, (
+        assert self.pp * self.replicate * self.shard * self.cp * self.tp == self.world_size, (
             "the job's dimensions multiply to its world size (Layout.of checks the config)"
         )
         assert 0 <= self.rank < self.world_size and 0 <= self.ft_group < self.ft
@@ -79,15 +89,17 @@ class Layout:
         """The layout of `world_size` ranks (one job) under parallel.*, in replica group
         `ft_group` of `ft` (fault_tolerance.groups); ConfigError with the keys and the numbers
         when they do not divide."""
-        pp = cfg.pipeline_parallel
-        model_copies = pp * cfg.replicate * cfg.tensor_parallel
+        pp, cp = cfg.pipeline_parallel, cfg.context_parallel
+        model_copies = pp * cfg.replicate * cp * cfg.tensor_parallel
         if world_size % model_copies:
             stages = f"parallel.pipeline_parallel ({pp}) x " if pp > 1 else ""
+            context = f"parallel.context_parallel ({cp}) x " if cp > 1 else ""
             raise SharedConfigError(
-                f"key {stages}'parallel.replicate' ({cfg.replicate}) x "
+                f"key {stages}'parallel.replicate' ({cfg.replicate}) x {context}"
                 f"parallel.tensor_parallel ({cfg.tensor_parallel}) = {model_copies} must divide "
                 f"the world size ({world_size}): the shard degree is world size / "
-                f"({'pipeline_parallel x ' if pp > 1 else ''}replicate x tensor_parallel) = "
+                f"({'pipeline_parallel x ' if pp > 1 else ''}replicate x "
+                f"{'context_parallel x ' if cp > 1 else ''}tensor_parallel) = "
                 f"{world_size} / {model_copies}, not an integer"
             )
         shard = world_size // model_copies
@@ -109,6 +121,8 @@ class Layout:
             pp=pp,
             replicate=cfg.replicate,
             shard=shard,
+            cp=cp,
+            cp_style=cfg.cp_style,
             tp=cfg.tensor_parallel,
             ep=cfg.expert_parallel,
             ft=ft,
@@ -117,7 +131,7 @@ class Layout:
 
     def at_rank(self, rank: int) -> Layout:
         """The same layout seen from another rank (without the mesh, which is this rank's)."""
-        return dataclasses.replace(self, rank=rank, mesh=None, expert_mesh=None)
+        return dataclasses.replace(self, rank=rank, mesh=None, expert_mesh=None, sharded_mesh=None)
 
     # --- coordinates -------------------------------------------------------------------------
 
@@ -153,13 +167,14 @@ class Layout:
     @property
     def model_size(self) -> int:
         """Ranks that hold one model copy between them (the ranks of one data-parallel rank)."""
-        return self.pp * self.tp
+        return self.pp * self.cp * self.tp
 
     @property
     def loss_ranks(self) -> int:
         """Ranks of this job that hold a loss (the last pipeline stage's); the mean loss over the
         job is their sum over this many. The tp ranks of a data-parallel rank hold the same
-        loss, so the mean over them equals the mean over data-parallel ranks."""
+        loss, so the mean over them equals the mean over data-parallel ranks; its cp ranks each
+        hold the mean over their equal share of its tokens, whose mean is the whole one."""
         return self.stage_size  # the last stage's ranks
 
     @property
@@ -281,11 +296,19 @@ class Layout:
         axes = (("pp",) if self.pp > 1 else ()) + self.mesh_axes
         sizes = ((self.pp,) if self.pp > 1 else ()) + self.mesh_sizes
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=axes)
+        sharded = None
+        if self.cp > 1:  # FSDP2 shards over the shard and cp ranks (data_mesh)
+            stage = mesh[self.mesh_axes] if self.pp > 1 else mesh
+            dims = ("replicate", "shard", "cp") if self.replicate > 1 else ("shard", "cp")
+            sharded = stage[dims]._flatten("_".join(dims))
+            if self.replicate > 1:
+                sizes = (self.replicate, self.shard * self.cp)
+                sharded = sharded._unflatten(0, sizes, ("replicate", "shard_cp"))
         experts = None
         if self.ep > 1:  # within a stage: the experts' DTensors never span pipeline ranks
             stage = mesh[self.mesh_axes] if self.pp > 1 else mesh
             experts = stage._unflatten("shard", (self.shard // self.ep, self.ep), ("edp", "ep"))
-        return dataclasses.replace(self, mesh=mesh, expert_mesh=experts)
+        return dataclasses.replace(self, mesh=mesh, expert_mesh=experts, sharded_mesh=sharded)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's `axis` (None where the axis has one rank, or in a
@@ -296,9 +319,19 @@ class Layout:
 
     @property
     def data_mesh(self) -> DeviceMesh:
-        """What fully_shard takes: (replicate, shard) is HSDP, shard alone FSDP."""
+        """What fully_shard takes: (replicate, shard) is HSDP, shard alone FSDP; with cp ranks
+        `shard` is shard x cp flattened (`shard_cp`): they hold one model copy between them, and
+        their gradients are averaged like the data ranks' (each rank's loss is its tokens')."""
         assert self.mesh is not None, "connect() first"
+        if self.sharded_mesh is not None:
+            return self.sharded_mesh
         return self.mesh[("replicate", "shard")] if self.replicate > 1 else self.mesh["shard"]
+
+    def context_split(self) -> ContextSplit | None:
+        """This rank's place among the cp ranks of its model copy (None without cp)."""
+        if self.cp == 1:
+            return None
+        return ContextSplit(self.cp, self.coord("cp"), self.cp_style, self.group("cp"))
 
     @property
     def expert_dp_dims(self) -> tuple[str | None, str]:

@@ -4,12 +4,15 @@
 
 The layout (layout.py) was decided and connected to its DeviceMesh in the run's assembly:
 1. tensor parallelism (parallel.tensor_parallel > 1): bigtrain's GPT by its own plan, other
-   models by parallel.tp_plan (tensor/plans.py), over the layout's tp axis;
+   models by parallel.tp_plan (tensor/plans.py), over the layout's tp axis; then context
+   parallelism (parallel.context_parallel > 1): the GPT keeps its chunks of each sequence and its
+   attention crosses the cp ranks (context/);
 2. activation checkpointing (parallel.activation_checkpointing) and compile (parallel.compile),
    per transformer block (transforms.py);
 3. data parallelism: expert parallelism first (parallel.expert_parallel > 1: each MoE layer's
    experts split over the ep ranks, experts.py), then FSDP2's fully_shard per block and
-   the root with the policy's mixed precision over the layout's (replicate, shard) mesh (fsdp),
+   the root with the policy's mixed precision over the layout's (replicate, shard) mesh, shard
+   being shard x cp with context parallelism (fsdp),
    or the model handed to DeepSpeed, which partitions it (zero), or nothing (local); a model
    built on the meta device gets its shards' values here.
 
@@ -32,6 +35,7 @@ from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.backends.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.backends.local import LocalBackend
+from bigtrain.parallel.context.attention import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import materialize
@@ -94,6 +98,8 @@ def _fully_sharded(
         model = model.to(device)
     if layout.tp > 1:  # inside each block first; FSDP2 then shards the DTensors
         apply_tensor_parallel(model, layout.tp_mesh, parallel.tp_plan)
+    if layout.cp > 1:  # the sequence split: the model keeps its chunks, attention crosses
+        apply_context_parallel(model, layout.context_split())
     _block_transforms(model, parallel)
     # 2D: HSDP, gradients reduce-scattered over shard, then all-reduced over replicate.
     data_mesh, mp = layout.data_mesh, fsdp_mixed_precision(policy)

@@ -50,7 +50,9 @@ def test_every_derived_number_for_one_to_four_ranks(world, replicate, tp):
         layout = Layout.of(parallel(*overrides), world, rank)
         assert (layout.replicate, layout.shard, layout.tp) == (replicate, shard, tp)
         assert (layout.pp, layout.ft, layout.ep, layout.ft_group) == (1, 1, 1, 0)
-        assert layout.coords == {"ft": 0, "pp": 0, "replicate": r, "shard": s, "tp": t, "ep": 0}
+        assert layout.coords == {
+            "ft": 0, "pp": 0, "replicate": r, "shard": s, "cp": 0, "tp": t, "ep": 0
+        }  # fmt: skip
         assert layout.dp_size == replicate * shard == len(slices)
         assert layout.dp_rank == slices.index((r, s))
         assert layout.model_size == tp  # the ranks of one model copy: its tp group

@@ -69,7 +69,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def eval_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits in its compute precision, in eval mode and without gradients (under
-        the GPT's tensor parallelism a DTensor split by vocabulary: reduce it in loss_context)."""
+        the GPT's tensor parallelism a DTensor split by vocabulary: reduce it in loss_context;
+        under context parallelism this rank's chunks: whole_sequence gathers them)."""
 
     @abc.abstractmethod
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
@@ -166,6 +167,19 @@ class Backend(abc.ABC):
                 value /= self.layout.loss_ranks
         return value
 
+    def own_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """The targets of the tokens whose logits this rank computes: under context parallelism
+        its chunks of each sequence (parallel/context/split.py; the model cut its inputs the
+        same way), else all of them."""
+        split = self.layout.context_split()
+        return targets if split is None else split.local(targets)
+
+    def whole_sequence(self, logits: torch.Tensor) -> torch.Tensor:
+        """eval_logits' result over every position: under context parallelism gathered from the
+        cp ranks (a collective), else as it is."""
+        split = self.layout.context_split()
+        return logits if split is None else split.gather(logits)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Entered around the loss and its backward: tensor parallelism's loss over logits split
         by vocabulary (parallel/backends/fsdp.py); nothing otherwise."""
@@ -178,7 +192,7 @@ class Backend(abc.ABC):
         for inputs, targets in batches:
             logits = self.eval_logits(inputs)
             with self.loss_context():
-                total += local_tensor(lm_loss(logits, targets))
+                total += local_tensor(lm_loss(logits, self.own_targets(targets)))
         return self.reduce_mean(total / len(batches))
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -17,6 +17,8 @@
 #   moe         configs/moe-tiny.yaml on CUDA (300 steps, BF16: torch._grouped_mm on sm90+):
 #               loss falls, experts balanced; then tests/model/test_moe.py (its CUDA test
 #               compares the grouped kernel with one matmul per expert on the GPU)
+#   cp          context parallelism's CUDA kernels (flash, memory-efficient with document masks)
+#               in a ring's blocks and backward against SDPA on the GPU (one GPU: no cp ranks)
 #
 #   bash bench/gpu.sh [OUT_DIR]            (default: bench/results/gpu-<date>)
 #
@@ -85,5 +87,7 @@ step checkpoint 120 $PY bench/checkpoint.py configs/llama-1b.yaml "${RUN[@]}" "$
 step moe 90 $PY -m bigtrain train configs/moe-tiny.yaml "${RUN[@]}" train.out_dir="$OUT/moe" \
     checkpoint.every=-1 train.eval_every=100
 step moe_kernel 60 $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/model/test_moe.py
+step cp 60 $PY -m pytest -q -p no:cacheprovider -o addopts=-ra tests/parallel/test_context.py \
+    -k "cuda or meta"
 
 $PY bench/gpu_data.py --summary "$OUT"

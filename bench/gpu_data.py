@@ -150,6 +150,12 @@ def summary(out: Path) -> int:
             f"{last['moe_load_max_mean']:.2f}, {last['tokens_per_s']:,.0f} tokens/s"
         )
         values["moe"] = {k: last[k] for k in ("loss", "moe_load_max_mean", "tokens_per_s")}
+    cp_log = out / "cp.log"
+    if cp_log.exists():  # pytest's last line: the CUDA ring kernels against SDPA
+        lines = [x for x in cp_log.read_text().splitlines() if " passed" in x or " failed" in x]
+        if lines:
+            rows["cp"] = f"context-parallel ring kernels on CUDA vs SDPA: {lines[-1].strip()}"
+            values["cp"] = {"pytest": lines[-1].strip()}
     width = max(map(len, rows), default=0)
     for name, line in rows.items():
         print(f"{name:<{width}}  {line}")

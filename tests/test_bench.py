@@ -50,6 +50,7 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
         for s, v, r in ((10, 7.0, 3.5), (300, 4.5, 1.2))
     ]
     (tmp_path / "moe" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in moe))
+    (tmp_path / "cp.log").write_text("..\n2 passed, 1 skipped, 16 deselected in 9.1s\n")
     result = subprocess.run(
         [sys.executable, "bench/gpu_data.py", "--summary", str(tmp_path)],
         cwd=ROOT,
@@ -65,6 +66,7 @@ def test_gpu_summary_reads_each_steps_json(tmp_path):
     assert (
         "moe-tiny: loss 7.00 -> 4.50, busiest expert / mean 1.20, 90,000 tokens/s" in result.stdout
     )
+    assert "ring kernels on CUDA vs SDPA: 2 passed, 1 skipped" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     # 2 ms for 1B values -> 2.47 ms for the 1B's gradients, over 16384 tokens at 60k tokens/s
     assert abs(summary["monitor"]["share_of_1b_step_est"] - 2.472e-3 / (16384 / 60000)) < 1e-6

@@ -177,16 +177,22 @@ def check_context(p: ParallelConfig, m: ModelConfig) -> None:
             f"key 'model.dropout' ({m.dropout}) must be 0 with parallel.context_parallel={cp}: "
             "the attention kernels across cp ranks run without dropout"
         )
+    if (m.seq_len // cp) % p.tensor_parallel:
+        raise ConfigError(
+            f"key 'parallel.tensor_parallel' ({p.tensor_parallel}) must divide the tokens each cp "
+            f"rank holds (model.seq_len {m.seq_len} / parallel.context_parallel {cp}): "
+            "sequence parallelism splits them over the tp ranks"
+        )
     others = {
         "parallel.pipeline_parallel": p.pipeline_parallel,
-        "parallel.tensor_parallel": p.tensor_parallel,
         "parallel.expert_parallel": p.expert_parallel,
     }
     taken = [f"{key}={value}" for key, value in others.items() if value > 1]
     if taken:
         raise ConfigError(
             f"key 'parallel.context_parallel' ({cp}) is not combined with {', '.join(taken)} "
-            "yet: context parallelism runs beside FSDP2/HSDP over the data ranks"
+            "yet: context parallelism runs beside FSDP2/HSDP over the data ranks and tensor "
+            "parallelism"
         )
 
 

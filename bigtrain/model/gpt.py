@@ -11,7 +11,8 @@ earlier ones are kept, so each generated token costs one position, not the whole
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,19 @@ from bigtrain.model.init import initial_value
 from bigtrain.model.moe import MoE
 from bigtrain.utils.tensors import autocast_off
 
-if TYPE_CHECKING:  # set from outside, by parallel/context/
-    from bigtrain.parallel.context.attention import ContextAttention
-    from bigtrain.parallel.context.split import ContextSplit
+
+class SequenceChunks(Protocol):
+    """What the GPT asks of context parallelism (parallel/context/split.py's ContextSplit): this
+    rank's chunks of a tensor holding whole sequences along `dim`."""
+
+    def local(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
+
+
+ChunkAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+"""Context parallelism's attention (parallel/context/attention.py's ContextAttention): q, k, v
+of this rank's chunks and the whole sequence's document numbers (or None) -> the output."""
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +100,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.fp32_softmax = False
         """Set by the precision policy: compute scores and softmax in FP32 (explicit path)."""
-        self.context: ContextAttention | None = None
+        self.context: ChunkAttention | None = None
         """Set by context parallelism (parallel/context/): attention over the whole sequence
         from this rank's chunks, in place of SDPA (its kernels keep the softmax in FP32)."""
 
@@ -253,7 +264,7 @@ class GPT(nn.Module):
         self.hidden_seq_shards = 1
         """Parts of the sequence a stage's hidden-state input holds one of (tensor parallelism's
         sequence shards, set by its plan): the whole sequence is this many times longer."""
-        self.context: ContextSplit | None = None
+        self.context: SequenceChunks | None = None
         """Set by context parallelism (parallel/context/): forward takes whole sequences and
         keeps this rank's chunks of them, at their true positions; logits are the chunks'."""
         self.document_eos: int | None = None

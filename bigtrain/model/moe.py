@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,6 @@ from torch import nn
 
 from bigtrain.config.model import MoEConfig
 from bigtrain.utils.tensors import autocast_off, local_tensor
-
-if TYPE_CHECKING:  # set from outside, by parallel/context/
-    from bigtrain.parallel.context.split import ContextSplit
 
 STATS_EXTRA = 4
 """Per MoE layer, after its per-expert loads: aux loss, z-loss, dropped pairs, forwards, then per
@@ -104,10 +101,11 @@ def route(
     k: int,
     score: str,
     normalize: bool,
-    sequence: ContextSplit | None = None,
+    sequence: tuple[dist.ProcessGroup, int] | None = None,
 ) -> Routing:
-    """Top-k routing of FP32 router logits (tokens, experts). `sequence`: the cp ranks that
-    hold the other tokens of the same sequences (context parallelism): the load-balancing loss
+    """Top-k routing of FP32 router logits (tokens, experts). `sequence`: the group and number
+    of the cp ranks that hold the other tokens of the same sequences (context parallelism,
+    MoE.sequence): the load-balancing loss
     counts the loads of all of them, so the mean of their losses is the whole sequences' (its
     gradient flows through each rank's own mean probabilities only, as without them)."""
     n_experts = logits.shape[-1]
@@ -121,8 +119,9 @@ def route(
     importance = probs.mean(0)
     shares = load.float() / experts.numel()
     if sequence is not None:  # on the device: no host sync
-        shares = shares / sequence.degree
-        dist.all_reduce(shares, group=sequence.group)
+        group, ranks = sequence
+        shares = shares / ranks
+        dist.all_reduce(shares, group=group)
     aux = n_experts * (shares * importance).sum()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     spread = probs.detach().std(0, correction=0)
@@ -217,9 +216,9 @@ class MoE(nn.Module):
         self.shared = shared
         self.ep_group: dist.ProcessGroup | None = None
         """Set by expert parallelism: the ranks this layer's experts are split over."""
-        self.sequence: ContextSplit | None = None
-        """Set by context parallelism: the ranks holding the other chunks of each sequence
-        (`route`'s load-balancing loss counts their loads too)."""
+        self.sequence: tuple[dist.ProcessGroup, int] | None = None
+        """Set by context parallelism: the group and number of the ranks holding the other
+        chunks of each sequence (`route`'s load-balancing loss counts their loads too)."""
         self.router_bias: torch.Tensor | None = None
         """Added to the router logits when set (the `drill.router_bias` drill)."""
         self.aux_grad_scale: float | None = None

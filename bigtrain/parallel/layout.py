@@ -184,6 +184,12 @@ class Layout:
         return self.world_size // self.pp
 
     @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP2 shards one model copy over: shard x cp (the cp ranks of a copy hold
+        its shards between them like data ranks)."""
+        return self.shard * self.cp
+
+    @property
     def holds_loss(self) -> bool:
         return self.coords["pp"] == self.pp - 1
 

@@ -108,6 +108,7 @@ def fsdp_traffic(
     tp = tp or TPSplit()
     held = tp.per_rank_params(num_params, layout.tp)  # what FSDP2 shards on this tp rank
     accum = grad_accum_steps
+    ranks = layout.shard_ranks  # shard x cp
     gathers = accum * (2 if reshards_after_forward(parallel) else 1)
     out = []
     if layout.tp > 1:
@@ -115,19 +116,19 @@ def fsdp_traffic(
     out += [
         AxisTraffic(
             "shard",
-            layout.shard,
+            ranks,
             f"all-gather x {gathers}",
-            gathers * ring_bytes(held, layout.shard, gathered_itemsize),
+            gathers * ring_bytes(held, ranks, gathered_itemsize),
         ),
         AxisTraffic(
             "shard",
-            layout.shard,
+            ranks,
             "reduce-scatter x 1",
-            ring_bytes(held, layout.shard, reduce_itemsize),
+            ring_bytes(held, ranks, reduce_itemsize),
         ),
     ]
     if layout.replicate > 1:
-        shard_elements = held / layout.shard
+        shard_elements = held / ranks
         out.append(
             AxisTraffic(
                 "replicate",
@@ -137,6 +138,35 @@ def fsdp_traffic(
             )
         )
     return out
+
+
+def cp_traffic(
+    style: str,
+    cp: int,
+    layers: int,
+    passes: tuple[int, int],
+    tokens: float,
+    widths: tuple[int, int],
+    itemsize: int,
+) -> AxisTraffic:
+    """What context parallelism moves out of a rank per step (and as much in): `passes`, the
+    (forward, backward) passes of every attention layer per step (micro-batches; forwards again
+    where activation checkpointing recomputes them), over `tokens` of this rank per
+    micro-batch; widths: (query heads x head_dim, key/value heads x head_dim) of the rank (per
+    tp rank). ring: a forward passes its keys and values on cp - 1 times; a backward passes
+    them cp - 1 times again and their FP32 gradients cp times. all_to_all: q, k, v and the
+    output all-to-all'd once per pass, (cp - 1) / cp of each leaving the rank (the key/value
+    width after heads are repeated to a multiple of cp)."""
+    (forwards, backwards), (q_width, kv_width) = passes, widths
+    if style == "ring":
+        forward = (cp - 1) * 2 * kv_width * itemsize
+        backward = forward + cp * 2 * kv_width * 4
+        moved = layers * tokens * (forwards * forward + backwards * backward)
+        sends = layers * (forwards * (cp - 1) + backwards * (2 * cp - 1))
+        return AxisTraffic("cp", cp, f"ring send/recv x {sends}", moved)
+    per_pass = (cp - 1) / cp * (2 * q_width + 2 * kv_width) * itemsize
+    moved = layers * tokens * (forwards + backwards) * per_pass
+    return AxisTraffic("cp", cp, f"all-to-all x {layers * (forwards + backwards) * 4}", moved)
 
 
 def zero_traffic(

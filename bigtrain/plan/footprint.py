@@ -116,7 +116,7 @@ class PlannedRun:
         if self.backend != "fsdp":
             return self.layout.dp_size
         n = self.num_params
-        return n / (self.tp.per_rank_params(n, self.layout.tp) / self.layout.shard)
+        return n / (self.tp.per_rank_params(n, self.layout.tp) / self.layout.shard_ranks)
 
     @property
     def tp_split_ways(self) -> int:
@@ -125,6 +125,12 @@ class PlannedRun:
         under a tp_plan keeps its norms and residual stream whole: counted whole, an upper
         bound)."""
         return self.layout.tp if self.tp.sequence_parallel else 1
+
+    @property
+    def activation_split(self) -> int:
+        """Over how many ranks one sequence's activations are divided: the cp ranks (each holds
+        its chunks of the sequence) times tp_split_ways."""
+        return self.tp_split_ways * self.layout.cp
 
     def states(self) -> StateBytes:
         return state_bytes(self.backend, self.cfg.parallel.zero_stage, self.policy)

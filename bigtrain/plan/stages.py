@@ -127,7 +127,7 @@ def rank_loads(run: PlannedRun) -> list[RankLoad]:
     """Every pipeline rank's load (one entry without pipeline stages)."""
     cfg, layout, model, policy = run.cfg, run.layout, run.model, run.policy
     p = cfg.parallel
-    split = run.tp_split_ways
+    split = run.activation_split
     per_param = run.states().per_rank_bytes_per_param(run.degree)
     a = activation_bytes_per_token(
         run.shape,
@@ -211,7 +211,9 @@ def p2p_bytes(run: PlannedRun) -> float:
     if layout.pp == 1:
         return 0.0
     chunks = pp_stages_per_rank(cfg.parallel)
-    values = cfg.train.micro_batch_size * run.shape.seq_len * run.shape.d_model / run.tp_split_ways
+    values = (
+        cfg.train.micro_batch_size * run.shape.seq_len * run.shape.d_model / run.activation_split
+    )
     return 2 * chunks * cfg.train.grad_accum_steps * values * run.policy.compute_dtype.itemsize
 
 

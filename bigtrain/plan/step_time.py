@@ -5,7 +5,7 @@ made of (`rank_traffic`, the plan's communication section).
 One optimizer step on a GPU cluster (H100-class, as in docs/parallelism.md):
 - compute: the model's training FLOPs per token (model_flops_per_token: active parameters of an
   MoE model, attention included) times the tokens of one data-parallel rank (micro-batch x
-  accumulation x sequence), over the tp x pp GPUs that share them, at 989 TFLOP/s (BF16 dense)
+  accumulation x sequence), over the tp x cp x pp GPUs that share them, at 989 TFLOP/s (BF16 dense)
   x 40% (Llama 3 405B ran at 38-43% MFU), stretched by the pipeline's bubble; with FP8 linears
   the FP8 layers' share of it runs faster by FP8_STEP_SPEEDUP;
 - tp: the tensor-parallel collectives of the rank's blocks over NVLink (450 GB/s);
@@ -14,7 +14,9 @@ One optimizer step on a GPU cluster (H100-class, as in docs/parallelism.md):
   InfiniBand (50 GB/s per GPU);
 - p2p: the hidden states and their gradients between pipeline stages, over InfiniBand;
 - ep: the experts' all-to-alls (dispatch and combine, forward and backward), over NVLink when the
-  tp x ep ranks of an expert group fit in a node of 8 GPUs, else over InfiniBand.
+  tp x ep ranks of an expert group fit in a node of 8 GPUs, else over InfiniBand;
+- cp: context parallelism's ring sends or all-to-alls of each attention layer (comm.cp_traffic),
+  over NVLink when the tp x cp ranks of a model copy fit in a node, else over InfiniBand.
 The parts are added: no overlap of communication with compute, an upper bound that penalises
 collectives over many ranks as their latency does. With pipeline stages every part is the
 largest pipeline rank's (the one holding the most parameters).
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.model import model_flops_per_token
-from bigtrain.plan.comm import AxisTraffic, fsdp_traffic, zero_traffic
+from bigtrain.parallel.context.attention import kv_repeats
+from bigtrain.plan.comm import AxisTraffic, cp_traffic, fsdp_traffic, zero_traffic
 from bigtrain.plan.experts import all_to_all_bytes, count_experts, expert_traffic
 from bigtrain.plan.footprint import PlannedRun, gathered_dtype_bytes
 from bigtrain.plan.stages import most_states, p2p_bytes, step_bubble
@@ -49,7 +52,8 @@ class StepTime:
     """Seconds of one optimizer step by part (module docstring)."""
 
     parts: dict[str, float]
-    """compute (with the bubble), tp, dp, p2p, and ep for an expert-parallel model."""
+    """compute (with the bubble), tp, dp, p2p, ep for an expert-parallel model, cp with context
+    parallelism."""
 
     @property
     def total(self) -> float:
@@ -82,7 +86,8 @@ def rank_traffic(run: PlannedRun) -> list[AxisTraffic]:
     train = cfg.train
     accum = train.grad_accum_steps
     if run.backend == "fsdp":
-        activations = train.micro_batch_size * run.shape.seq_len * run.shape.d_model
+        # one micro-batch's residual stream on this rank (its chunks under cp)
+        activations = train.micro_batch_size * run.shape.seq_len * run.shape.d_model / layout.cp
         gathers = accum * (2 if reshards_after_forward(cfg.parallel) else 1)
         gathered, reduced = gathered_dtype_bytes(policy), policy.reduce_dtype.itemsize
         experts = count_experts(run.model, cfg.model)
@@ -98,6 +103,8 @@ def rank_traffic(run: PlannedRun) -> list[AxisTraffic]:
             activations * policy.compute_dtype.itemsize,
         )
         traffic += expert_axis
+        if layout.cp > 1:
+            traffic.append(context_traffic(run))
     elif run.backend == "zero":
         traffic = zero_traffic(
             cfg.parallel.zero_stage,
@@ -118,6 +125,26 @@ def rank_traffic(run: PlannedRun) -> list[AxisTraffic]:
         )
         for t in traffic
     ]
+
+
+def context_traffic(run: PlannedRun) -> AxisTraffic:
+    """The cp axis of `run` per step (comm.cp_traffic), on its tp rank's heads."""
+    cfg, layout, shape = run.cfg, run.layout, run.shape
+    accum = cfg.train.grad_accum_steps
+    recompute = cfg.parallel.activation_checkpointing != "none"
+    head_dim = shape.d_model // shape.n_heads
+    kv_heads = shape.kv_width // head_dim // run.tp_split_ways or 1
+    if layout.cp_style == "all_to_all":
+        kv_heads *= kv_repeats(kv_heads, layout.cp)
+    return cp_traffic(
+        layout.cp_style,
+        layout.cp,
+        shape.n_layers,
+        (accum * (2 if recompute else 1), accum),
+        cfg.train.micro_batch_size * shape.seq_len / layout.cp,
+        (shape.d_model // run.tp_split_ways, kv_heads * head_dim),
+        run.policy.compute_dtype.itemsize,
+    )
 
 
 def _stage_share(run: PlannedRun) -> tuple[float, float]:
@@ -142,9 +169,14 @@ def step_time(run: PlannedRun) -> StepTime:
     parts = {
         "compute": compute,
         "tp": sum(t.bytes_per_step for t in traffic if t.axis == "tp") / NVLINK_BYTES_S,
-        "dp": sum(t.bytes_per_step for t in traffic if t.axis != "tp") / NETWORK_BYTES_S,
+        "dp": sum(t.bytes_per_step for t in traffic if t.axis not in ("tp", "cp"))
+        / NETWORK_BYTES_S,
         "p2p": p2p_bytes(run) / NETWORK_BYTES_S,
     }
+    if layout.cp > 1:  # inside a node when its tp x cp ranks fit one
+        moved = sum(t.bytes_per_step for t in traffic if t.axis == "cp")
+        node = layout.tp * layout.cp <= GPUS_PER_NODE
+        parts["cp"] = moved / (NVLINK_BYTES_S if node else NETWORK_BYTES_S)
     if layout.ep > 1:
         moved = all_to_all_bytes(
             cfg.model,

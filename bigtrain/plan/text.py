@@ -43,7 +43,7 @@ def parse_bytes(text: str) -> int:
 def activation_lines(run: PlannedRun, gpu_memory: int | None) -> list[str]:
     """Activations per sequence under each checkpointing mode and, with `gpu_memory`, the
     largest micro-batch that fits beside the states (per tp rank where tp splits them)."""
-    shape, policy, tp_split = run.shape, run.policy, run.tp_split_ways
+    shape, policy, split = run.shape, run.policy, run.activation_split
     c = policy.compute_dtype.itemsize
     residual = residual_bytes(run.backend, policy)
     attention = (
@@ -55,15 +55,15 @@ def activation_lines(run: PlannedRun, gpu_memory: int | None) -> list[str]:
         "",
         f"activations per sequence of {shape.seq_len} tokens ({dtype_name(policy.compute_dtype)}, "
         f"{attention}; residual stream {'compute dtype' if residual == c else 'fp32'}"
-        + (f"; per tp rank, split {tp_split} ways" if tp_split > 1 else "")
+        + (f"; per rank, split {split} ways ({_split_axes(run)})" if split > 1 else "")
         + ("; all blocks: a pipeline rank's are in the table above" if run.layout.pp > 1 else "")
         + "):",
         f"  {'checkpointing':<14} {'kept':>10} {'transient':>10} {'per sequence':>13}",
     ]
     for mode in CHECKPOINTING:
         a = activation_bytes_per_token(shape, mode, c, residual, policy.fp32_softmax)
-        kept = (a["layers"] + a["head"]) * shape.seq_len / tp_split
-        transient = a["transient"] * shape.seq_len / tp_split
+        kept = (a["layers"] + a["head"]) * shape.seq_len / split
+        transient = a["transient"] * shape.seq_len / split
         lines.append(
             f"  {mode:<14} {fmt_bytes(kept):>10} {fmt_bytes(transient):>10} "
             f"{fmt_bytes(kept + transient):>13}"
@@ -71,6 +71,12 @@ def activation_lines(run: PlannedRun, gpu_memory: int | None) -> list[str]:
     if gpu_memory is None:
         return lines
     return lines + _fit_lines(run, gpu_memory)
+
+
+def _split_axes(run: PlannedRun) -> str:
+    """Which axes split a sequence's activations: `tp 2 x cp 4`."""
+    axes = [("tp", run.tp_split_ways), ("cp", run.layout.cp)]
+    return " x ".join(f"{name} {n}" for name, n in axes if n > 1)
 
 
 def _fit_lines(run: PlannedRun, gpu_memory: int) -> list[str]:

@@ -36,20 +36,22 @@ def reference_attention(q, k, v, documents=None):
     )
 
 
-def _inputs(dtype=torch.float32, kv_heads=2, seq=32, documents=True):
+def _inputs(dtype=torch.float32, kv_heads=2, seq=32, documents=True, device="cpu", dim=8):
     torch.manual_seed(0)
-    q = torch.randn(2, 4, seq, 8, dtype=dtype)
-    k, v = (torch.randn(2, kv_heads, seq, 8, dtype=dtype) for _ in range(2))
-    grad = torch.randn(2, 4, seq, 8, dtype=dtype)
-    # documents of 5, 20 and 7 tokens (boundaries inside chunks), and one whole sequence
+    q = torch.randn(2, 4, seq, dim, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, seq, dim, dtype=dtype) for _ in range(2))
+    grad = torch.randn(2, 4, seq, dim, dtype=dtype)
+    # documents of 5, 20 and the rest (boundaries inside chunks), and one whole sequence
     docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * (seq - 25), [0] * seq]) if documents else None
-    return q, k, v, grad, docs
+    return [t if t is None else t.to(device) for t in (q, k, v, grad, docs)]
 
 
-def attention_errors(split: ContextSplit, dtype, kv_heads, documents) -> list[float]:
+def attention_errors(
+    split: ContextSplit, dtype, kv_heads, documents, device="cpu", seq=32, dim=8
+) -> list[float]:
     """Largest differences of this rank's output and q, k, v gradients from SDPA over the whole
     sequence (each rank computes the reference itself from the same seed)."""
-    q, k, v, grad, docs = _inputs(dtype, kv_heads, documents=documents)
+    q, k, v, grad, docs = _inputs(dtype, kv_heads, seq, documents, device, dim)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     out = reference_attention(*whole, docs)
     (out * grad).sum().backward()
@@ -107,6 +109,21 @@ def test_a_ring_of_one_rank_merges_its_chunks_like_sdpa(dtype):
     split = ContextSplit(1, 0, "ring")
     errors = attention_errors(split, dtype, 2, documents=True)
     assert max(errors) < (1e-5 if dtype == torch.float32 else 0.04), errors
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (bench/gpu.sh runs it); the CUDA kernels' shapes are tested on "
+    "meta tensors below",
+)
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_ring_of_one_rank_on_cuda_merges_like_sdpa(documents):
+    """The CUDA kernels (flash without a mask, memory-efficient with the document mask) in the
+    ring's blocks and backward, against SDPA on the GPU, BF16, 1000-token chunks."""
+    split = ContextSplit(1, 0, "ring")
+    errors = attention_errors(split, torch.bfloat16, 2, documents, "cuda", seq=2000, dim=64)
+    assert max(errors) < 0.05, errors
 
 
 @pytest.mark.unit
@@ -198,6 +215,8 @@ def test_layout_puts_cp_between_shard_and_tp():
         (["parallel.cp_style=ulysses"], "'parallel.cp_style' got 'ulysses'"),
         (["parallel.context_parallel=0"], "'parallel.context_parallel' got 0"),
         (["parallel.pipeline_parallel=2"], "not combined with parallel.pipeline_parallel=2"),
+        (["parallel.tensor_parallel=4", "model.seq_len=24"],
+         "must divide the tokens each cp rank holds (model.seq_len 24 / parallel.context_parallel 4)"),
     ],
 )  # fmt: skip
 def test_context_keys_that_cannot_work_name_the_key(overrides, key):
@@ -225,8 +244,8 @@ def _eval(result: dict) -> dict[int, float]:
 def runs(tmp_path_factory, corpus_files, cache_dir):
     """Llama style (rope, grouped kv, documents, MoE) by a ring of 2, stopped at step 4 and
     resumed on one process, with a NaN drill on cp rank 1 at step 3; GPT-2 style (learned
-    positions) by one process to step 4 and resumed on an all-to-all of 2 with evaluations and
-    samples; each against one process that never changed."""
+    positions) by one process to step 4 and resumed on an all-to-all of 2 x tp 2 (4 ranks) with
+    evaluations and samples; each against one process that never changed."""
     tmp = tmp_path_factory.mktemp("context")
 
     def args(name, *extra):
@@ -238,11 +257,17 @@ def runs(tmp_path_factory, corpus_files, cache_dir):
     ring = [*args("ring", *llama), "drill.rank=1"]
     out["ring"] = run_distributed(train_run, 2, [*ring, *cp2, "train.stop_at_step=4"])
     out["ring_resumed"] = train_run(ring)
-    evals = ("train.eval_every=4", "eval.sample_every=4", "eval.sample_max_new_tokens=8")
+    evals = (
+        "model.n_heads=4",  # one head per rank of tp 2 x cp 2
+        "train.eval_every=4",
+        "eval.sample_every=4",
+        "eval.sample_max_new_tokens=8",
+    )
     out["gpt2"] = train_run(args("gpt2", *evals))
     a2a = args("a2a", *evals)
     out["a2a_first"] = train_run([*a2a, "train.stop_at_step=4"])
-    out["a2a"] = run_distributed(train_run, 2, [*a2a, *cp2, "parallel.cp_style=all_to_all"])
+    tp2 = ("parallel.tensor_parallel=2", "parallel.cp_style=all_to_all")
+    out["a2a"] = run_distributed(train_run, 4, [*a2a, *cp2, *tp2])
     return out
 
 
@@ -266,14 +291,14 @@ def test_a_ring_of_two_trains_like_one_process_and_resumes_on_one(runs):
 
 
 @pytest.mark.distributed
-def test_an_all_to_all_of_two_resumes_a_one_process_run_and_evaluates_like_it(runs):
+def test_an_all_to_all_of_two_with_tp_resumes_a_one_process_run_and_evaluates_like_it(runs):
     reference, ranks = runs["gpt2"], runs["a2a"]
     ref = _losses(reference)
     assert sorted(_losses(ranks[0])) == list(range(1, 9))  # 1-4 by one process, 5-8 by cp
     for step in range(5, 9):
         assert _losses(ranks[0])[step] == pytest.approx(ref[step], rel=1e-5), step
     assert _eval(ranks[0])[8] == pytest.approx(_eval(reference)[8], rel=1e-5)
-    assert ranks[0]["final"]["fingerprint"] == ranks[1]["final"]["fingerprint"]
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1
     # greedy samples from logits gathered over the cp ranks: the same tokens as one process
     made = [read_jsonl(runs["dir"] / name / "samples.jsonl") for name in ("a2a", "gpt2")]
     assert [s["step"] for s in made[0]] == [4, 8]  # step 4 by the first, one-process part

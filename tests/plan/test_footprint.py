@@ -343,7 +343,7 @@ def test_the_gpt_plan_counts_vocabulary_and_sequence_parallel_traffic():
     assert traffic[0].bytes_per_step == 2 * 27 * 500.0
     split = plan_text(planned(cfg, 4, CPU))
     whole = plan_text(planned(load_config([], overrides), 2, CPU))  # the same data-parallel size
-    assert "per tp rank, split 2 ways" in split
+    assert "per rank, split 2 ways (tp 2)" in split
 
     def kept_without_checkpointing(text: str) -> float:
         row = next(line for line in text.splitlines() if line.strip().startswith("none "))

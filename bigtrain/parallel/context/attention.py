@@ -296,4 +296,4 @@ def apply_context_parallel(model: torch.nn.Module, split: ContextSplit) -> None:
         if isinstance(module, CausalSelfAttention):
             module.context = ContextAttention(split)
         elif isinstance(module, MoE):  # its load-balancing loss counts the whole sequences
-            module.sequence = split
+            module.sequence = (split.group, split.degree)

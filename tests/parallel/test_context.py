@@ -3,6 +3,8 @@ them by a ring or by all-to-all, trained against one process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from bigtrain.parallel.context.attention import ContextAttention, _pairs, kv_rep
 from bigtrain.parallel.context.split import ContextSplit
 from bigtrain.parallel.layout import Layout
 from bigtrain.store.rundir import read_jsonl
+from tests.conftest import run_cli
 from tests.distributed import by_step, mesh_run_args, run_distributed, train_run
 
 LLAMA = (
@@ -288,6 +291,14 @@ def test_a_ring_of_two_trains_like_one_process_and_resumes_on_one(runs):
         rollback = next(e for e in r["events"] if e["kind"] == "rollback")
         assert (rollback["from_step"], rollback["to_step"]) == (3, expected["to_step"])
     assert ranks[0]["final"] == ranks[1]["final"] == {"step": 4, "stopped": True}
+    # the ring's own checkpoint exports to Hugging Face (a Mixtral: every block MoE) with equal
+    # logits, and generates
+    written = runs["dir"] / "ring" / "checkpoints" / "step_00000004"
+    exported = run_cli("export", str(written), "--hf", str(runs["dir"] / "hf"), "--check")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert json.loads(exported.stdout.strip().splitlines()[-1])["check"]["ok"]
+    generated = run_cli("generate", str(written), "--prompt", "ROMEO:", "--max-new-tokens", "4")
+    assert generated.returncode == 0 and generated.stdout.strip(), generated.stderr[-2000:]
 
 
 @pytest.mark.distributed

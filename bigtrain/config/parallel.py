@@ -126,6 +126,8 @@ def check_parallel(p: ParallelConfig, m: ModelConfig) -> None:
 
 
 CP_STYLES = ("ring", "all_to_all")
+CP_HF_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""transformers model types split by sequence (parallel/context/hf.py's HF_TYPES)."""
 
 
 def check_context(p: ParallelConfig, m: ModelConfig) -> None:
@@ -152,10 +154,18 @@ def check_context(p: ParallelConfig, m: ModelConfig) -> None:
             f"key 'parallel.context_parallel' ({cp}) needs parallel.backend=fsdp (the cp ranks "
             f"share one model copy), got parallel.backend={p.backend}"
         )
-    if m.kind != "gpt":
+    model_type = (m.hf_config or {}).get("model_type") if m.kind == "hf" else None
+    if model_type is not None and model_type not in CP_HF_TYPES:
         raise ConfigError(
-            f"key 'parallel.context_parallel' ({cp}) needs bigtrain's GPT (model.kind=gpt): "
-            "transformers models are not split by sequence yet"
+            f"key 'parallel.context_parallel' ({cp}): model.kind=hf with model_type "
+            f"{model_type!r} is not split by sequence (supported: {', '.join(CP_HF_TYPES)}, "
+            "and bigtrain's GPT)"
+        )
+    if m.kind == "hf" and p.pipeline_parallel > 1:
+        raise ConfigError(
+            f"key 'parallel.context_parallel' ({cp}) with parallel.pipeline_parallel="
+            f"{p.pipeline_parallel}: a transformers model's pipeline stages are not split by "
+            "sequence yet (bigtrain's GPT's are)"
         )
     pieces = 2 * cp if p.cp_style == "ring" else cp
     if m.seq_len % pieces:
@@ -183,16 +193,12 @@ def check_context(p: ParallelConfig, m: ModelConfig) -> None:
             f"rank holds (model.seq_len {m.seq_len} / parallel.context_parallel {cp}): "
             "sequence parallelism splits them over the tp ranks"
         )
-    others = {
-        "parallel.pipeline_parallel": p.pipeline_parallel,
-        "parallel.expert_parallel": p.expert_parallel,
-    }
-    taken = [f"{key}={value}" for key, value in others.items() if value > 1]
-    if taken:
+    if p.expert_parallel > 1:
         raise ConfigError(
-            f"key 'parallel.context_parallel' ({cp}) is not combined with {', '.join(taken)} "
-            "yet: context parallelism runs beside FSDP2/HSDP over the data ranks and tensor "
-            "parallelism"
+            f"key 'parallel.context_parallel' ({cp}) is not combined with "
+            f"parallel.expert_parallel={p.expert_parallel} yet: context parallelism runs beside "
+            "FSDP2/HSDP over the data ranks, tensor parallelism and pipeline stages; MoE blocks "
+            "keep their experts on every rank (sharded by FSDP2)"
         )
 
 

@@ -27,7 +27,9 @@ from bigtrain.utils.tensors import autocast_off
 
 class SequenceChunks(Protocol):
     """What the GPT asks of context parallelism (parallel/context/split.py's ContextSplit): this
-    rank's chunks of a tensor holding whole sequences along `dim`."""
+    rank's chunks of a tensor holding whole sequences along `dim`, and their number."""
+
+    degree: int
 
     def local(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
 
@@ -340,6 +342,8 @@ class GPT(nn.Module):
         stage (takes_tokens, gives_logits) takes or gives hidden states (batch, seq, d_model)
         instead, and runs its own blocks only."""
         seq = idx.shape[1] * (1 if self.takes_tokens else self.hidden_seq_shards)
+        if self.context is not None and not self.takes_tokens:
+            seq *= self.context.degree  # a later stage's hidden states: this rank's chunks
         start = cache.length if cache is not None else 0
         if start + seq > self.cfg.seq_len:
             raise ValueError(
@@ -347,7 +351,9 @@ class GPT(nn.Module):
             )
         positions, mask = self._positions_and_mask(idx, seq, cache)
         if self.context is not None:  # this rank's chunks, at their true positions
-            idx, positions = self.context.local(idx), self.context.local(positions, dim=-1)
+            positions = self.context.local(positions, dim=-1)
+            if self.takes_tokens:
+                idx = self.context.local(idx)
         x = self._embed(idx, positions) if self.takes_tokens else idx
         rope = None
         if self.cfg.position == "rope" and self.context is not None and positions.dim() == 1:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import SequenceChunks
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -25,9 +26,17 @@ class HFCausalLM(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.hf = model
+        self.context: SequenceChunks | None = None
+        """Set by context parallelism (parallel/context/hf.py): forward takes whole sequences
+        and feeds transformers this rank's chunks of them with their true position ids."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx, use_cache=False).logits
+        if self.context is None:
+            return self.hf(input_ids=idx, use_cache=False).logits
+        positions = self.context.local(torch.arange(idx.shape[1], device=idx.device), dim=0)
+        return self.hf(
+            input_ids=self.context.local(idx), position_ids=positions.unsqueeze(0), use_cache=False
+        ).logits
 
 
 def build_hf(

@@ -35,7 +35,7 @@ from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.backends.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.backends.local import LocalBackend
-from bigtrain.parallel.context.attention import apply_context_parallel
+from bigtrain.parallel.context.apply import apply_context_parallel
 from bigtrain.parallel.experts import apply_expert_parallel
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import materialize

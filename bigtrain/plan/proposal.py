@@ -3,8 +3,7 @@ each loses, and the one proposed.
 
 Every layout is FSDP2 over tp 1, 2, 4 or 8 (inside a node) x cp context-parallel ranks (for long
 sequences: a power of two that leaves each rank at least MIN_CP_TOKENS of a sequence; the style,
-ring or all_to_all, whose modelled step is shorter; for now without stages, which a run does
-not combine with it yet) x P pipeline stages (a power of two up to the
+ring or all_to_all, whose modelled step is shorter) x P pipeline stages (a power of two up to the
 blocks) x data-parallel ranks, each data-parallel rank taking its share of the global batch
 in one pipeline step of one sequence per micro-batch (interleaved 1F1B with as many chunks per
 rank as the blocks allow where the micro-batches are a multiple of P, else 1F1B). Each is the
@@ -26,7 +25,7 @@ from bigtrain.plan.stages import rank_loads, step_bubble
 from bigtrain.plan.step_time import assumptions, step_time
 
 MAX_BUBBLE = 0.25
-MIN_CP_TOKENS = 4096
+MIN_CP_TOKENS = 8192
 """A context-parallel candidate leaves each rank at least this many tokens of a sequence: below
 it attention is a small part of the step and cp's sends are not worth proposing."""
 
@@ -106,8 +105,6 @@ def candidates(run: PlannedRun, world_size: int, gpu_memory: int) -> list[Candid
                     why = f"{dp} data-parallel ranks do not divide the global batch of {seqs}"
                     out.append(Candidate(tp, cp, "ring", pp, dp, 1, 0, 1.0, 0.0, 0.0, {}, why))
                     continue
-                if cp > 1 and pp > 1:
-                    continue  # not combined yet (config/parallel.py's check_context)
                 styles = [_candidate(run, world_size, gpu_memory, tp, cp, s, pp, dp, per_rank)
                           for s in (("ring", "all_to_all") if cp > 1 else ("ring",))]  # fmt: skip
                 working = [c for c in styles if c.parts] or styles

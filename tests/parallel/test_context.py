@@ -18,6 +18,9 @@ from bigtrain.parallel.layout import Layout
 from bigtrain.store.rundir import read_jsonl
 from tests.conftest import run_cli
 from tests.distributed import by_step, mesh_run_args, run_distributed, train_run
+from tests.models import HF_LLAMA
+
+HF = ("model.kind=hf", HF_LLAMA)
 
 LLAMA = (
     "model.position=rope",
@@ -217,7 +220,10 @@ def test_layout_puts_cp_between_shard_and_tp():
         (["model.dropout=0.1"], "'model.dropout' (0.1) must be 0"),
         (["parallel.cp_style=ulysses"], "'parallel.cp_style' got 'ulysses'"),
         (["parallel.context_parallel=0"], "'parallel.context_parallel' got 0"),
-        (["parallel.pipeline_parallel=2"], "not combined with parallel.pipeline_parallel=2"),
+        (["model.kind=hf", "model.hf_config={model_type: gpt2}"],
+         "model_type 'gpt2' is not split by sequence (supported: llama"),
+        (["parallel.expert_parallel=2", "model.moe.experts=4"],
+         "not combined with parallel.expert_parallel=2"),
         (["parallel.tensor_parallel=4", "model.seq_len=24"],
          "must divide the tokens each cp rank holds (model.seq_len 24 / parallel.context_parallel 4)"),
     ],
@@ -314,3 +320,25 @@ def test_an_all_to_all_of_two_with_tp_resumes_a_one_process_run_and_evaluates_li
     made = [read_jsonl(runs["dir"] / name / "samples.jsonl") for name in ("a2a", "gpt2")]
     assert [s["step"] for s in made[0]] == [4, 8]  # step 4 by the first, one-process part
     assert made[0][-1]["tokens"] == made[1][-1]["tokens"] and len(made[0][-1]["tokens"]) > 0
+
+
+@pytest.mark.distributed
+def test_a_transformers_llama_trains_by_ring_and_all_to_all_like_one_process(
+    tmp_path, corpus_files, cache_dir
+):
+    """transformers' Llama through its attention registry: each style of 2 cp ranks follows one
+    process within 1e-5 per step (FP32), position ids true, grouped key/value heads."""
+
+    def args(name, *extra):
+        return mesh_run_args(
+            tmp_path, name, corpus_files, cache_dir, "train.max_steps=4", *HF, *extra
+        )
+
+    reference = _losses(train_run(args("one")))
+    for style in ("ring", "all_to_all"):
+        cp2 = ("parallel.backend=fsdp", "parallel.context_parallel=2", f"parallel.cp_style={style}")
+        ranks = run_distributed(train_run, 2, args(style, *cp2))
+        for step, loss in _losses(ranks[0]).items():
+            assert loss == pytest.approx(reference[step], rel=1e-5), (style, step)
+        assert len(_losses(ranks[0])) == 4
+        assert ranks[0]["final"]["fingerprint"] == ranks[1]["final"]["fingerprint"]

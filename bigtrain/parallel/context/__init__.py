@@ -9,4 +9,7 @@ attention.py  attention over the whole sequence from a rank's chunk: `ring` (key
               `all_to_all` (DeepSpeed-Ulysses: heads split, sequence gathered).
 kernels.py    the attention kernels that return a log-sum-exp: the CPU flash kernel, and SDPA's
               flash and memory-efficient kernels on CUDA.
+hf.py         the same attention in transformers' Llama-family models, through transformers'
+              attention-function registry.
+apply.py      `apply_context_parallel`: a built model pointed at its cp ranks (parallelize()).
 """

@@ -281,19 +281,3 @@ def all_to_all_attention(
         enable_gqa=kh.shape[1] != qh.shape[1],
     )
     return _HeadsToSeq.apply(y, split)
-
-
-def apply_context_parallel(model: torch.nn.Module, split: ContextSplit) -> None:
-    """Point bigtrain's GPT and each of its attention layers at the cp ranks: the model keeps
-    its chunks of each sequence, the attention crosses the ranks, and each MoE layer's
-    load-balancing loss counts the loads of the whole sequences."""
-    from bigtrain.model.gpt import GPT, CausalSelfAttention
-    from bigtrain.model.moe import MoE
-
-    assert isinstance(model, GPT), "config/parallel.py's check_context allows the GPT only"
-    model.context = split
-    for module in model.modules():
-        if isinstance(module, CausalSelfAttention):
-            module.context = ContextAttention(split)
-        elif isinstance(module, MoE):  # its load-balancing loss counts the whole sequences
-            module.sequence = (split.group, split.degree)

@@ -342,3 +342,28 @@ def test_a_transformers_llama_trains_by_ring_and_all_to_all_like_one_process(
             assert loss == pytest.approx(reference[step], rel=1e-5), (style, step)
         assert len(_losses(ranks[0])) == 4
         assert ranks[0]["final"]["fingerprint"] == ranks[1]["final"]["fingerprint"]
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_of_two_cp_ranks_train_like_one_process(tmp_path, corpus_files, cache_dir):
+    """pp 2 x cp 2 (4 ranks, 1F1B, a ring): the second stage's hidden states are its cp rank's
+    chunks and its rotary positions come from the split; losses equal one process's within
+    1e-5 (FP32), and every rank ends with the same weights."""
+
+    def args(name, *extra):
+        return mesh_run_args(
+            tmp_path, name, corpus_files, cache_dir, "train.max_steps=4", *LLAMA, *extra
+        )
+
+    reference = _losses(train_run(args("one")))
+    stages = (
+        "parallel.pipeline_parallel=2",
+        "parallel.backend=fsdp",
+        "parallel.context_parallel=2",
+    )
+    ranks = run_distributed(train_run, 4, args("pp2cp2", *stages))
+    losses = next(_losses(r) for r in ranks if _losses(r))
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1

@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.scaling import BASE as TIMED  # noqa: E402
 from bigtrain.build import build_trainer  # noqa: E402
 from bigtrain.config import load_config  # noqa: E402
 from bigtrain.errors import ConfigError  # noqa: E402
@@ -43,16 +44,13 @@ from bigtrain.parallel.env import read_env, shutdown  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 BASE = [
-    "wandb.mode=disabled",
-    "train.progress=false",
-    "train.eval_every=0",
-    "checkpoint.every=-1",
-    "train.max_steps=100000",
+    *TIMED,
     "train.micro_batch_size=1",
     "train.grad_accum_steps=1",
     "eval.sample_every=0",
 ]
-"""One sequence a step, no evaluation, checkpoints or sinks, no end in sight."""
+"""A timed run's overrides (no sinks, evaluation or checkpoints, no end in sight), one sequence a
+step."""
 
 
 def _rss_bytes() -> int:

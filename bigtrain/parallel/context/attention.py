@@ -228,26 +228,18 @@ def _heads_to_seq(y: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     return _exchange(parts.contiguous(), split).transpose(0, 1).reshape(b, -1, s // split.degree, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """_seq_to_heads (`to_heads`) or _heads_to_seq, each the other's backward."""
+
     @staticmethod
-    def forward(ctx, x, split: ContextSplit):
-        ctx.split = split
-        return _seq_to_heads(x, split)
+    def forward(ctx, x, split: ContextSplit, to_heads: bool):
+        ctx.split, ctx.to_heads = split, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, split)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.split), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, split: ContextSplit):
-        ctx.split = split
-        return _heads_to_seq(y, split)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.split), None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad.contiguous(), ctx.split), None, None
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
@@ -266,7 +258,7 @@ def all_to_all_attention(
 ) -> torch.Tensor:
     repeats = kv_repeats(k.shape[1], split.degree)
     k, v = _repeat(k, repeats), _repeat(v, repeats)
-    qh, kh, vh = (_SeqToHeads.apply(t, split) for t in (q, k, v))
+    qh, kh, vh = (_Exchange.apply(t, split, True) for t in (q, k, v))
     mask = None
     if documents is not None:
         same = documents.unsqueeze(2) == documents.unsqueeze(1)
@@ -280,4 +272,4 @@ def all_to_all_attention(
         scale=scale,
         enable_gqa=kh.shape[1] != qh.shape[1],
     )
-    return _HeadsToSeq.apply(y, split)
+    return _Exchange.apply(y, split, False)

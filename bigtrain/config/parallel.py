@@ -193,13 +193,6 @@ def check_context(p: ParallelConfig, m: ModelConfig) -> None:
             f"rank holds (model.seq_len {m.seq_len} / parallel.context_parallel {cp}): "
             "sequence parallelism splits them over the tp ranks"
         )
-    if p.expert_parallel > 1:
-        raise ConfigError(
-            f"key 'parallel.context_parallel' ({cp}) is not combined with "
-            f"parallel.expert_parallel={p.expert_parallel} yet: context parallelism runs beside "
-            "FSDP2/HSDP over the data ranks, tensor parallelism and pipeline stages; MoE blocks "
-            "keep their experts on every rank (sharded by FSDP2)"
-        )
 
 
 def check_experts(p: ParallelConfig, m: ModelConfig) -> None:

@@ -311,10 +311,27 @@ class Layout:
                 sizes = (self.replicate, self.shard * self.cp)
                 sharded = sharded._unflatten(0, sizes, ("replicate", "shard_cp"))
         experts = None
-        if self.ep > 1:  # within a stage: the experts' DTensors never span pipeline ranks
+        if self.ep > 1 and self.cp > 1:
+            experts = self._experts_across_cp(device_type)
+        elif self.ep > 1:  # within a stage: the experts' DTensors never span pipeline ranks
             stage = mesh[self.mesh_axes] if self.pp > 1 else mesh
             experts = stage._unflatten("shard", (self.shard // self.ep, self.ep), ("edp", "ep"))
         return dataclasses.replace(self, mesh=mesh, expert_mesh=experts, sharded_mesh=sharded)
+
+    def _experts_across_cp(self, device_type: str) -> DeviceMesh:
+        """The expert mesh under context parallelism: (replicate, edp, cp, ep). An ep group is a
+        run of shard ranks that hold the same chunks (one cp coordinate), so in rank order ep
+        lies between edp and cp; FSDP2 flattens its data-parallel shard dims (edp, cp) only
+        when they are adjacent, so the mesh is built from the ranks permuted (a collective,
+        over every stage's ranks; this rank keeps its stage's part)."""
+        edp = self.shard // self.ep
+        ranks = torch.arange(self.world_size).reshape(
+            self.pp, self.replicate, edp, self.ep, self.cp
+        )
+        names = ("pp", "replicate", "edp", "cp", "ep")
+        mesh = DeviceMesh(device_type, ranks.permute(0, 1, 2, 4, 3), mesh_dim_names=names)
+        keep = names[1:] if self.replicate > 1 else names[2:]
+        return mesh[keep]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's `axis` (None where the axis has one rank, or in a
@@ -340,9 +357,11 @@ class Layout:
         return ContextSplit(self.cp, self.coord("cp"), self.cp_style, self.group("cp"))
 
     @property
-    def expert_dp_dims(self) -> tuple[str | None, str]:
-        """The expert mesh's (replicate, shard) data-parallel dimension names for FSDP2."""
-        return ("replicate" if self.replicate > 1 else None), "edp"
+    def expert_dp_dims(self) -> tuple[str | None, str | tuple[str, str]]:
+        """The expert mesh's (replicate, shard) data-parallel dimension names for FSDP2: edp,
+        and the cp ranks beside it (FSDP2 flattens the two)."""
+        shard = ("edp", "cp") if self.cp > 1 else "edp"
+        return ("replicate" if self.replicate > 1 else None), shard
 
     @property
     def tp_mesh(self) -> DeviceMesh:

@@ -68,7 +68,7 @@ def expert_traffic(
     of the model), and the experts' own FSDP2 traffic over edp (each rank's experts / ep)."""
     if count is None or layout.ep == 1:
         return (count.total if count else 0), []
-    held, edp = count.experts / layout.ep, layout.shard // layout.ep
+    held, edp = count.experts / layout.ep, layout.shard_ranks // layout.ep
     return count.total - count.experts, [
         AxisTraffic(
             "edp", edp, f"all-gather x {gathers}", gathers * ring_bytes(held, edp, gathered)

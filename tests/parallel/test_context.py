@@ -222,8 +222,6 @@ def test_layout_puts_cp_between_shard_and_tp():
         (["parallel.context_parallel=0"], "'parallel.context_parallel' got 0"),
         (["model.kind=hf", "model.hf_config={model_type: gpt2}"],
          "model_type 'gpt2' is not split by sequence (supported: llama"),
-        (["parallel.expert_parallel=2", "model.moe.experts=4"],
-         "not combined with parallel.expert_parallel=2"),
         (["parallel.tensor_parallel=4", "model.seq_len=24"],
          "must divide the tokens each cp rank holds (model.seq_len 24 / parallel.context_parallel 4)"),
     ],
@@ -365,5 +363,28 @@ def test_pipeline_stages_of_two_cp_ranks_train_like_one_process(tmp_path, corpus
     losses = next(_losses(r) for r in ranks if _losses(r))
     assert sorted(losses) == [1, 2, 3, 4]
     for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1
+
+
+@pytest.mark.distributed
+def test_experts_split_over_ep_ranks_of_each_chunk_train_like_one_process(
+    tmp_path, corpus_files, cache_dir
+):
+    """ep 2 x cp 2 (4 ranks): an ep group is the shard ranks holding the same chunks, and the
+    experts are FSDP2-sharded over edp x cp (a mesh built from the ranks permuted); losses
+    equal one process's within 1e-5 (FP32), every rank ends with the same weights."""
+
+    def args(name, *extra):
+        return mesh_run_args(
+            tmp_path, name, corpus_files, cache_dir, "train.max_steps=4", "model.moe.experts=4",
+            *extra,
+        )  # fmt: skip
+
+    reference = _losses(train_run(args("one")))
+    split = ("parallel.backend=fsdp", "parallel.expert_parallel=2", "parallel.context_parallel=2")
+    ranks = run_distributed(train_run, 4, args("ep2cp2", *split))
+    assert sorted(_losses(ranks[0])) == [1, 2, 3, 4]
+    for step, loss in _losses(ranks[0]).items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
     assert len({r["final"]["fingerprint"] for r in ranks}) == 1

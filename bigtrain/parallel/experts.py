@@ -50,7 +50,8 @@ def apply_expert_parallel(
         # over their own tokens)
         ranks = layout.replicate * layout.shard_ranks
         experts.set_gradient_divide_factor(float(ranks))  # type: ignore[operator]
-        if layout.cp > 1 and dist.get_backend() == "gloo":
-            # the flattened (edp, cp) group is not the factor: PREMUL_SUM, which gloo lacks
+        if layout.shard_ranks > layout.ep and dist.get_backend() == "gloo":
+            # FSDP2 scales by 1 / factor in the reduce-scatter over edp (x cp) when that group's
+            # size is not the factor: PREMUL_SUM, which gloo lacks; sum, then divide
             experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         layer.ep_group = mesh.get_group("ep")

@@ -188,3 +188,25 @@ def test_moe_blocks_in_pipeline_stages_follow_one_process(tmp_path, corpus_files
         loads = by_step(result, "moe_layer_load")[8]
         assert set(loads) == {"blocks.0", "blocks.1"}
         assert all(sum(shares) == pytest.approx(1.0, abs=1e-3) for shares in loads.values())
+
+
+def test_experts_sharded_over_two_data_ranks_each_train_like_one_process(
+    tmp_path, corpus_files, cache_dir
+):
+    """shard 4, ep 2: each expert is FSDP2-sharded over 2 data ranks (edp 2), whose reduction's
+    factor (every data rank of the job) is not its group's size; on gloo, which has no
+    PREMUL_SUM, it sums and then divides. Losses equal one process's within 1e-5 (FP32)."""
+
+    def args(name, *extra):
+        return mesh_run_args(
+            tmp_path, name, corpus_files, cache_dir, "train.max_steps=4",
+            "model.moe.experts=4", "train.micro_batch_size=4", *extra,
+        )  # fmt: skip
+
+    reference = by_step(train_run(args("one")), "loss")
+    ranks = run_distributed(train_run, 4, args("edp2", *MOE, "parallel.expert_parallel=2"))
+    losses = by_step(ranks[0], "loss")
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert len({r["final"]["fingerprint"] for r in ranks}) == 1

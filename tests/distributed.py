@@ -11,6 +11,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -46,10 +47,33 @@ def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600):
+PORT_TAKEN = "EADDRINUSE"
+"""In a rank's error: its rendezvous port was taken between free_port() and the store's bind (by
+another test's process): the launch is tried again on a new port."""
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600, attempts: int = 3):
     # Ranks fork from a server that imported torch, bigtrain and DeepSpeed once (forkserver: the
     # server itself never ran a thread or an OpenMP region, so forking it is safe).
     multiprocessing.set_forkserver_preload(["tests.distributed_preload"])
+    for attempt in range(1, attempts + 1):
+        outcomes = _launch(fn, world_size, args, timeout)
+        errors = [
+            f"rank {rank} failed:\n{value}"
+            for rank, (status, value) in enumerate(outcomes)
+            if status == "error"
+        ]
+        if errors and attempt < attempts and any(PORT_TAKEN in e for e in errors):
+            continue
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [value for _, value in outcomes]
+    raise AssertionError("unreachable")
+
+
+def _launch(fn, world_size: int, args: tuple, timeout: float) -> list[tuple[str, object]]:
+    """Every rank's (status, value). A rank that fails ends the others at once (they would wait
+    for it in their next collective until the process-group timeout)."""
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker,
@@ -58,19 +82,45 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
             join=False,
             start_method="forkserver",
         )
-        while not context.join(timeout=timeout):
-            pass
-        outcomes = [
-            pickle.loads((Path(out_dir) / f"{rank}.pkl").read_bytes()) for rank in range(world_size)
+        results = Path(out_dir)
+        deadline = time.monotonic() + timeout
+        failed = None
+        while failed is None and not _joined(context):
+            failed = next((r for r in range(world_size) if _status(results, r) == "error"), None)
+            if time.monotonic() > deadline:
+                failed = -1
+        if failed is not None:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+        why = {
+            None: "exited without a result (a signal or a crash)",
+            -1: f"timed out ({timeout} s)",
+        }.get(failed, f"ended after rank {failed} failed")
+        return [
+            pickle.loads((results / f"{rank}.pkl").read_bytes())
+            if (results / f"{rank}.pkl").exists()
+            else ("error", why)
+            for rank in range(world_size)
         ]
-        errors = [
-            f"rank {rank} failed:\n{value}"
-            for rank, (status, value) in enumerate(outcomes)
-            if status == "error"
-        ]
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return [value for _, value in outcomes]
+
+
+def _joined(context) -> bool:
+    """Every rank has exited (torch's join, one second at a time; a rank that died by a signal
+    ends the wait as well: its result file says what it knew)."""
+    try:
+        return context.join(timeout=1.0)
+    except mp.ProcessExitedException:
+        return True
+
+
+def _status(results: Path, rank: int) -> str | None:
+    path = results / f"{rank}.pkl"
+    try:
+        return pickle.loads(path.read_bytes())[0] if path.exists() else None
+    except (EOFError, pickle.UnpicklingError):  # still being written
+        return None
 
 
 def train_run(args: list[str]) -> dict:

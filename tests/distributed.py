@@ -52,7 +52,7 @@ PORT_TAKEN = "EADDRINUSE"
 another test's process): the launch is tried again on a new port."""
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600, attempts: int = 3):
+def run_distributed(fn, world_size: int, *args, timeout: float | None = None, attempts: int = 3):
     # Ranks fork from a server that imported torch, bigtrain and DeepSpeed once (forkserver: the
     # server itself never ran a thread or an OpenMP region, so forking it is safe).
     multiprocessing.set_forkserver_preload(["tests.distributed_preload"])
@@ -71,9 +71,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600, attempts: 
     raise AssertionError("unreachable")
 
 
-def _launch(fn, world_size: int, args: tuple, timeout: float) -> list[tuple[str, object]]:
+def _launch(fn, world_size: int, args: tuple, timeout: float | None) -> list[tuple[str, object]]:
     """Every rank's (status, value). A rank that fails ends the others at once (they would wait
-    for it in their next collective until the process-group timeout)."""
+    for it in their next collective until the process-group timeout); so does `timeout` seconds
+    (None: no limit, as for a long benchmark)."""
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _worker,
@@ -83,7 +84,7 @@ def _launch(fn, world_size: int, args: tuple, timeout: float) -> list[tuple[str,
             start_method="forkserver",
         )
         results = Path(out_dir)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout if timeout is not None else float("inf")
         failed = None
         while failed is None and not _joined(context):
             failed = next((r for r in range(world_size) if _status(results, r) == "error"), None)

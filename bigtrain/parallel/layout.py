@@ -350,6 +350,13 @@ class Layout:
             return self.sharded_mesh
         return self.mesh[("replicate", "shard")] if self.replicate > 1 else self.mesh["shard"]
 
+    def own_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a tensor holding whole sequences (dim 1) whose tokens this rank computes:
+        its chunks under context parallelism (the model cut its inputs alike), else all; for
+        the loss's targets, wherever a loss is taken (backends, pipeline stages)."""
+        split = self.context_split()
+        return t if split is None else split.local(t)
+
     def context_split(self) -> ContextSplit | None:
         """This rank's place among the cp ranks of its model copy (None without cp)."""
         if self.cp == 1:

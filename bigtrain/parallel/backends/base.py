@@ -167,13 +167,6 @@ class Backend(abc.ABC):
                 value /= self.layout.loss_ranks
         return value
 
-    def own_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """The targets of the tokens whose logits this rank computes: under context parallelism
-        its chunks of each sequence (parallel/context/split.py; the model cut its inputs the
-        same way), else all of them."""
-        split = self.layout.context_split()
-        return targets if split is None else split.local(targets)
-
     def whole_sequence(self, logits: torch.Tensor) -> torch.Tensor:
         """eval_logits' result over every position: under context parallelism gathered from the
         cp ranks (a collective), else as it is."""
@@ -192,7 +185,7 @@ class Backend(abc.ABC):
         for inputs, targets in batches:
             logits = self.eval_logits(inputs)
             with self.loss_context():
-                total += local_tensor(lm_loss(logits, self.own_targets(targets)))
+                total += local_tensor(lm_loss(logits, self.layout.own_tokens(targets)))
         return self.reduce_mean(total / len(batches))
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -85,7 +85,7 @@ class TorchBackend(Backend):
             with self.autocast():
                 logits = self.model(inputs)
             with self.loss_context():
-                loss = lm_loss(logits, self.own_targets(targets))
+                loss = lm_loss(logits, self.layout.own_tokens(targets))
                 (loss * factor).backward()
         return local_tensor(loss.detach())  # the same value on every tp rank
 

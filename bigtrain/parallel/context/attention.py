@@ -87,10 +87,10 @@ class _Pending:
 
     def __init__(self, tensor: torch.Tensor, split: ContextSplit) -> None:
         self.tensor = tensor.contiguous()
-        self.incoming = torch.empty_like(self.tensor)
-        if split.degree == 1:
+        if split.degree == 1:  # a ring of one: the tensor comes back to itself
             self.incoming, self.requests = self.tensor, []
             return
+        self.incoming = torch.empty_like(self.tensor)
         ops = [
             dist.P2POp(dist.isend, self.tensor, split.peer(1), split.group),
             dist.P2POp(dist.irecv, self.incoming, split.peer(-1), split.group),

@@ -151,12 +151,7 @@ class Pipeline:
     # --- the step ------------------------------------------------------------------------------
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, self._own(targets)) * self._factor
-
-    def _own(self, targets: torch.Tensor) -> torch.Tensor:
-        """The targets of this rank's tokens: its chunks under context parallelism."""
-        split = self.layout.context_split()
-        return targets if split is None else split.local(targets)
+        return lm_loss(logits, self.layout.own_tokens(targets)) * self._factor
 
     def step(
         self,
@@ -226,7 +221,7 @@ class Pipeline:
         if logits is None:
             return torch.zeros((), device=self.device)
         with loss_context():
-            return local_tensor(lm_loss(logits, self._own(targets)))
+            return local_tensor(lm_loss(logits, self.layout.own_tokens(targets)))
 
     @torch.no_grad()
     def logits(

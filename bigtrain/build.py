@@ -45,7 +45,6 @@ from bigtrain.data import (
 from bigtrain.data.read.sources import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.model.gpt import gradient_roles
-from bigtrain.monitor import kernel
 from bigtrain.monitor.fp8 import Fp8Stats
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
@@ -79,6 +78,7 @@ from bigtrain.train.setup import RunSetup, StartPoint
 from bigtrain.utils.clock import StartupClock, last_event_time
 from bigtrain.utils.dist import barrier
 from bigtrain.utils.logs import add_rank_file, rank_log_file, remove_handler
+from bigtrain.utils.triton import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +100,13 @@ def make_monitor(
     """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs;
     with an MoE `model`, its routers' numbers too; with FP8 layers, their statistics."""
     choice = cfg.kernel
-    if choice == "triton" and not kernel.available(device):
+    if choice == "triton" and not triton_available(device):
         raise ConfigError(
             f"key 'monitor.kernel' got 'triton', but Triton cannot launch on {device} "
             "(it needs a CUDA device); use auto or torch"
         )
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
-    use_kernel = use_kernel and kernel.available(device)
+    use_kernel = use_kernel and triton_available(device)
     names, replicas = backend.monitored()
     blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
     routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None

@@ -15,84 +15,83 @@ count is exact. Empty tensors give zeros.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from bigtrain.utils.tables import DeviceTable, chunk_layout
-from bigtrain.utils.triton import program_chunk, tl, triton, triton_available
+from bigtrain.utils.triton_chunk import program_chunk
 
 DEFAULT_CHUNK = 16384  # elements per program (64 KB of FP32): 61K programs for 1B values
 DEFAULT_BLOCK = 2048  # elements per inner iteration of a program
 FOLD_BLOCK = 1024  # chunk partials per iteration of the fold
 
 
-available = triton_available  # Triton runs on this device (CUDA) or in its CPU interpreter
+@triton.jit
+def _chunk_stats(
+    addrs,
+    numels,
+    chunk_tensor,
+    chunk_start,
+    part_max,
+    part_sq,
+    part_bad,
+    DTYPE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    t, start = program_chunk(chunk_tensor, chunk_start)
+    end = tl.minimum(start + CHUNK, tl.load(numels + t))
+    base = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
+    acc_max = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for offset in range(0, CHUNK, BLOCK):
+        idx = start + offset + tl.arange(0, BLOCK)
+        x = tl.load(base + idx, mask=idx < end, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        finite = ax < float("inf")  # False for NaN and +-Inf; masked lanes are 0.0
+        acc_max = tl.maximum(acc_max, tl.where(finite, ax, float("inf")))
+        acc_sq += x * x
+        acc_bad += (~finite).to(tl.int32)
+    tl.store(part_max + c, tl.max(acc_max, axis=0))
+    tl.store(part_sq + c, tl.sum(acc_sq, axis=0))
+    tl.store(part_bad + c, tl.sum(acc_bad, axis=0))
 
 
-if triton is not None:
+@triton.jit
+def _fold_chunks(
+    chunk_begin,
+    part_max,
+    part_sq,
+    part_bad,
+    out,
+    out_index,
+    n_out,
+    NUM_ITERS: tl.constexpr,
+    RBLOCK: tl.constexpr,
+):
+    # NUM_ITERS is a compile-time bound (the largest tensor's chunk count, rounded up to a
+    # power of two): loop bounds loaded from memory break Triton's interpreter (3.6).
+    t = tl.program_id(0)
+    lo = tl.load(chunk_begin + t)
+    hi = tl.load(chunk_begin + t + 1)
+    acc_max = tl.zeros([RBLOCK], dtype=tl.float32)
+    acc_sq = tl.zeros([RBLOCK], dtype=tl.float32)
+    acc_bad = tl.zeros([RBLOCK], dtype=tl.int32)
+    for i in range(0, NUM_ITERS):
+        idx = lo + i * RBLOCK + tl.arange(0, RBLOCK)
+        mask = idx < hi
+        acc_max = tl.maximum(acc_max, tl.load(part_max + idx, mask=mask, other=0.0))
+        acc_sq += tl.load(part_sq + idx, mask=mask, other=0.0)
+        acc_bad += tl.load(part_bad + idx, mask=mask, other=0)
+    dst = tl.load(out_index + t)
+    tl.store(out + dst, tl.max(acc_max, axis=0))
+    tl.store(out + n_out + dst, tl.sum(acc_sq, axis=0))
+    tl.store(out + 2 * n_out + dst, tl.sum(acc_bad, axis=0).to(tl.float32))
 
-    @triton.jit
-    def _chunk_stats(
-        addrs,
-        numels,
-        chunk_tensor,
-        chunk_start,
-        part_max,
-        part_sq,
-        part_bad,
-        DTYPE: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        c = tl.program_id(0)
-        t, start = program_chunk(chunk_tensor, chunk_start)
-        end = tl.minimum(start + CHUNK, tl.load(numels + t))
-        base = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
-        acc_max = tl.zeros([BLOCK], dtype=tl.float32)
-        acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
-        acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for offset in range(0, CHUNK, BLOCK):
-            idx = start + offset + tl.arange(0, BLOCK)
-            x = tl.load(base + idx, mask=idx < end, other=0.0).to(tl.float32)
-            ax = tl.abs(x)
-            finite = ax < float("inf")  # False for NaN and +-Inf; masked lanes are 0.0
-            acc_max = tl.maximum(acc_max, tl.where(finite, ax, float("inf")))
-            acc_sq += x * x
-            acc_bad += (~finite).to(tl.int32)
-        tl.store(part_max + c, tl.max(acc_max, axis=0))
-        tl.store(part_sq + c, tl.sum(acc_sq, axis=0))
-        tl.store(part_bad + c, tl.sum(acc_bad, axis=0))
 
-    @triton.jit
-    def _fold_chunks(
-        chunk_begin,
-        part_max,
-        part_sq,
-        part_bad,
-        out,
-        out_index,
-        n_out,
-        NUM_ITERS: tl.constexpr,
-        RBLOCK: tl.constexpr,
-    ):
-        # NUM_ITERS is a compile-time bound (the largest tensor's chunk count, rounded up to a
-        # power of two): loop bounds loaded from memory break Triton's interpreter (3.6).
-        t = tl.program_id(0)
-        lo = tl.load(chunk_begin + t)
-        hi = tl.load(chunk_begin + t + 1)
-        acc_max = tl.zeros([RBLOCK], dtype=tl.float32)
-        acc_sq = tl.zeros([RBLOCK], dtype=tl.float32)
-        acc_bad = tl.zeros([RBLOCK], dtype=tl.int32)
-        for i in range(0, NUM_ITERS):
-            idx = lo + i * RBLOCK + tl.arange(0, RBLOCK)
-            mask = idx < hi
-            acc_max = tl.maximum(acc_max, tl.load(part_max + idx, mask=mask, other=0.0))
-            acc_sq += tl.load(part_sq + idx, mask=mask, other=0.0)
-            acc_bad += tl.load(part_bad + idx, mask=mask, other=0)
-        dst = tl.load(out_index + t)
-        tl.store(out + dst, tl.max(acc_max, axis=0))
-        tl.store(out + n_out + dst, tl.sum(acc_sq, axis=0))
-        tl.store(out + 2 * n_out + dst, tl.sum(acc_bad, axis=0).to(tl.float32))
-
-    TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 class GradStatsKernel:

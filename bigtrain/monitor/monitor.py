@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
-from bigtrain.monitor import kernel
 from bigtrain.monitor.shards import SHARDS, ShardHistory, shard_levels, shard_slot
 from bigtrain.monitor.slots import HostValues, Pack, Slot, SlotLayout
 from bigtrain.monitor.stats import (
@@ -139,7 +138,11 @@ class GradMonitor:
         if replication is not None and any(r != 1 for r in replication):
             assert len(replication) == len(names), "one replication count per tensor"
             self.weights = 1.0 / torch.tensor(replication, dtype=torch.float32, device=device)
-        self.stats_kernel = kernel.GradStatsKernel() if use_kernel else None
+        self.stats_kernel = None
+        if use_kernel:  # imports triton: only where it runs
+            from bigtrain.monitor.kernel import GradStatsKernel
+
+            self.stats_kernel = GradStatsKernel()
         self.last_local: torch.Tensor | None = None
         self.across_groups = across_groups
         self.riders = list(riders)

@@ -23,11 +23,14 @@ parameter's device, which bigtrain checkpoints, so resume stays bit-exact.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bigtrain.optim import adamw_kernel
+from bigtrain.utils.triton import triton_available
+
+if TYPE_CHECKING:
+    from bigtrain.optim.adamw_kernel import FusedAdamWKernel
 from bigtrain.optim.adamw_torch import (
     AdamWHyper,
     AdamWTensors,
@@ -70,7 +73,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
         self.state_dtype, self.rounding, self.fused = state_dtype, rounding, fused
-        self._kernels: dict[tuple[int, torch.device], adamw_kernel.FusedAdamWKernel] = {}
+        self._kernels: dict[tuple[int, torch.device], FusedAdamWKernel] = {}
         self._noise, self._scratch = NoisePool(), Scratch()
         super().__init__(
             params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
@@ -80,8 +83,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if self.fused is False:
             return False
         if self.fused is None:
-            return device.type == "cuda" and adamw_kernel.available(device)
-        if not adamw_kernel.available(device):
+            return device.type == "cuda" and triton_available(device)
+        if not triton_available(device):
             raise ValueError(
                 f"fused=True needs Triton on a CUDA device; the parameters are on {device}"
             )
@@ -166,7 +169,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 if self.uses_kernel(device):
                     key = (index, device)
                     if key not in self._kernels:
-                        self._kernels[key] = adamw_kernel.FusedAdamWKernel()
+                        from bigtrain.optim.adamw_kernel import FusedAdamWKernel
+
+                        self._kernels[key] = FusedAdamWKernel()
                     self._kernels[key].step(ts, hyper)
                 else:
                     torch_step(ts, hyper, self._noise, self._scratch)

@@ -11,10 +11,10 @@ from torch import nn
 
 from bigtrain.config.schema import OptimConfig
 from bigtrain.errors import ConfigError
-from bigtrain.optim import adamw_kernel
 from bigtrain.optim.adamw import LowPrecisionAdamW
 from bigtrain.precision.policy import PrecisionPolicy, dtype_name
 from bigtrain.utils.tensors import full_shape, local_tensor
+from bigtrain.utils.triton import triton_available
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, in checkpoints always FP32
 
@@ -43,7 +43,7 @@ def make_adamw(
     CUDA)."""
     fused = device.type == "cuda" if optim.fused is None else optim.fused
     if policy.optimizer_state_dtype != torch.float32:
-        if fused and not adamw_kernel.available(device):
+        if fused and not triton_available(device):
             raise ConfigError(
                 f"key 'optim.fused' is true, but bigtrain's fused AdamW for "
                 f"{dtype_name(policy.optimizer_state_dtype)} states is a Triton kernel, which "

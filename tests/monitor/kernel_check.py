@@ -8,10 +8,11 @@ import json
 import torch
 
 from bigtrain.monitor import kernel
+from bigtrain.utils.triton import triton_available
 from tests.monitor.grads import DTYPES, many_chunk_grads, poisoned_grads
 
 if __name__ == "__main__":
-    assert kernel.available(torch.device("cpu")), "run with TRITON_INTERPRET=1"
+    assert triton_available(torch.device("cpu")), "run with TRITON_INTERPRET=1"
     out = {}
     for dtype in DTYPES:
         grads = poisoned_grads(dtype)

@@ -34,13 +34,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor, Shard
 
 from bigtrain.model.gpt import GPT
@@ -52,11 +45,14 @@ from bigtrain.utils.names import canonical_name
 from bigtrain.utils.tensors import local_tensor
 
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
 }
+"""parallel.pp_schedule -> torch.distributed.pipelining's schedule class. That package is imported
+when a pipeline is built, not with this module: it brings torch._dynamo (~0.5 s of every
+process's start, pipelined or not)."""
 
 
 def rank_stages(schedule: str, pp: int, chunks: int, pp_rank: int) -> list[int]:
@@ -132,11 +128,13 @@ class Pipeline:
         self.group = layout.group("pp")
         self.first = 0 in stages
         self.last = num_stages - 1 in stages
+        import torch.distributed.pipelining as pipelining
+
         self.stages = [
-            PipelineStage(chunk, s, num_stages, device, group=self.group)
+            pipelining.PipelineStage(chunk, s, num_stages, device, group=self.group)
             for chunk, s in zip(root.chunks, stages, strict=True)
         ]
-        cls = SCHEDULES[schedule]
+        cls = getattr(pipelining, SCHEDULES[schedule])
         target = self.stages if len(self.stages) > 1 or schedule == "zbv" else self.stages[0]
         self.schedule = cls(target, microbatches, loss_fn=self._loss, scale_grads=False)
         self._factor, self._ready = 1.0, False

@@ -42,6 +42,7 @@ from bigtrain.data import (
     from_corpus,
     prepare_corpus,
 )
+from bigtrain.data.prepare.cache import cache_root
 from bigtrain.data.read.sources import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.model.gpt import gradient_roles
@@ -443,6 +444,7 @@ def _run_setup(
         dtype_name(facts.policy.compute_dtype),
         facts.policy.allow_tf32,
         cfg.train.peak_flops,
+        cache_root(cfg.data),
     )
     return RunSetup(
         layout=layout,

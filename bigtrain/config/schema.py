@@ -237,7 +237,9 @@ class TrainConfig:
     """torch intra-op threads on CPU; 0 keeps torch's default."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU. None: the data-sheet peak of known GPUs (V100, A100,
-    H100, H200) in the compute dtype, or a matmul measured at start on a CPU."""
+    H100, H200) in the compute dtype, or on a CPU a matmul measured by the first run on the
+    machine and kept in the cache root (cpu_peak_flops.json beside the token caches; delete it
+    to measure again)."""
 
 
 @dataclass

@@ -4,15 +4,24 @@ MFU counts the model's FLOPs (forward + backward, attention included; see gpt.fl
 not the hardware's: recomputation under activation checkpointing is not credited, so turning it
 on lowers MFU by what it costs. The peak is the dense tensor-core peak of the device in the
 compute dtype (no 2:4 sparsity), from the vendors' data sheets; on a CPU it is measured with a
-large matmul in the compute dtype (a practical peak, not a theoretical one). `train.peak_flops`
+large matmul in the compute dtype (a practical peak, not a theoretical one), once per machine:
+the number is kept in the cache root (PEAK_FILE) for every later run. `train.peak_flops`
 overrides either.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Dense peak FLOP/s per GPU by compute dtype (NVIDIA data sheets; FP32 without TF32).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -36,14 +45,73 @@ def gpu_peak_flops(device_name: str, dtype: str) -> float | None:
 
 _measured: dict[tuple[str, torch.dtype], float] = {}
 
+PEAK_FILE = "cpu_peak_flops.json"
+"""In the cache root (data.cache_dir, $BIGTRAIN_CACHE or ~/.cache/bigtrain): the measured peaks
+of this machine's CPU, by CPU model, dtype, thread count and torch version."""
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int = 1024, cache_dir: Path | None = None
+) -> float:
     """FLOP/s of the best of a few square matmuls in `dtype` (the practical peak of a CPU).
-    Measured once per process and device type: runs in one process compare on the same peak."""
+    Measured once per process and device type; with `cache_dir`, once per machine: the number is
+    kept in its PEAK_FILE, so every run on the machine compares on the same peak, and a start
+    does not spend ~0.25 s of matmuls on each rank."""
     key = (device.type, dtype)
     if key not in _measured:
-        _measured[key] = _time_matmul(device, dtype, size)
+        stored = _stored_peaks(cache_dir) if cache_dir is not None else {}
+        name = _peak_key(dtype)
+        if name in stored:
+            _measured[key] = stored[name]
+        else:
+            _measured[key] = _time_matmul(device, dtype, size)
+            if cache_dir is not None:
+                _store_peak(cache_dir, name, _measured[key])
     return _measured[key]
+
+
+def _peak_key(dtype: torch.dtype) -> str:
+    return (
+        f"{cpu_model()} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _stored_peaks(cache_dir: Path) -> dict[str, float]:
+    """The peaks kept in cache_dir; empty when there is no file or it cannot be read (then the
+    peak is measured again and the file written anew)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        peaks = json.loads((cache_dir / PEAK_FILE).read_text())
+        return {k: float(v["flops"]) for k, v in peaks.items()}
+    return {}
+
+
+def _store_peak(cache_dir: Path, name: str, flops: float) -> None:
+    """Adds one peak to the file, written whole under a temporary name and renamed (ranks that
+    measure at once each leave a complete file). A cache that cannot be written is logged:
+    the next start measures again."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path = cache_dir / PEAK_FILE
+        peaks = {}
+        with contextlib.suppress(OSError, ValueError):
+            peaks = json.loads(path.read_text())
+        if not isinstance(peaks, dict):
+            peaks = {}
+        peaks[name] = {"flops": flops, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = path.with_name(f".{PEAK_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        logger.info("the measured CPU peak is not kept (%s): the next start measures again", e)
 
 
 SLOW_S = 0.05  # the fastest matmul of a size takes longer: the dtype is emulated, stop there
@@ -86,9 +154,14 @@ def _best_matmul(
 
 
 def resolve_peak_flops(
-    device: torch.device, compute_dtype: str, allow_tf32: bool, configured: float | None
+    device: torch.device,
+    compute_dtype: str,
+    allow_tf32: bool,
+    configured: float | None,
+    cache_dir: Path | None = None,
 ) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device, where the number comes from)."""
+    """(peak FLOP/s of one device, where the number comes from); a CPU's measured peak is kept
+    in `cache_dir` (measure_matmul_flops)."""
     if configured:
         return configured, "train.peak_flops"
     if device.type == "cuda":
@@ -99,8 +172,9 @@ def resolve_peak_flops(
             return None, f"no data-sheet peak for {name} in {dtype}: set train.peak_flops"
         return peak, f"data sheet: {name}, dense {dtype}"
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    peak = measure_matmul_flops(device, dtypes[compute_dtype])
-    return peak, f"measured: 1024^3 {compute_dtype} matmul on this CPU"
+    peak = measure_matmul_flops(device, dtypes[compute_dtype], cache_dir=cache_dir)
+    kept = f", kept in {cache_dir / PEAK_FILE}" if cache_dir is not None else ""
+    return peak, f"measured: 1024^3 {compute_dtype} matmul on this CPU{kept}"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devices: int) -> float:

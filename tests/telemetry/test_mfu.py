@@ -56,6 +56,37 @@ def test_mfu_formula_and_sources():
     assert measured > 1e9 and source.startswith("measured")
 
 
+@pytest.mark.unit
+def test_a_cpu_peak_is_measured_once_per_machine_and_kept_in_the_cache(monkeypatch, tmp_path):
+    """The first start measures and writes the cache file; a later process (its in-process
+    memo empty) reads it without a matmul; another dtype is measured and added beside it; an
+    unreadable file is measured again and rewritten."""
+    timed = []
+
+    def fake_time(device, dtype, size):
+        timed.append(dtype)
+        return {torch.float32: 2e11, torch.bfloat16: 5e11}[dtype]
+
+    monkeypatch.setattr(mfu_module, "_time_matmul", fake_time)
+    monkeypatch.setattr(mfu_module, "_measured", {})
+    cpu = torch.device("cpu")
+    peak, source = resolve_peak_flops(cpu, "fp32", False, None, tmp_path)
+    assert (peak, timed) == (2e11, [torch.float32])
+    assert source.endswith(f"kept in {tmp_path / mfu_module.PEAK_FILE}")
+    monkeypatch.setattr(mfu_module, "_measured", {})  # a new process
+    assert resolve_peak_flops(cpu, "fp32", False, None, tmp_path)[0] == 2e11
+    assert timed == [torch.float32]
+    assert resolve_peak_flops(cpu, "bf16", False, None, tmp_path)[0] == 5e11
+    kept = json.loads((tmp_path / mfu_module.PEAK_FILE).read_text())
+    assert sorted(v["flops"] for v in kept.values()) == [2e11, 5e11]
+    assert all(mfu_module.cpu_model() in k and "threads" in k for k in kept)
+    (tmp_path / mfu_module.PEAK_FILE).write_text("{not json")
+    monkeypatch.setattr(mfu_module, "_measured", {})
+    assert resolve_peak_flops(cpu, "fp32", False, None, tmp_path)[0] == 2e11
+    assert timed == [torch.float32, torch.bfloat16, torch.float32]
+    assert len(json.loads((tmp_path / mfu_module.PEAK_FILE).read_text())) == 1
+
+
 class MatmulClock:
     """time.perf_counter for the peak's matmuls: the first `slow` of them take `slow_s` (the
     process descheduled beside another), every later one `fast_s`."""

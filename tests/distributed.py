@@ -124,15 +124,15 @@ def _status(results: Path, rank: int) -> str | None:
         return None
 
 
-def train_run(args: list[str]) -> dict:
-    """A whole run of `bigtrain.runner.run` on config overrides `args` (in a rank); its final.json
-    data, events and metrics."""
+def train_run(args: list[str], files: tuple[str, ...] = ()) -> dict:
+    """A whole run of `bigtrain.runner.run` on config `files` and overrides `args` (in a rank);
+    its final.json data, events and metrics."""
     from bigtrain.config import load_config
     from bigtrain.parallel.env import read_env
     from bigtrain.runner import run
     from bigtrain.store.rundir import read_jsonl
 
-    cfg = load_config([], args)
+    cfg = load_config(list(files), args)
     final = run(cfg, read_env())
     out = Path(cfg.train.out_dir)
     return {

@@ -78,7 +78,8 @@ made once), and starting the longest modules first keeps one worker from running
 alone at the end. The replica-group and SLURM modules mostly wait (heartbeats, drills' sleeps,
 slurmctld): they stand apart in this list (the replica groups first, SLURM once they are about
 done), so that each overlaps the other worker's computing, not the other's waiting. A stable
-sort: the rest keep their order."""
+sort: the rest keep their order. (xdist would otherwise hand out the modules with the most tests
+first: pyproject's `--no-loadscope-reorder` keeps this order.)"""
 
 
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

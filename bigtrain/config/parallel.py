@@ -234,10 +234,10 @@ def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(
             f"key 'parallel.tensor_parallel' got {p.tensor_parallel}, expected a positive integer"
         )
-    bad = {k: v for k, v in p.tp_plan.items() if v not in ("colwise", "rowwise", "colwise_qkv")}
+    bad = {k: v for k, v in p.tp_plan.items() if v not in TP_STYLES}
     if bad:
         raise ConfigError(
-            f"key 'parallel.tp_plan' got {bad}, expected colwise, rowwise or colwise_qkv"
+            f"key 'parallel.tp_plan' got {bad}, expected one of {', '.join(TP_STYLES)}"
         )
     if p.tensor_parallel == 1:
         return
@@ -254,13 +254,6 @@ def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
             )
         check_gpt_tensor_parallel(m, p.tensor_parallel)
         return
-    if not p.tp_plan:
-        raise ConfigError(
-            f"key 'parallel.tp_plan' is empty, but parallel.tensor_parallel={p.tensor_parallel} "
-            "with model.kind=hf needs one: module name patterns -> colwise/rowwise, e.g. "
-            "{'self_attn.[qkv]_proj': colwise, 'self_attn.o_proj': rowwise, "
-            "'mlp.gate_proj': colwise, 'mlp.up_proj': colwise, 'mlp.down_proj': rowwise}"
-        )
 
 
 def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
@@ -290,10 +283,23 @@ def check_gpt_tensor_parallel(m: ModelConfig, tp: int) -> None:
         )
 
 
+TP_STYLES = {
+    "colwise": "output features split: each tp rank computes its heads or hidden units",
+    "rowwise": "input features split, outputs summed over the tp ranks",
+    "colwise_gather_output": "output features split, then gathered whole on every tp rank (a "
+    "norm over all heads follows, or a fused projection is split after it)",
+    "rowwise_split_input": "a whole input split by features on each rank, outputs summed",
+    "replicated_with_grad_allreduce": "a per-head norm between the two: whole weights, its "
+    "gradients summed over the tp ranks (each sees its own heads)",
+    "mla_kv_a_proj": "MLA's shared key/value down-projection: whole, the gradient of its rotary "
+    "part (which bypasses the split up-projection) summed over the tp ranks",
+    "colwise_qkv": "GPT-2's fused q/k/v Conv1D: each rank computes its heads of q, k and v",
+}
+"""The tensor-parallel styles bigtrain runs, by the name plans use: transformers' names (a
+family's declared plan, model/hf_plans.py) and bigtrain's colwise_qkv (GPT-2); parallel.tp_plan
+takes the same names."""
+
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-PP_HF_TYPES = ("llama", "mistral", "qwen2", "gpt2")
-"""transformers architectures split into stages (model/hf.py's HF_STAGE_FAMILIES; checked again
-at build for a model_type read from model.hf_path)."""
 
 
 def pp_stages_per_rank(p: ParallelConfig) -> int:
@@ -340,13 +346,6 @@ def check_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
             "bigtrain's GPT, monitor and universal checkpoints do not go through; use fsdp, "
             "which shards each stage like ZeRO-3 (or ZeRO-2 with "
             "parallel.reshard_after_forward=false)"
-        )
-    model_type = (m.hf_config or {}).get("model_type") if m.kind == "hf" else None
-    if model_type is not None and model_type not in PP_HF_TYPES:
-        raise ConfigError(
-            f"key 'parallel.pipeline_parallel' ({p.pipeline_parallel}): model.kind=hf with "
-            f"model_type {model_type!r} is not split into stages yet (supported: "
-            f"{', '.join(PP_HF_TYPES)}, and bigtrain's GPT)"
         )
     if p.pp_schedule in ("gpipe", "1f1b") and chunks != 1:
         raise ConfigError(

@@ -113,53 +113,16 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-HF_STAGE_FAMILIES = {
-    # model_type -> (family, block container, first stage's modules, last stage's modules)
-    "llama": (
-        "llama",
-        "hf.model.layers",
-        ("hf.model.embed_tokens",),
-        ("hf.model.norm", "hf.lm_head"),
-    ),
-    "mistral": (
-        "llama",
-        "hf.model.layers",
-        ("hf.model.embed_tokens",),
-        ("hf.model.norm", "hf.lm_head"),
-    ),
-    "qwen2": (
-        "llama",
-        "hf.model.layers",
-        ("hf.model.embed_tokens",),
-        ("hf.model.norm", "hf.lm_head"),
-    ),
-    "gpt2": (
-        "gpt2",
-        "hf.transformer.h",
-        ("hf.transformer.wte", "hf.transformer.wpe"),
-        ("hf.transformer.ln_f", "hf.lm_head"),
-    ),
-}
-"""The transformers architectures a pipeline stage can be cut from (parallel/pipeline/split.py);
-config/parallel.py's PP_HF_TYPES lists the same types."""
-
-
-def hf_stage_family(model: HFCausalLM) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
-    """HF_STAGE_FAMILIES' entry of the model's type; ConfigError naming the supported ones."""
-    model_type = model.hf.config.model_type
-    if model_type not in HF_STAGE_FAMILIES:
-        raise ConfigError(
-            f"key 'parallel.pipeline_parallel': model.kind=hf with model_type {model_type!r} is "
-            f"not split into stages yet (supported: {', '.join(HF_STAGE_FAMILIES)})"
-        )
-    return HF_STAGE_FAMILIES[model_type]
-
-
 class HFStage(HFCausalLM):
-    """One pipeline stage of a transformers causal LM (pipeline_split.stage_module prunes it):
-    token ids or the previous stage's hidden states in, hidden states or logits out, through its
-    own decoder layers only, called as transformers' own model forward calls them (causal mask,
-    positions 0.., rotary tables of Llama-family models computed on every stage)."""
+    """One pipeline stage of a transformers causal LM (parallel/pipeline/split.py prunes it):
+    token ids or the previous stage's hidden states in, hidden states or logits out, through
+    its own decoder layers only.
+
+    A family that declares a pipeline plan (`family="declared"`) runs through its own forward:
+    the stage's body holds only its layers (iterated as the whole list would be), a later stage
+    feeds the received hidden states as `inputs_embeds`, an earlier stage's final norm passes
+    through, and only the last stage runs the output layer; masks, positions and rotary tables
+    are the family's own. GPT-2 (`family="gpt2"`, no declared plan) is run block by block here."""
 
     def __init__(
         self, model: nn.Module, family: str, takes_tokens: bool, gives_logits: bool
@@ -168,24 +131,21 @@ class HFStage(HFCausalLM):
         self.family, self.takes_tokens, self.gives_logits = family, takes_tokens, gives_logits
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.family == "gpt2":
+            return self._gpt2(idx)
+        inputs = {"input_ids": idx} if self.takes_tokens else {"inputs_embeds": idx}
+        if self.gives_logits:
+            return self.hf(**inputs, use_cache=False).logits
+        body = getattr(self.hf, self.hf.base_model_prefix)
+        return body(**inputs, use_cache=False).last_hidden_state
+
+    def _gpt2(self, idx: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        if self.family == "gpt2":
-            body, layers, norm = self.hf.transformer, self.hf.transformer.h, "ln_f"
-        else:
-            body, layers, norm = self.hf.model, self.hf.model.layers, "norm"
+        body = self.hf.transformer
         seq = idx.shape[1]
         positions = torch.arange(seq, device=idx.device).unsqueeze(0)
-        if self.takes_tokens:
-            h = (
-                body.embed_tokens(idx)
-                if self.family != "gpt2"
-                else body.wte(idx) + body.wpe(positions)
-            )
-            if self.family == "gpt2":
-                h = body.drop(h)
-        else:
-            h = idx
+        h = body.drop(body.wte(idx) + body.wpe(positions)) if self.takes_tokens else idx
         mask = create_causal_mask(
             config=body.config,
             inputs_embeds=h,
@@ -193,20 +153,8 @@ class HFStage(HFCausalLM):
             cache=None,
             position_ids=positions,
         )
-        if self.family == "gpt2":
-            for block in layers.values():
-                h = block(h, None, mask, None, use_cache=False, position_ids=positions)
-        else:
-            rotary = body.rotary_emb(h, position_ids=positions)
-            for layer in layers.values():
-                h = layer(
-                    h,
-                    attention_mask=mask,
-                    position_embeddings=rotary,
-                    position_ids=positions,
-                    cache=None,
-                    use_cache=False,
-                )
+        for block in body.h.values():
+            h = block(h, None, mask, None, use_cache=False, position_ids=positions)
         if not self.gives_logits:
             return h
-        return self.hf.lm_head(getattr(body, norm)(h))
+        return self.hf.lm_head(body.ln_f(h))

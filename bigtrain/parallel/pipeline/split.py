@@ -10,8 +10,9 @@ A stage's module (`stage_module`) is a copy of the whole model with only that st
 its blocks in a ModuleDict keyed by their index in the whole model, so every parameter keeps the
 whole model's name (checkpoints, the monitor, telemetry and the initial values all go by it).
 bigtrain's GPT is cut on the meta device (each stage then draws its own parameters by name, as a
-whole build would); a transformers model (`HFStage`, Llama-family and GPT-2) is cut from its
-whole build, which transformers initialises as a whole. The last stage of a model with tied
+whole build would); a transformers model (`HFStage`: every family that declares a pipeline
+plan, and GPT-2 by bigtrain's own) is cut from its whole build, which transformers initialises
+as a whole. The last stage of a model with tied
 embeddings keeps the token table as well (its output layer is that table); its gradient is summed
 with the first stage's copy (parallel/pipeline/schedule.py).
 """
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from bigtrain.model.gpt import GPT, num_params
-from bigtrain.model.hf import HFCausalLM, HFStage, hf_stage_family
+from bigtrain.model.hf import HFCausalLM, HFStage
+from bigtrain.model.hf_plans import family_plans, require
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,11 @@ def stage_spec(model: nn.Module) -> StageSpec:
     if isinstance(model, GPT):
         return StageSpec("blocks", ("tok_emb", "pos_emb"), ("norm_f", "lm_head"))
     assert isinstance(model, HFCausalLM), "bigtrain's GPT or a transformers causal LM"
-    family, blocks, first, last = hf_stage_family(model)
-    return StageSpec(blocks, first, last, family)
+    plans = family_plans(model.hf)
+    require(plans, "parallel.pipeline_parallel", 2)
+    assert plans.stages is not None
+    blocks, first, last = plans.stages
+    return StageSpec(blocks, first, last, "gpt2" if plans.own else "declared")
 
 
 def _present(model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
@@ -164,7 +169,8 @@ def stage_module(
     parent_path, _, attr = spec.blocks.rpartition(".")
     parent = stage.get_submodule(parent_path) if parent_path else stage
     blocks = getattr(parent, attr)
-    setattr(parent, attr, nn.ModuleDict({str(i): blocks[i] for i in range(first_block, end_block)}))
+    kept = {str(i): blocks[i] for i in range(first_block, end_block)}
+    setattr(parent, attr, StageBlocks(kept, len(blocks)))
     output = _present(stage, spec.last[-1:])[0]
     tied = {id(output.weight)}
     for path in spec.first if not first else ():
@@ -172,16 +178,46 @@ def stage_module(
         if module and not (last and id(getattr(module[0], "weight", None)) in tied):
             _drop(stage, path)  # (the last stage's output layer keeps a tied table)
     for path in spec.last if not last else ():
-        _drop(stage, path)
+        # a transformers body runs its final norm whatever the stage: there, it passes through
+        is_norm = spec.family == "declared" and path != spec.last[-1]
+        _drop(stage, path, nn.Identity() if is_norm else None)
     if isinstance(stage, GPT):
         stage.takes_tokens, stage.gives_logits = first, last
         return stage
     return HFStage(stage.hf, spec.family, first, last)
 
 
-def _drop(model: nn.Module, path: str) -> None:
+def _drop(model: nn.Module, path: str, keep: nn.Module | None = None) -> None:
     parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, None)
+    setattr(model.get_submodule(parent) if parent else model, attr, keep)
+
+
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks, keyed by their index in the whole model (so every parameter keeps its
+    whole-model name). Iterated or sliced, it is the whole model's list with every other stage's
+    block passing its input through: a transformers body's own forward (`for i, layer in
+    enumerate(self.layers[:n])`, some reading the layer's type by `i`) runs exactly this stage's
+    layers, each at its own index. Its length, keys and values are this stage's blocks only."""
+
+    def __init__(self, blocks: dict[str, nn.Module], total: int) -> None:
+        super().__init__(blocks)
+        self.total = total
+
+    def _whole(self) -> list:
+        return [self._modules.get(str(i), _pass_through) for i in range(self.total)]
+
+    def __iter__(self):
+        return iter(self._whole())
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, slice):
+            return self._whole()[key]
+        return super().__getitem__(str(key))
+
+
+def _pass_through(hidden_states=None, *args, **kwargs):  # noqa: ARG001
+    """Another stage's block: its input unchanged."""
+    return hidden_states if hidden_states is not None else kwargs["hidden_states"]
 
 
 def stage_of_names(model: nn.Module, bounds: list[int]) -> dict[str, int]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -47,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 from bigtrain.config.parallel import check_gpt_tensor_parallel
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import GPT
+from bigtrain.model.hf_plans import family_plans, require
 from bigtrain.parallel.tensor.conv1d import is_conv1d, parallelize_conv1d
 from bigtrain.parallel.transforms import transformer_blocks
 from bigtrain.precision.int8 import Int8Layer
@@ -86,9 +89,15 @@ def splittable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+ROWWISE = ("rowwise", "rowwise_split_input")
+COLWISE = ("colwise", "colwise_gather_output", "colwise_qkv")
+WHOLE = ("replicated_with_grad_allreduce",)
+"""Styles of a module that stays whole (a per-head norm): any module with parameters."""
+
+
 def block_plan(block: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
-    """The block's Linear and Conv1D layers that match a pattern, by name -> style (first match
-    wins)."""
+    """The block's layers that match a pattern, by name -> style (first match wins): Linear and
+    Conv1D layers, and for a whole-weight style (a per-head norm) any module with parameters."""
     plan = {}
     for name, module in unwrapped(block).named_modules():
         style = next((s for p, s in patterns.items() if fnmatch.fnmatchcase(name, p)), None)
@@ -100,7 +109,8 @@ def block_plan(block: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
                 "(precision.int8): tensor parallelism splits INT8 nn.Linear layers only; leave "
                 "it out of precision.int8's modules or set parallel.tensor_parallel=1"
             )
-        if splittable(module):
+        whole = style in WHOLE and any(True for _ in module.parameters(recurse=False))
+        if splittable(module) or whole:
             plan[name] = style
     return plan
 
@@ -115,7 +125,7 @@ def check_styles(block: nn.Module, plan: dict[str, str], patterns: dict[str, str
             f"attn.c_attn); {fused} are nn.Linear layers: use colwise"
         )
     styles = set(plan.values())
-    if "rowwise" not in styles or not styles & {"colwise", "colwise_qkv"}:
+    if not styles & set(ROWWISE) or not styles & set(COLWISE):
         names = [n for n, m in layers.items() if splittable(m)]
         raise ConfigError(
             f"key 'parallel.tp_plan' ({patterns}) matched {plan or 'no Linear or Conv1D layers'} "
@@ -152,25 +162,79 @@ def check_divisible(model: nn.Module, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[str, str]) -> None:
-    """Split the model over `tp_mesh` (in place): bigtrain's GPT by its own plan, another model
-    by `patterns` (parallel.tp_plan)."""
+    """Split the model over `tp_mesh` (in place): bigtrain's GPT by its own plan, a transformers
+    model by `patterns` (parallel.tp_plan) or, without them, the plan its family declares
+    (model/hf_plans.py)."""
     if uses_gpt_plan(model):
         apply_gpt_plan(model, tp_mesh)  # type: ignore[arg-type]
         return
     check_divisible(model, tp_mesh.size())
-    blocks = transformer_blocks(model)
-    plan = block_plan(blocks[0], patterns)
-    check_styles(blocks[0], plan, patterns)
-    for block in blocks:
+    if not patterns:
+        plans = family_plans(model.hf)  # type: ignore[union-attr]
+        require(plans, "parallel.tensor_parallel", tp_mesh.size())
+        patterns = plans.tp
+    config = model.hf.config  # type: ignore[union-attr]
+    for block in transformer_blocks(model):
         block = unwrapped(block)
+        plan = block_plan(block, patterns)  # per block: dense and MoE layers differ
+        check_styles(block, plan, patterns)
         conv1d = {n: s for n, s in plan.items() if is_conv1d(block.get_submodule(n))}
         for name, style in conv1d.items():
             parallelize_conv1d(block, name, style, tp_mesh)
-        linear = {
-            n: linear_style(block.get_submodule(n), s) for n, s in plan.items() if n not in conv1d
-        }
+        linear = {}
+        for name, style in plan.items():
+            if name in conv1d:
+                continue
+            module = block.get_submodule(name)
+            if style == "mla_kv_a_proj":
+                sum_rotary_grad(module, tp_mesh, config.qk_rope_head_dim)
+            else:
+                linear[name] = hf_style(module, style)
         if linear:
             parallelize_module(block, tp_mesh, linear)
+
+
+def hf_style(module: nn.Module, style: str) -> ParallelStyle:
+    """torch's style (or FP8's) for a declared one (model/hf_plans.py TP_STYLES)."""
+    if style == "colwise_gather_output":
+        return linear_style(module, "colwise", output_layouts=Replicate())
+    if style == "rowwise_split_input":
+        return linear_style(module, "rowwise", input_layouts=Replicate())
+    if style == "replicated_with_grad_allreduce":
+        # a norm over each head's features of (batch, seq, heads, head_dim): its input held as
+        # split by heads, its weight whole; the weight's gradient, partial on each tp rank,
+        # is summed as DTensor makes it whole (torch's sequence-parallel norms, on dim 2)
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    return linear_style(module, style)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the gradient summed over a process group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_rotary_grad(module: nn.Module, tp_mesh: DeviceMesh, rope_dim: int) -> None:
+    """MLA's key/value down-projection (DeepSeek's kv_a_proj_with_mqa), whole on every tp rank:
+    its output's last `rope_dim` features are the rotary key every head shares, which goes to
+    attention without the split up-projection; each rank's heads give a part of its gradient,
+    summed here (the other part's gradient arrives whole through the colwise kv_b_proj)."""
+    group = tp_mesh.get_group()
+
+    def hook(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+        keep, rotary = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([keep, _SumGrad.apply(rotary, group)], dim=-1)
+
+    module.register_forward_hook(hook)
 
 
 def apply_gpt_plan(model: GPT, tp_mesh: DeviceMesh) -> None:

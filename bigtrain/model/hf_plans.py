@@ -1,0 +1,136 @@
+"""The parallel plans a transformers family declares on its config, in bigtrain's terms.
+
+transformers (5.x) gives every model class its own plans: `base_model_tp_plan` (which linear
+layers tensor parallelism splits, and how), `base_model_pp_plan` (the embedding, the decoder
+layers and the final norm, in order: where pipeline stages cut) and, for mixture-of-experts
+families, `base_model_ep_plan` (the stacked experts and their dispatch). bigtrain reads them
+instead of keeping a table of families: a family transformers adds with its plans trains on
+bigtrain's layouts without a change here.
+
+`family_plans` turns them into what bigtrain's `parallelize()` applies:
+- `tp`: patterns inside one decoder layer (`layers.*.self_attn.q_proj` -> `self_attn.q_proj`)
+  to a style of TP_STYLES (parallel/tensor/plans.py runs them on torch's styles);
+- `stages`: the decoder layers' container and the modules only the first and only the last
+  stage run (parallel/pipeline/split.py);
+- `ep`: the experts' entries, as declared.
+
+GPT-2 declares no plans; its layers are transformers `Conv1D`s with a fused q/k/v, split by
+bigtrain's own plan (GPT2_TP_PLAN) and stage spec. A family that declares no plan for a
+requested layout stops the run with the family and the layout named (`require`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bigtrain.config.parallel import TP_STYLES
+from bigtrain.errors import ConfigError
+
+GPT2_TP_PLAN = {
+    "attn.c_attn": "colwise_qkv",
+    "attn.c_proj": "rowwise",
+    "mlp.c_fc": "colwise",
+    "mlp.c_proj": "rowwise",
+}
+"""bigtrain's plan for GPT-2, which declares none (its Conv1D layers: parallel/tensor/conv1d.py)."""
+
+GPT2_STAGES = (
+    "hf.transformer.h",
+    ("hf.transformer.wte", "hf.transformer.wpe"),
+    ("hf.transformer.ln_f", "hf.lm_head"),
+)
+
+
+@dataclass(frozen=True)
+class FamilyPlans:
+    """A transformers family's plans, as bigtrain applies them (module docstring)."""
+
+    model_type: str
+    tp: dict[str, str] = field(default_factory=dict)
+    """Patterns inside a decoder layer -> a TP_STYLES name; empty: none declared."""
+    stages: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None
+    """(decoder layers' container, first stage's modules, last stage's modules), as paths under
+    bigtrain's wrapper (`hf.model.layers`); None: no pipeline plan declared."""
+    ep: dict[str, str] = field(default_factory=dict)
+    """The experts' entries inside a decoder layer, as declared; empty: a dense family."""
+    own: bool = False
+    """bigtrain's plans (GPT-2), not declared by transformers."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Declared tensor-parallel entries outside the decoder layers (an embedding split), which
+    bigtrain leaves whole."""
+
+    @property
+    def source(self) -> str:
+        return "bigtrain's own plan" if self.own else "declared by transformers"
+
+
+def family_plans(hf_model: Any) -> FamilyPlans:
+    """The plans of a transformers `*ForCausalLM` (its class and config)."""
+    config = hf_model.config
+    model_type = config.model_type
+    if model_type == "gpt2":
+        return FamilyPlans("gpt2", dict(GPT2_TP_PLAN), GPT2_STAGES, own=True)
+    prefix = getattr(hf_model, "base_model_prefix", "model") or "model"
+    pp = dict(getattr(config, "base_model_pp_plan", None) or {})
+    layers = next((k for k, (inputs, _) in pp.items() if "hidden_states" in inputs), "layers")
+    stages = None
+    if pp:
+        names = list(pp)
+        at = names.index(layers)
+        stages = (
+            f"hf.{prefix}.{layers}",
+            tuple(f"hf.{prefix}.{n}" for n in names[:at]),
+            (*(f"hf.{prefix}.{n}" for n in names[at + 1 :]), "hf.lm_head"),
+        )
+    tp, skipped = _in_layers(getattr(config, "base_model_tp_plan", None) or {}, layers)
+    ep, _ = _in_layers(getattr(config, "base_model_ep_plan", None) or {}, layers)
+    return FamilyPlans(model_type, tp, stages, ep, skipped=skipped)
+
+
+def _in_layers(plan: dict[str, str], layers: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(entries inside a decoder layer, relative to it; the others)."""
+    inside, outside = {}, {}
+    head = f"{layers}.*."
+    for key, style in plan.items():
+        if key.startswith(head):
+            inside[key[len(head) :]] = style
+        else:
+            outside[key] = style
+    return inside, outside
+
+
+LAYOUT_PLAN = {
+    "parallel.tensor_parallel": "tp",
+    "parallel.pipeline_parallel": "stages",
+    "parallel.expert_parallel": "ep",
+}
+
+
+def require(plans: FamilyPlans, key: str, degree: int) -> None:
+    """A ConfigError (exit 2) naming the family and the layout when the family declares no plan
+    for it, or a tensor-parallel style bigtrain does not run."""
+    what = LAYOUT_PLAN[key]
+    if not getattr(plans, what):
+        declared = {"tp": "base_model_tp_plan", "stages": "base_model_pp_plan"}
+        declared["ep"] = "base_model_ep_plan"
+        raise ConfigError(
+            f"key '{key}' ({degree}): the transformers family {plans.model_type!r} declares no "
+            f"{declared[what]} (transformers {_version()}), so bigtrain does not know how to "
+            f"split it that way; use {key}=1"
+            + (", or give parallel.tp_plan" if what == "tp" else "")
+        )
+    if what == "tp":
+        unknown = {k: s for k, s in plans.tp.items() if s not in TP_STYLES}
+        if unknown:
+            raise ConfigError(
+                f"key '{key}' ({degree}): the transformers family {plans.model_type!r} declares "
+                f"tensor-parallel styles bigtrain does not run: {unknown} (it runs "
+                f"{', '.join(TP_STYLES)}); give parallel.tp_plan, or use {key}=1"
+            )
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__

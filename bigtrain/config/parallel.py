@@ -39,16 +39,20 @@ class ParallelConfig:
     tensor_parallel: int = 1
     """fsdp: tensor-parallel degree, the innermost mesh axis `tp` (ranks of one node): each
     matched linear layer is split over `tensor_parallel` ranks, which read the same batch.
-    world size / (replicate x tensor_parallel) is the shard degree; it must divide. Needs
-    `tp_plan` (model.kind=hf; not yet for the built-in GPT). At start."""
+    world size / (replicate x tensor_parallel) is the shard degree; it must divide. bigtrain's
+    GPT is split by its own plan; a transformers model by `tp_plan` or, when that is empty, by
+    the plan its family declares (docs/models.md). At start."""
     tp_plan: dict[str, str] = field(default_factory=dict)
-    """With tensor_parallel > 1: module name patterns (fnmatch, matched against the names inside
-    each transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k,
-    v, MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
-    projections), for nn.Linear and transformers Conv1D layers alike; `colwise_qkv` for GPT-2's
-    fused q/k/v Conv1D (`attn.c_attn`: each rank computes its heads of q, k and v; its weights
-    stay whole on every tp rank, see parallel/tensor/conv1d.py). A colwise layer's output must feed
-    the next rowwise one. At start."""
+    """model.kind=hf with tensor_parallel > 1, in place of the plan the family declares (empty:
+    the declared one): module name patterns (fnmatch, matched against the names inside each
+    transformer block, e.g. `self_attn.q_proj`) -> `colwise` (output features split: q, k, v,
+    MLP gate/up) or `rowwise` (input features split, output summed: attention and MLP output
+    projections), for nn.Linear and transformers Conv1D layers alike; transformers' other style
+    names (`colwise_gather_output`, `rowwise_split_input`, `replicated_with_grad_allreduce`,
+    `mla_kv_a_proj`; docs/models.md); `colwise_qkv` for GPT-2's fused q/k/v Conv1D
+    (`attn.c_attn`: each rank computes its heads of q, k and v; its weights stay whole on every
+    tp rank, see parallel/tensor/conv1d.py). A colwise layer's output must feed the next rowwise
+    one. At start."""
     pipeline_parallel: int = 1
     """Pipeline stages (docs/parallelism.md): the transformer blocks split into this many
     consecutive parts, each on its own ranks, micro-batches flowing through them

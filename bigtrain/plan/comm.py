@@ -17,6 +17,7 @@ from torch import nn
 
 from bigtrain.config.parallel import reshards_after_forward
 from bigtrain.config.schema import ParallelConfig
+from bigtrain.model.hf_plans import family_plans
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.tensor.plans import GPT_PLAN, block_plan, uses_gpt_plan
 from bigtrain.parallel.transforms import transformer_blocks
@@ -56,22 +57,32 @@ class TPSplit:
         return num_params - self.split_params + self.split_params / tp
 
 
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+"""The styles whose weights tensor parallelism splits (colwise_qkv, a per-head norm's and MLA's
+down-projection stay whole on every tp rank)."""
+
+
 def tp_split(model: nn.Module, patterns: dict[str, str]) -> TPSplit:
     """Count what tensor parallelism splits in a (meta-device) model: bigtrain's GPT by its own
-    plan, another model by `patterns` (parallel.tp_plan)."""
+    plan, another model by `patterns` (parallel.tp_plan) or, without them, the plan its family
+    declares (model/hf_plans.py), block by block (a family's dense and MoE layers differ)."""
     gpt = uses_gpt_plan(model)
+    if not gpt and not patterns:
+        patterns = family_plans(model.hf).tp  # type: ignore[union-attr]
     blocks = transformer_blocks(model)
-    plan = block_plan(blocks[0], GPT_PLAN if gpt else patterns)
-    split = sum(  # colwise_qkv (GPT-2's c_attn) keeps its weights whole on every tp rank
+    plans = [block_plan(b, GPT_PLAN if gpt else patterns) for b in blocks]
+    split = sum(
         p.numel()
-        for b in blocks
+        for b, plan in zip(blocks, plans, strict=True)
         for name, style in plan.items()
-        if style != "colwise_qkv"
+        if style in SPLIT_STYLES
         for p in b.get_submodule(name).parameters()
     )
     if gpt:  # the vocabulary rows of the embedding and of an untied lm_head
         split += sum(p.numel() for p in {*model.tok_emb.parameters(), *model.lm_head.parameters()})
-    styles = [s.removesuffix("_qkv") for s in plan.values()]  # all-reduce as a colwise layer
+    # all-reduces per block (the first's plan): a colwise layer's input gradient, a rowwise
+    # layer's output (gathered outputs and fused q/k/v counted as colwise)
+    styles = [s.split("_")[0] for s in plans[0].values() if s in (*SPLIT_STYLES, "colwise_qkv")]
     return TPSplit(split, styles.count("colwise"), styles.count("rowwise"), len(blocks), gpt)
 
 

@@ -9,6 +9,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 
 from bigtrain.config import load_config
 from bigtrain.errors import ConfigError
@@ -190,10 +191,9 @@ def test_only_the_layout_divides_the_world_size():
             ["parallel.backend=zero", HF, LLAMA, PLAN, "parallel.tensor_parallel=2"],
             "needs parallel.backend",
         ),
-        ([HF, LLAMA, "parallel.tensor_parallel=2"], "key 'parallel.tp_plan' is empty"),
         (
             [HF, LLAMA, "parallel.tp_plan={q_proj: diagonal}"],
-            "expected colwise, rowwise or colwise_qkv",
+            "expected one of colwise, rowwise, colwise_gather_output",
         ),
     ],
 )
@@ -220,11 +220,20 @@ def test_a_mesh_that_does_not_divide_the_launched_world_exits_2_with_the_numbers
 
 
 @pytest.mark.unit
-def test_the_tp2_preset_names_llamas_layers():
+def test_the_tp2_preset_takes_the_plan_the_family_declares():
+    """No parallel.tp_plan: a transformers model is split by its family's declared plan (the
+    Llama family's q/k/v and gate/up colwise, o/down rowwise), read at build."""
+    from bigtrain.model.hf import build_hf
+    from bigtrain.model.hf_plans import family_plans
+
     cfg = load_config(["configs/parallel/tp2-hf-llama.yaml"], [HF, LLAMA])
-    assert cfg.parallel.tensor_parallel == 2
-    assert cfg.parallel.tp_plan == {
-        "self_attn.[qkv]_proj": "colwise",
+    assert cfg.parallel.tensor_parallel == 2 and cfg.parallel.tp_plan == {}
+    with torch.device("meta"):  # Llama's default widths: 6.7B parameters
+        plans = family_plans(build_hf(cfg.model.hf_config, None, 384).hf)
+    assert plans.tp == {
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
         "self_attn.o_proj": "rowwise",
         "mlp.gate_proj": "colwise",
         "mlp.up_proj": "colwise",

@@ -158,8 +158,6 @@ def test_bad_pipeline_configs_name_the_key(micro):
         micro("parallel.pipeline_parallel=2", "parallel.pp_microbatches=1")
     with pytest.raises(ConfigError, match="must be 1 for parallel.pp_schedule=1f1b"):
         micro("model.n_layers=4", "parallel.pipeline_parallel=2", "parallel.pp_stages_per_rank=2")
-    with pytest.raises(ConfigError, match="model_type 'opt' is not split into stages yet"):
-        micro("parallel.pipeline_parallel=2", "model.kind=hf", "model.hf_config={model_type: opt}")
     with pytest.raises(ConfigError, match="data.document_mask"):
         micro("parallel.pipeline_parallel=2", "data.document_mask=true")
 

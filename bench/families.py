@@ -1,0 +1,133 @@
+"""Every transformers family bigtrain trains by its declared plans, under every layout: a table of
+family x layout, each cell `equal` (per-step losses within 1e-5 of one process, FP32), the
+largest difference when it is not, or `not supported` with the reason bigtrain gives.
+
+Each family is its tiny config (tests/hf_families.py: vocabulary 384, d_model 64, 2 layers, MoE
+families 4 experts), built here from transformers' own config class (no download), trained for
+`--steps` steps on the test corpus (two plays, a 384-token BPE vocabulary) with a global batch
+of 8 sequences of 32 tokens: once on one process, then on 2 gloo ranks in each layout:
+
+- `fsdp2`: FSDP2 over 2 ranks (each half the batch);
+- `tp2`: tensor parallelism 2 by the family's declared tp plan (no parallel.tp_plan);
+- `pp2`: two pipeline stages cut by the family's declared pp plan (gpipe, 4 micro-batches);
+- `ep2`: expert parallelism 2 (MoE families).
+
+    python bench/families.py [--families llama qwen3 ...] [--layouts fsdp2 tp2 pp2 ep2]
+        [--steps N]
+
+The last line is JSON: {"families": {family: {layout: cell}}, "steps": N}; the table before it
+is Markdown (docs/models.md holds the one of the last run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import micro_overrides, shakespeare_files, strip_play_markup  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.hf_families import FAMILIES, MOE, hf_config_override  # noqa: E402
+
+LAYOUTS = {
+    "fsdp2": ["parallel.backend=fsdp"],
+    "tp2": ["parallel.backend=fsdp", "parallel.tensor_parallel=2"],
+    "pp2": [
+        "parallel.backend=fsdp",
+        "parallel.pipeline_parallel=2",
+        "parallel.pp_schedule=gpipe",
+        "parallel.pp_microbatches=4",
+    ],
+    "ep2": ["parallel.backend=fsdp", "parallel.expert_parallel=2"],
+}
+TOLERANCE = 1e-5
+
+
+def losses_or_error(args: list[str]) -> dict:
+    """A run in a rank: its per-step losses, or the error that stopped it (its last line)."""
+    from bigtrain.config import load_config
+    from bigtrain.errors import ConfigError
+    from bigtrain.parallel.env import read_env
+    from bigtrain.runner import run
+    from bigtrain.store.rundir import read_jsonl
+
+    try:
+        cfg = load_config([], args)
+        run(cfg, read_env())
+    except (ConfigError, NotImplementedError, ValueError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"}
+    metrics = read_jsonl(Path(cfg.train.out_dir) / "metrics.jsonl")
+    return {"losses": {m["step"]: m["loss"] for m in metrics if "loss" in m}}
+
+
+def corpus(tmp: Path) -> list[Path]:
+    files = []
+    for src in shakespeare_files()[:2]:
+        dst = tmp / (src.stem + ".txt")
+        dst.write_text(strip_play_markup(src.read_text()))
+        files.append(dst)
+    return files
+
+
+def cell(reference: dict, result: dict) -> str:
+    if "error" in result:
+        return f"not supported: {result['error']}"
+    ref, got = reference["losses"], result["losses"]
+    if sorted(ref) != sorted(got):
+        return f"steps differ: {sorted(got)} vs {sorted(ref)}"
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    return "equal" if worst <= TOLERANCE else f"differs: {worst:.1e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=4)
+    a = parser.parse_args()
+    table: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        files, cache = corpus(tmp), tmp / "cache"
+
+        def args(family: str, name: str, *extra: str) -> list[str]:
+            return micro_overrides(tmp / family / name, files, cache) + [
+                "model.kind=hf",
+                hf_config_override(family),
+                f"train.max_steps={a.steps}",
+                "train.log_every=1",
+                "train.eval_every=0",
+                "checkpoint.every=0",
+                "precision.compute_dtype=fp32",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=4",
+                *extra,
+            ]
+
+        for family in a.families:
+            reference = run_distributed(losses_or_error, 1, args(family, "one"))[0]
+            assert "losses" in reference, (family, reference)
+            row = table[family] = {}
+            for layout in a.layouts:
+                if layout == "ep2" and family not in MOE:
+                    row[layout] = "dense family"
+                    continue
+                results = run_distributed(
+                    losses_or_error, 2, args(family, layout, *LAYOUTS[layout])
+                )
+                row[layout] = cell(reference, results[0])
+                print(f"{family:12} {layout:6} {row[layout]}", file=sys.stderr, flush=True)
+    print("| family | " + " | ".join(a.layouts) + " |")
+    print("| --- |" + " --- |" * len(a.layouts))
+    for family, row in table.items():
+        print(f"| {family} | " + " | ".join(row[layout] for layout in a.layouts) + " |")
+    print(json.dumps({"bench": "families", "steps": a.steps, "families": table}))
+
+
+if __name__ == "__main__":
+    main()

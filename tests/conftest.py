@@ -69,10 +69,40 @@ LONGEST_FIRST = {
             "tests/test_slurm.py",
             "tests/test_launchers.py",
             "tests/callbacks/test_heal.py",
+            "tests/parallel/test_pipeline.py",
+            "tests/parallel/test_experts.py",
+            "tests/callbacks/test_rollback.py",
+            "tests/parallel/test_context.py",
+            "tests/precision/test_fp8_layouts.py",
+            "tests/parallel/test_hsdp.py",
+            "tests/parallel/test_equivalence.py",
+            "tests/checkpoint/test_universal.py",
+            "tests/precision/test_fp8.py",
+            "tests/checkpoint/test_manager.py",
+            "tests/test_train.py",
+            "tests/parallel/test_zero_init.py",
+            "tests/parallel/test_tp_hf_families.py",
+            "tests/checkpoint/test_init_from.py",
+            "tests/parallel/test_tp_hf_gpt2.py",
+            "tests/test_e2e.py",
+            "tests/parallel/test_apply.py",
+            "tests/resilience/test_recovery.py",
+            "tests/monitor/test_stats.py",
+            "tests/parallel/test_tp_hf.py",
+            "tests/store/test_runlock.py",
+            "tests/plan/test_sections_agree.py",
+            "tests/plan/test_goodput.py",
+            "tests/parallel/test_layout.py",
+            "tests/data/test_mixture_run.py",
+            "tests/precision/test_int8_tp.py",
+            "tests/data/test_prepare.py",
+            "tests/resilience/test_suspicion.py",
+            "tests/telemetry/test_sinks.py",
         ]
     )
 }
-"""The modules whose tests take longest (`--durations`), first: the suite runs on two workers
+"""The modules whose tests take longest (`--durations`), longest first (those under ~8 s after
+them, in collection order): the suite runs on two workers
 (pyproject's `-n 2 --dist loadfile`, a module's tests on one worker so that its shared runs are
 made once), and starting the longest modules first keeps one worker from running a long one
 alone at the end. The replica-group and SLURM modules mostly wait (heartbeats, drills' sleeps,

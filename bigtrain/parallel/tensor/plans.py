@@ -1,8 +1,9 @@
 """Tensor parallelism from outside the model: `parallelize_module` over the mesh's tp axis.
 
 bigtrain's GPT has a plan of its own (`apply_gpt_plan`, Megatron-style with sequence and loss
-parallelism); a `model.kind=hf` model is split by `parallel.tp_plan` (module name patterns inside
-a transformer block -> colwise/rowwise).
+parallelism); a `model.kind=hf` model by `parallel.tp_plan` (module name patterns inside a
+transformer block -> a style) or, when that is empty, by the plan its family declares
+(model/hf_plans.py), matched block by block.
 
 A colwise layer splits its output features (each tp rank computes its heads of q, k, v or its
 part of the MLP's hidden units) and returns the local part; the rowwise layer after it splits its
@@ -25,7 +26,11 @@ For `kind=hf` models everything outside the matched layers (embeddings, norms, l
 whole on every tp rank; transformers' attention reshapes to `(-1, head_dim)`, so a q/k/v layer
 split by heads needs no change; the kv heads must divide by the tp degree. GPT-2's layers are
 transformers `Conv1D`s, split by bigtrain's own layer (tensor/conv1d.py), its fused q/k/v by the
-`colwise_qkv` style.
+`colwise_qkv` style. The declared plans' other styles: `colwise_gather_output` and
+`rowwise_split_input` (torch's styles with a replicated output / input), per-head norms whole
+with their gradients summed (`replicated_with_grad_allreduce`: torch's sequence-parallel style on
+the heads dim) and MLA's shared down-projection (`mla_kv_a_proj`: its rotary part's gradient
+summed, `sum_rotary_grad`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import micro_overrides, shakespeare_files, strip_play_markup  # noqa: E402
+from tests.conftest import micro_overrides, write_corpus  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.hf_families import FAMILIES, MOE, hf_config_override  # noqa: E402
 
@@ -65,15 +65,6 @@ def losses_or_error(args: list[str]) -> dict:
     return {"losses": {m["step"]: m["loss"] for m in metrics if "loss" in m}}
 
 
-def corpus(tmp: Path) -> list[Path]:
-    files = []
-    for src in shakespeare_files()[:2]:
-        dst = tmp / (src.stem + ".txt")
-        dst.write_text(strip_play_markup(src.read_text()))
-        files.append(dst)
-    return files
-
-
 def cell(reference: dict, result: dict) -> str:
     if "error" in result:
         return f"not supported: {result['error']}"
@@ -93,7 +84,7 @@ def main() -> None:
     table: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        files, cache = corpus(tmp), tmp / "cache"
+        files, cache = write_corpus(tmp), tmp / "cache"
 
         def args(family: str, name: str, *extra: str) -> list[str]:
             return micro_overrides(tmp / family / name, files, cache) + [

@@ -137,8 +137,12 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_files(tmp_path_factory) -> list[Path]:
-    """Two plays as plain text files (about 230 KB of real text)."""
-    root = tmp_path_factory.mktemp("corpus")
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def write_corpus(root: Path) -> list[Path]:
+    """Two plays as plain text files under `root` (about 230 KB of real text): the micro runs'
+    corpus (tests, and benches that train the micro model)."""
     files = []
     for src in shakespeare_files()[:2]:
         dst = root / (src.stem + ".txt")

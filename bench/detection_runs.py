@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -71,9 +70,11 @@ def stdlib_corpus(vocab_size: int) -> Path:
     with jsonl.open("w") as f:
         for path in files:
             f.write(json.dumps({"text": path.read_text(errors="replace")}) + "\n")
-    cmd = [sys.executable, "-m", "bigtrain", "prepare", "data.source=files"]
-    cmd += [f"data.paths=[{jsonl}]", f"data.vocab_size={vocab_size}", "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    from bigtrain.cli import main as cli  # `bigtrain prepare`, in this process (no new interpreter)
+
+    argv = ["prepare", "data.source=files", f"data.paths=[{jsonl}]"]
+    code = cli([*argv, f"data.vocab_size={vocab_size}", "--out", str(out)])
+    assert code == 0, f"bigtrain prepare of the stdlib corpus exited {code}"
     return out
 
 

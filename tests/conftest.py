@@ -68,12 +68,12 @@ LONGEST_FIRST = {
             "tests/parallel/test_sharding.py",
             "tests/test_slurm.py",
             "tests/test_launchers.py",
-            "tests/callbacks/test_heal.py",
             "tests/parallel/test_pipeline.py",
             "tests/parallel/test_experts.py",
             "tests/callbacks/test_rollback.py",
             "tests/parallel/test_context.py",
             "tests/precision/test_fp8_layouts.py",
+            "tests/callbacks/test_heal.py",
             "tests/parallel/test_hsdp.py",
             "tests/parallel/test_equivalence.py",
             "tests/checkpoint/test_universal.py",
@@ -106,8 +106,9 @@ them, in collection order): the suite runs on two workers
 (pyproject's `-n 2 --dist loadfile`, a module's tests on one worker so that its shared runs are
 made once), and starting the longest modules first keeps one worker from running a long one
 alone at the end. The replica-group and SLURM modules mostly wait (heartbeats, drills' sleeps,
-slurmctld): they stand apart in this list (the replica groups first, SLURM once they are about
-done), so that each overlaps the other worker's computing, not the other's waiting. A stable
+slurmctld), as do the hang tests of test_heal.py: they stand apart in this list (the replica
+groups first, SLURM once they are about done, the hangs after SLURM), so that each overlaps the
+other worker's computing, not the other's waiting. A stable
 sort: the rest keep their order. (xdist would otherwise hand out the modules with the most tests
 first: pyproject's `--no-loadscope-reorder` keeps this order.)"""
 

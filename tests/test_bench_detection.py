@@ -4,8 +4,6 @@ simulated fault sweep and the candidates, no real 2-rank validation runs."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,18 +16,18 @@ from tests.conftest import ROOT
 ISSUE_KINDS = {"nan_grad", "inf_grad", "nan_loss", "spike_x50", "spike_x10"}
 
 
-def detection_bench(cache_dir, *args: str) -> dict:
-    """bench/detection.py --quick ARGS in a fresh process: its JSON report."""
-    result = subprocess.run(
-        [sys.executable, "bench/detection.py", "--quick", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "BIGTRAIN_CACHE": str(cache_dir), "WANDB_MODE": "disabled"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def detection_bench(monkeypatch, capsys, cache_dir, *args: str) -> dict:
+    """bench/detection.py --quick ARGS, run in this process (its imports are the suite's, a new
+    interpreter would spend ~4 s on them): its JSON report, the last line it prints."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setenv("BIGTRAIN_CACHE", str(cache_dir))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["bench/detection.py", "--quick", *args])
+    import detection
+
+    capsys.readouterr()
+    detection.main()
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 @pytest.mark.unit
@@ -64,10 +62,12 @@ def test_the_simulated_ranks_shard_statistics_are_the_monitors(monkeypatch):
 
 
 @pytest.mark.e2e
-def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
+def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path, monkeypatch, capsys):
     sweeps = ["--runs", "2", "--steps", "30", "--short-runs", "1", "--short-steps", "24"]
     saved = str(tmp_path / "traces.pkl")
-    report = detection_bench(cache_dir, *sweeps, "--validate", "0", "--save-traces", saved)
+    report = detection_bench(
+        monkeypatch, capsys, cache_dir, *sweeps, "--validate", "0", "--save-traces", saved
+    )
     assert report["bench"] == "detection" and report["mode"] == "quick"
     assert (report["healthy_runs"], report["healthy_steps"]) == (3, 2 * 30 + 24)
     assert ISSUE_KINDS <= set(report["detection_rate"]) <= set(report["steps_to_detect"])
@@ -107,7 +107,15 @@ def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
     # The saved traces judged again (how a rule is studied offline): the same simulated numbers,
     # and none of the runs' own, which the recording's rules made.
     again = detection_bench(
-        cache_dir, *sweeps, "--validate", "0", "--no-candidates", "--load-traces", saved
+        monkeypatch,
+        capsys,
+        cache_dir,
+        *sweeps,
+        "--validate",
+        "0",
+        "--no-candidates",
+        "--load-traces",
+        saved,
     )
     assert again["runs_trained"] is False and again["suspicions_real_per_1k"] is None
     for key in ("suspicions_per_1k", "suspicions_one_process_per_1k", "detection_rate"):
@@ -115,10 +123,12 @@ def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path):
 
 
 @pytest.mark.e2e
-def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir):
+def test_detection_bench_on_moe_models_runs_the_router_drill(cache_dir, monkeypatch, capsys):
     """--moe: a healthy MoE micro run with all four rules on, and one real 2-rank run of the
     router-bias drill, caught at its step."""
     report = detection_bench(
+        monkeypatch,
+        capsys,
         cache_dir,
         "--moe",
         "--runs",

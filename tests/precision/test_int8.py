@@ -270,7 +270,7 @@ def test_calibration_state_survives_checkpoint_and_resume(micro):
 
 
 def tiny_val_loss(out: str, cache_dir: str, *extra: str) -> float:
-    """60 steps of configs/tiny.yaml at micro-batch 8 on one thread (runs in a spawned process),
+    """60 steps of configs/tiny.yaml at micro-batch 8 on one thread (runs in a forked process),
     in the compute dtype the hardware runs fast (`auto`: BF16 where the CPU has it natively, else
     FP32; emulated BF16 takes 20 minutes on a CPU without it)."""
     cfg = load_config(
@@ -305,8 +305,11 @@ def test_tiny_model_int8_reaches_the_validation_loss_of_the_plain_run(tmp_path, 
     prepare_corpus(
         load_config([str(ROOT / "configs/tiny.yaml")], [f"data.cache_dir={cache_dir}"]).data,
     )
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+    # forked from the suite's preloaded server (tests/distributed.py): torch and bigtrain are
+    # imported there once, not in each process
+    multiprocessing.set_forkserver_preload(["tests.distributed_preload"])
+    forkserver = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(2, mp_context=forkserver) as pool:
         plain = pool.submit(tiny_val_loss, str(tmp_path / "plain"), str(cache_dir))
         int8 = pool.submit(
             tiny_val_loss, str(tmp_path / "int8"), str(cache_dir), "precision.int8.enabled=true"

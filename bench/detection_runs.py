@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from bigtrain.build import build_trainer
+from bigtrain.build import build
 from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.parallel.env import DistEnv, free_port, read_env, shutdown
@@ -70,11 +70,10 @@ def stdlib_corpus(vocab_size: int) -> Path:
     with jsonl.open("w") as f:
         for path in files:
             f.write(json.dumps({"text": path.read_text(errors="replace")}) + "\n")
-    from bigtrain.cli import main as cli  # `bigtrain prepare`, in this process (no new interpreter)
+    from bigtrain.data.prepare.run import prepare  # `bigtrain prepare`'s work, in this process
 
-    argv = ["prepare", "data.source=files", f"data.paths=[{jsonl}]"]
-    code = cli([*argv, f"data.vocab_size={vocab_size}", "--out", str(out)])
-    assert code == 0, f"bigtrain prepare of the stdlib corpus exited {code}"
+    overrides = ["data.source=files", f"data.paths=[{jsonl}]", f"data.vocab_size={vocab_size}"]
+    prepare(load_config([], overrides).data, out)
     return out
 
 
@@ -228,13 +227,15 @@ def healthy_run(spec: RunSpec, out_dir: str) -> Trace:
     its anomaly events (false alarms: no fault was injected)."""
     started = time.perf_counter()
     cfg = load_config([TINY], spec.overrides(out_dir))
-    trainer = build_trainer(cfg, DistEnv())
+    built = build(cfg, DistEnv())  # released at the end: many runs share this process
+    trainer = built.trainer
     try:
         names = list(trainer.monitor.names)
         recorder = Recorder(trainer, Trace(spec, names, monitor=cfg.monitor))
         trainer.fit(resumed=False)
     finally:
         trainer.callbacks.close()
+        built.release()  # its log file and lock (each run's log held only its own records)
     trace = recorder.finish()
     events = read_events(out_dir)
     trace.anomalies = [e for e in events if e["kind"] == "anomaly"]
@@ -302,11 +303,13 @@ def _rank_main(rank: int, port: str, trials: list[Trial], out_root: str) -> None
     found = []
     for i, trial in enumerate(trials):
         out_dir = str(Path(out_root) / f"trial-{i}")
-        trainer = build_trainer(load_config([TINY], trial.overrides(out_dir)), read_env())
+        built = build(load_config([TINY], trial.overrides(out_dir)), read_env())
+        trainer = built.trainer
         try:
             trainer.fit(resumed=False)
         finally:
             trainer.callbacks.close()
+            built.release()
         found.append([e["step"] for e in read_events(out_dir) if caught(e)])
     shutdown(clean=True)
     if rank == 0:

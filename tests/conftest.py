@@ -117,6 +117,18 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 @pytest.fixture(autouse=True)
+def restore_bigtrain_logging():
+    """A test that calls the CLI's main in this process gets its console handler, bound to that
+    test's captured stdout: once the capture is closed, every later record would fail to print
+    ("Logging error ... I/O operation on closed file") in whichever test comes next on the
+    worker. The "bigtrain" logger's handlers and level are restored after each test."""
+    logger = logging.getLogger("bigtrain")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:], logger.level = handlers, level
+
+
+@pytest.fixture(autouse=True)
 def restore_launcher_env():
     """A sharded run in this process sets MASTER_PORT for its process group of one (and one that
     fails during setup keeps that group's store listening): later subprocesses, SLURM jobs among

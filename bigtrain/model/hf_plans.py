@@ -101,33 +101,32 @@ def _in_layers(plan: dict[str, str], layers: str) -> tuple[dict[str, str], dict[
 
 
 LAYOUT_PLAN = {
-    "parallel.tensor_parallel": "tp",
-    "parallel.pipeline_parallel": "stages",
-    "parallel.expert_parallel": "ep",
+    "parallel.tensor_parallel": ("tp", "base_model_tp_plan"),
+    "parallel.pipeline_parallel": ("stages", "base_model_pp_plan"),
+    "parallel.expert_parallel": ("ep", "base_model_ep_plan"),
 }
+"""A layout's key -> (the FamilyPlans field it needs, the config attribute that declares it)."""
 
 
-def require(plans: FamilyPlans, key: str, degree: int) -> None:
+def require(plans: FamilyPlans, key: str, degree: int | None = None) -> None:
     """A ConfigError (exit 2) naming the family and the layout when the family declares no plan
-    for it, or a tensor-parallel style bigtrain does not run."""
-    what = LAYOUT_PLAN[key]
+    for it, or a tensor-parallel style bigtrain does not run. `degree`: the key's value, when
+    known (the planner asks without one)."""
+    what, declared = LAYOUT_PLAN[key]
+    named = f"key '{key}'" + (f" ({degree})" if degree is not None else "")
     if not getattr(plans, what):
-        declared = {"tp": "base_model_tp_plan", "stages": "base_model_pp_plan"}
-        declared["ep"] = "base_model_ep_plan"
         raise ConfigError(
-            f"key '{key}' ({degree}): the transformers family {plans.model_type!r} declares no "
-            f"{declared[what]} (transformers {_version()}), so bigtrain does not know how to "
-            f"split it that way; use {key}=1"
-            + (", or give parallel.tp_plan" if what == "tp" else "")
+            f"{named}: the transformers family {plans.model_type!r} declares no {declared} "
+            f"(transformers {_version()}), so bigtrain does not know how to split it that way; "
+            f"use {key}=1" + (", or give parallel.tp_plan" if what == "tp" else "")
         )
-    if what == "tp":
-        unknown = {k: s for k, s in plans.tp.items() if s not in TP_STYLES}
-        if unknown:
-            raise ConfigError(
-                f"key '{key}' ({degree}): the transformers family {plans.model_type!r} declares "
-                f"tensor-parallel styles bigtrain does not run: {unknown} (it runs "
-                f"{', '.join(TP_STYLES)}); give parallel.tp_plan, or use {key}=1"
-            )
+    unknown = {k: s for k, s in plans.tp.items() if s not in TP_STYLES} if what == "tp" else {}
+    if unknown:
+        raise ConfigError(
+            f"{named}: the transformers family {plans.model_type!r} declares tensor-parallel "
+            f"styles bigtrain does not run: {unknown} (it runs {', '.join(TP_STYLES)}); give "
+            f"parallel.tp_plan, or use {key}=1"
+        )
 
 
 def _version() -> str:

@@ -32,6 +32,8 @@ from torch.distributed.fsdp import fully_shard
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
+from bigtrain.model.hf import HFCausalLM
+from bigtrain.model.hf_plans import family_plans, require
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.backends.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.backends.local import LocalBackend
@@ -131,6 +133,8 @@ def _pipelined(
     p, seed = parallel, train.seed
     chunks_per_rank = pp_stages_per_rank(p)
     num_stages = layout.pp * chunks_per_rank
+    if isinstance(model, HFCausalLM):  # a family without a pipeline plan: named, with the degree
+        require(family_plans(model.hf), "parallel.pipeline_parallel", layout.pp)
     bounds = stage_bounds(model, num_stages, p.pp_split, seq_len)
     stages = rank_stages(p.pp_schedule, layout.pp, chunks_per_rank, layout.coord("pp"))
     on_meta = any(t.is_meta for t in model.parameters())  # bigtrain's GPT; transformers: whole

@@ -45,7 +45,7 @@ def stage_spec(model: nn.Module) -> StageSpec:
         return StageSpec("blocks", ("tok_emb", "pos_emb"), ("norm_f", "lm_head"))
     assert isinstance(model, HFCausalLM), "bigtrain's GPT or a transformers causal LM"
     plans = family_plans(model.hf)
-    require(plans, "parallel.pipeline_parallel", 2)
+    require(plans, "parallel.pipeline_parallel")  # (the planner splits too)
     assert plans.stages is not None
     blocks, first, last = plans.stages
     return StageSpec(blocks, first, last, "gpt2" if plans.own else "declared")
@@ -215,9 +215,9 @@ class StageBlocks(nn.ModuleDict):
         return super().__getitem__(str(key))
 
 
-def _pass_through(hidden_states=None, *args, **kwargs):  # noqa: ARG001
+def _pass_through(hidden_states, *args, **kwargs):  # noqa: ARG001
     """Another stage's block: its input unchanged."""
-    return hidden_states if hidden_states is not None else kwargs["hidden_states"]
+    return hidden_states
 
 
 def stage_of_names(model: nn.Module, bounds: list[int]) -> dict[str, int]:

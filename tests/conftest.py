@@ -81,7 +81,7 @@ LONGEST_FIRST = {
             "tests/checkpoint/test_manager.py",
             "tests/test_train.py",
             "tests/parallel/test_zero_init.py",
-            "tests/parallel/test_tp_hf_families.py",
+            "tests/parallel/test_hf_family_layouts.py",
             "tests/checkpoint/test_init_from.py",
             "tests/parallel/test_tp_hf_gpt2.py",
             "tests/test_e2e.py",

@@ -213,12 +213,17 @@ def check_experts(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"key 'parallel.expert_parallel' got {ep}, expected a positive integer")
     if ep == 1:
         return
-    if not experts:
-        model = "an MoE model (model.moe.experts > 0)"
-        if m.kind != "gpt":
-            model = "bigtrain's GPT with MoE blocks (model.kind=gpt, model.moe.experts > 0)"
+    if m.kind == "hf":  # its experts are counted where it is built (parallel/experts.py)
+        if p.tensor_parallel > 1:
+            raise ConfigError(
+                f"key 'parallel.expert_parallel' ({ep}) with parallel.tensor_parallel "
+                f"({p.tensor_parallel}): a transformers model's experts are split by one of the "
+                "two, not both; use one of them"
+            )
+    elif not experts:
         raise ConfigError(
-            f"key 'parallel.expert_parallel' ({ep}) needs {model}: this model has no experts to "
+            f"key 'parallel.expert_parallel' ({ep}) needs an MoE model (model.moe.experts > 0) "
+            "or a transformers MoE family (model.kind=hf): this model has no experts to "
             "split; use 1"
         )
     if p.backend != "fsdp":
@@ -226,7 +231,7 @@ def check_experts(p: ParallelConfig, m: ModelConfig) -> None:
             f"key 'parallel.expert_parallel' ({ep}) needs parallel.backend=fsdp, got "
             f"parallel.backend={p.backend}"
         )
-    if experts % ep:
+    if experts and experts % ep:
         raise ConfigError(
             f"key 'parallel.expert_parallel' ({ep}) must divide model.moe.experts ({experts}): "
             "each rank of an expert-parallel group holds as many experts"

@@ -100,6 +100,10 @@ def _in_layers(plan: dict[str, str], layers: str) -> tuple[dict[str, str], dict[
     return inside, outside
 
 
+EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+"""The declared expert-parallel styles bigtrain runs (parallel/experts.py): stacked expert
+weights split by expert, and the experts module whose tokens are dispatched to their ranks."""
+
 LAYOUT_PLAN = {
     "parallel.tensor_parallel": ("tp", "base_model_tp_plan"),
     "parallel.pipeline_parallel": ("stages", "base_model_pp_plan"),
@@ -120,12 +124,16 @@ def require(plans: FamilyPlans, key: str, degree: int | None = None) -> None:
             f"(transformers {_version()}), so bigtrain does not know how to split it that way; "
             f"use {key}=1" + (", or give parallel.tp_plan" if what == "tp" else "")
         )
-    unknown = {k: s for k, s in plans.tp.items() if s not in TP_STYLES} if what == "tp" else {}
+    runs = {"tp": TP_STYLES, "ep": EP_STYLES}.get(what, ())
+    declared_styles = getattr(plans, what) if runs else {}
+    unknown = {k: s for k, s in declared_styles.items() if s not in runs}
     if unknown:
+        kind = "tensor" if what == "tp" else "expert"
+        hint = "give parallel.tp_plan, or " if what == "tp" else ""
         raise ConfigError(
-            f"{named}: the transformers family {plans.model_type!r} declares tensor-parallel "
-            f"styles bigtrain does not run: {unknown} (it runs {', '.join(TP_STYLES)}); give "
-            f"parallel.tp_plan, or use {key}=1"
+            f"{named}: the transformers family {plans.model_type!r} declares {kind}-parallel "
+            f"styles bigtrain does not run: {unknown} (it runs {', '.join(runs)}); {hint}"
+            f"use {key}=1"
         )
 
 

@@ -28,6 +28,12 @@ def test_each_family_declares_plans_bigtrain_runs(model_type):
     assert plans.tp and set(plans.tp.values()) <= set(TP_STYLES), plans.tp
     require(plans, "parallel.tensor_parallel", 2)
     assert bool(plans.ep) == (model_type in MOE)
+    if model_type in MOE:
+        assert plans.ep["mlp.experts"] == "ep_dispatch_experts"
+        require(plans, "parallel.expert_parallel", 2)
+    else:
+        with pytest.raises(ConfigError, match=f"'{model_type}' declares no base_model_ep_plan"):
+            require(plans, "parallel.expert_parallel", 2)
     if model_type == "olmoe":  # OLMoE declares no pipeline plan: named, exit 2
         with pytest.raises(ConfigError, match="'olmoe' declares no base_model_pp_plan"):
             require(plans, "parallel.pipeline_parallel", 2)

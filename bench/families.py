@@ -10,10 +10,16 @@ of 8 sequences of 32 tokens: once on one process, then on 2 gloo ranks in each l
 - `fsdp2`: FSDP2 over 2 ranks (each half the batch);
 - `tp2`: tensor parallelism 2 by the family's declared tp plan (no parallel.tp_plan);
 - `pp2`: two pipeline stages cut by the family's declared pp plan (gpipe, 4 micro-batches);
-- `ep2`: expert parallelism 2 (MoE families).
+- `ep2`: expert parallelism 2 (MoE families);
+- `round trip`: the family's tiny model saved by transformers (`save_pretrained`: a Hub
+  directory, MoE experts one tensor per expert) is `model.init_from` of a 2-rank run (ep2 for
+  MoE families, fsdp2 for dense ones) that loads the weights transformers loads (fingerprint),
+  trains and checkpoints; `bigtrain export --hf --check` passes on the checkpoint, the export
+  has the Hub directory's tensor names, and `bigtrain generate`'s greedy ids (8 tokens) equal
+  transformers' own `generate` on the export: `ok`, or what failed.
 
     python bench/families.py [--families llama qwen3 ...] [--layouts fsdp2 tp2 pp2 ep2]
-        [--steps N]
+        [--no-round-trip] [--steps N]
 
 The last line is JSON: {"families": {family: {layout: cell}}, "steps": N}; the table before it
 is Markdown (docs/models.md holds the one of the last run).
@@ -31,8 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.conftest import micro_overrides, write_corpus  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from tests.hf_families import FAMILIES, MOE, hf_config_override  # noqa: E402
+from tests.distributed import run_distributed, train_run  # noqa: E402
+from tests.hf_families import (  # noqa: E402
+    FAMILIES,
+    MOE,
+    hf_config_override,
+    hub_fingerprint,
+    round_trip,
+    save_hub_dir,
+)
 
 LAYOUTS = {
     "fsdp2": ["parallel.backend=fsdp"],
@@ -75,10 +88,38 @@ def cell(reference: dict, result: dict) -> str:
     return "equal" if worst <= TOLERANCE else f"differs: {worst:.1e}"
 
 
+def trip(family: str, tmp: Path, args) -> str:
+    """The round trip's cell (module docstring)."""
+    hub = save_hub_dir(family, tmp / "hub")
+    layout = "ep2" if family in MOE else "fsdp2"
+    run_args = [
+        a for a in args(family, "trip", *LAYOUTS[layout]) if not a.startswith("model.hf_config")
+    ]
+    run_args += [f"model.init_from={hub}", "checkpoint.every=2", "train.max_steps=2"]
+    result = run_distributed(train_run, 2, run_args)[0]
+    init = next(e for e in result["events"] if e["kind"] == "init_from")
+    if init["fingerprint"] != hub_fingerprint(hub):
+        return f"{layout}: the weights loaded differ from transformers' load"
+    checkpoint = tmp / "trip" / "checkpoints" / "step_00000002"
+    r = round_trip(checkpoint, hub, tmp / "out")
+    failed = [
+        what
+        for what, ok in (
+            ("export", r["export"] == 0),
+            (f"check {r['check'].get('max_rel_diff')}", r["check"].get("ok")),
+            ("tensor names", r["same_names"]),
+            (f"generate {r['ours']} vs {r['theirs']}", r["ours"] == r["theirs"] and r["ours"]),
+        )
+        if not ok
+    ]
+    return f"ok ({layout})" if not failed else "failed: " + ", ".join(failed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--no-round-trip", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
     a = parser.parse_args()
     table: dict[str, dict[str, str]] = {}
@@ -113,10 +154,14 @@ def main() -> None:
                 )
                 row[layout] = cell(reference, results[0])
                 print(f"{family:12} {layout:6} {row[layout]}", file=sys.stderr, flush=True)
-    print("| family | " + " | ".join(a.layouts) + " |")
-    print("| --- |" + " --- |" * len(a.layouts))
+            if not a.no_round_trip:
+                row["round trip"] = trip(family, tmp / family, args)
+                print(f"{family:12} round trip {row['round trip']}", file=sys.stderr, flush=True)
+    columns = [*a.layouts, *([] if a.no_round_trip else ["round trip"])]
+    print("| family | " + " | ".join(columns) + " |")
+    print("| --- |" + " --- |" * len(columns))
     for family, row in table.items():
-        print(f"| {family} | " + " | ".join(row[layout] for layout in a.layouts) + " |")
+        print(f"| {family} | " + " | ".join(row[c] for c in columns) + " |")
     print(json.dumps({"bench": "families", "steps": a.steps, "families": table}))
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import yaml
+from torch import nn
 
 from bigtrain.checkpoint.manager import CheckpointManager, refuse_legacy
 from bigtrain.checkpoint.manifest import (
@@ -35,11 +36,12 @@ from bigtrain.checkpoint.manifest import (
     shape_changes,
 )
 from bigtrain.checkpoint.sources import HFSource, InitialValues
+from bigtrain.checkpoint.state_io import persistent_buffers
 from bigtrain.config import Config, ModelConfig, TrainConfig, config_changes
 from bigtrain.data.read.stream import SampleStream
 from bigtrain.errors import ConfigError, SharedConfigError
 from bigtrain.model.hf_check import check_hf_config
-from bigtrain.model.hf_mapping import Part, mapping_for
+from bigtrain.model.hf_mapping import mapping_for, mapping_for_hf
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.layout import Layout
 from bigtrain.state.run import RunState
@@ -233,6 +235,9 @@ def init_loader(
             source="checkpoint", backend=manifest["backend"], source_step=manifest["step"]
         )
         return lambda: manager.load_weights(path, backend), details
+    if model_cfg.kind == "hf":  # its persistent buffers too (DeepSeek-V3's score correction)
+        buffers = persistent_buffers(backend.model) if isinstance(backend.model, nn.Module) else {}
+        shapes = {**shapes, **{n: list(b.shape) for n, b in buffers.items()}}
     source = hf_source(path, model_cfg, shapes)
     return lambda: backend.load_from(source, optimizer=False), {**details, "source": "huggingface"}
 
@@ -266,8 +271,11 @@ def hf_source(path: Path, model_cfg: ModelConfig, shapes: dict[str, list[int]]) 
             f"a run directory with committed checkpoints (no {path}/checkpoints/{PREFIX}*) nor a "
             "Hugging Face model directory (no config.json)"
         )
-    if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`
-        parts = {n: Part(n.removeprefix("hf."), s[0] if s else 1) for n, s in shapes.items()}
+    if model_cfg.kind == "hf":  # HFCausalLM keeps the transformers model as `hf`: its layout
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        parts = mapping_for_hf(config, {n: tuple(s) for n, s in shapes.items()}).parts
     else:
         from transformers import AutoConfig
 

@@ -9,6 +9,7 @@ layer dense and its second MoE with a shared expert, and its MLA attention."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 COMMON: dict[str, Any] = {
@@ -79,3 +80,102 @@ def hf_config_override(model_type: str) -> str:
 
     items = ", ".join(f"{k}: {flow(v)}" for k, v in tiny_config(model_type).items())
     return "model.hf_config={" + items + "}"
+
+
+def save_hub_dir(model_type: str, path: Path, seed: int = 0) -> Path:
+    """The family's tiny model with seeded random weights, saved by transformers'
+    `save_pretrained` into `path` as a Hub directory is laid out (MoE experts one tensor per
+    expert); what `model.init_from` reads."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options = tiny_config(model_type)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(options.pop("model_type"), **options)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    params = {n for n, _ in model.named_parameters()}
+    with torch.no_grad():  # persistent buffers (DeepSeek-V3's score correction) not zeros
+        for name, tensor in model.state_dict().items():
+            if name not in params and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def hub_fingerprint(path: Path) -> str:
+    """The weights fingerprint (the `init_from` event's) of a Hub directory as transformers
+    itself loads it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bigtrain.model.hf import HFCausalLM
+    from bigtrain.parallel.backends.base import weights_fingerprint
+    from bigtrain.utils.names import canonical_name
+
+    model = HFCausalLM(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    return weights_fingerprint(
+        (canonical_name(n), lambda p=p: p) for n, p in model.named_parameters()
+    )
+
+
+PROMPT = "The king"
+
+
+def round_trip(checkpoint: Path, hub: Path, out: Path) -> dict[str, Any]:
+    """A trained checkpoint of a family started from `hub` back to a Hub directory and into
+    generation, through bigtrain's own commands (in this process): `bigtrain export --hf
+    --check` (its JSON result), the exported tensor names against `hub`'s, and the greedy ids of
+    `bigtrain generate` against transformers' own `generate` on the exported directory, and
+    the exported tensors equal to `hub`'s (`unchanged`: those training does not change)."""
+    import contextlib
+    import io
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from bigtrain.cli import main
+    from bigtrain.data.prepare.cache import load_tokenizer
+    from bigtrain.model.generate import encode_prompt
+
+    def cli(*argv: str) -> tuple[int, str]:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = main(list(argv))
+        return code, stdout.getvalue()
+
+    def tensors(directory: Path) -> dict[str, torch.Tensor]:
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+
+    exported = out / "export"
+    code, text = cli("export", str(checkpoint), "--hf", str(exported), "--check")
+    check = json.loads(text.strip().splitlines()[-1]) if code in (0, 1) else {}
+    code_gen, text = cli(
+        "generate", str(checkpoint), "--prompt", PROMPT, "--temperature", "0",
+        "--max-new-tokens", "8", "--json",
+    )  # fmt: skip
+    ours = json.loads(text.strip().splitlines()[-1])["tokens"] if code_gen == 0 else None
+    tokenizer = load_tokenizer(str(exported))
+    ids = torch.tensor([encode_prompt(tokenizer, PROMPT)])
+    hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    theirs = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+        eos_token_id=eos, pad_token_id=eos,
+    )[0, ids.shape[1] :].tolist()  # fmt: skip
+    if theirs and theirs[-1] == eos:
+        theirs = theirs[:-1]
+    ours_t, hub_t = tensors(exported), tensors(hub)
+    return {
+        "export": code,
+        "check": check.get("check", {}),
+        "same_names": set(ours_t) == set(hub_t),
+        "unchanged": sorted(
+            k for k, t in ours_t.items() if k in hub_t and torch.equal(t, hub_t[k])
+        ),
+        "generate": code_gen,
+        "ours": ours,
+        "theirs": theirs,
+    }

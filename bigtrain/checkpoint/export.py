@@ -23,6 +23,7 @@ from torch import nn
 from bigtrain.checkpoint.hf_export import check_export, export_hf
 from bigtrain.checkpoint.manager import open_checkpoint
 from bigtrain.checkpoint.sources import Source
+from bigtrain.checkpoint.state_io import persistent_buffers
 from bigtrain.config import Config, ModelConfig, load_saved_config
 from bigtrain.data.prepare.cache import load_tokenizer
 from bigtrain.errors import ConfigError
@@ -74,7 +75,9 @@ def export_checkpoint(
     checkpoint) into `out_dir`; with `check`, also compare the logits (FP32). Returns what was
     written and, with check, the comparison."""
     saved = open_saved_model(path)
-    mapping = checkpoint_mapping(saved.cfg.model, saved.shapes, saved.vocab_size)
+    mapping = checkpoint_mapping(
+        saved.cfg.model, saved.shapes, saved.vocab_size, saved.source.shapes
+    )
     files = export_hf(mapping, saved.source.full, out_dir, saved.tokenizer_dir, max_shard_bytes)
     result: dict[str, Any] = {
         "checkpoint": str(saved.path),
@@ -113,11 +116,21 @@ def vocab_size_of(model: ModelConfig, shapes: dict[str, tuple], tokenizer_dir: P
     )
 
 
-def checkpoint_mapping(model: ModelConfig, shapes: dict[str, tuple], vocab_size: int) -> HFMapping:
+def checkpoint_mapping(
+    model: ModelConfig,
+    shapes: dict[str, tuple],
+    vocab_size: int,
+    stored: dict[str, tuple] | None = None,
+) -> HFMapping:
+    """The transformers mapping of a checkpoint's model, whose parameters have `shapes`. A
+    transformers model's persistent buffers that the checkpoint holds (`stored`: every tensor
+    it has; DeepSeek-V3's router score correction) are written too."""
     if model.kind == "gpt":
         return mapping_for(dataclasses.replace(model, vocab_size=vocab_size), shapes)
     with torch.device("meta"):  # the architecture only: the weights come from the checkpoint
         built = build_model(architecture_only(model), vocab_size)
+    buffers = {n: tuple(b.shape) for n, b in persistent_buffers(built).items()}
+    shapes = {**shapes, **{n: s for n, s in buffers.items() if n in (stored or {})}}
     return mapping_for_hf(built.hf.config, shapes)  # type: ignore[union-attr]
 
 
@@ -127,4 +140,8 @@ def model_from_source(model_cfg: ModelConfig, vocab_size: int, source: Source) -
     model = build_model(architecture_only(model_cfg), vocab_size, init_seed=None)  # copied below
     for name, p in model.named_parameters():
         p.copy_(source.full(name))
+    for name, buffer in persistent_buffers(model).items():
+        value = source.buffer(name)
+        if value is not None:
+            buffer.copy_(value.view(buffer.shape))
     return model

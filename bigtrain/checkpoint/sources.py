@@ -191,9 +191,9 @@ class HFSource(Source):
     def _shape(self, part: Part, whole_rows: int) -> tuple[int, ...]:
         """The bigtrain tensor's shape as the file gives it; an HF tensor whose row count is not
         the mapping's (another model config) gives -1 rows, so check_covers names the tensor."""
-        if part.experts:  # (experts, in, out) from expert 0's (out, in); all are alike
-            first = self._first(part)
-            inner = self._handle(first).get_slice(first).get_shape()[::-1]
+        if part.experts:  # expert 0's slice; all are alike
+            pieces = [self._handle(n).get_slice(n).get_shape() for n in part.expert_parts(0)]
+            inner = [sum(p[0] for p in pieces), *pieces[0][1:]] if part.joined else pieces[0][::-1]
             every = all(n in self.files for n in part.expert_names())
             return (part.rows if every else -1, *inner)
         shape = tuple(self._handle(part.hf_name).get_slice(part.hf_name).get_shape())
@@ -207,11 +207,15 @@ class HFSource(Source):
         if start == stop:  # an empty shard (fewer rows than ranks)
             return torch.empty(0)
         shape, part = self.shapes[name], self.parts[name]
-        if part.experts:  # the experts the range touches, each (out, in) transposed
+        if part.experts:  # the experts the range touches
             row = math.prod(shape[1:])
             first, last = start // row, -(-stop // row)
-            names = part.expert_names()[first:last]
-            rows = torch.stack([self._handle(n).get_tensor(n).t() for n in names])
+            rows = torch.stack(
+                [
+                    part.expert_slice([self._handle(n).get_tensor(n) for n in part.expert_parts(e)])
+                    for e in range(first, last)
+                ]
+            )
             return rows.float().reshape(-1)[start - first * row : stop - first * row]
         if not shape:
             return self._handle(part.hf_name).get_tensor(part.hf_name).float().reshape(-1)

@@ -5,8 +5,10 @@ one, or a row range of GPT-2's c_attn, which holds q, k and v), so that the same
 directions: exporting bigtrain weights to a transformers directory
 (`bigtrain.checkpoint.hf_export`) and reading a transformers checkpoint into bigtrain's GPT. Two mappings
 exist for the built-in GPT (`mapping_for`): GPT-2 (`GPT2LMHeadModel`) and Llama
-(`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class by identity
-(`mapping_for_hf`).
+(`LlamaForCausalLM`). A `model.kind=hf` model maps onto its own class (`mapping_for_hf`): by
+identity, except where transformers' own checkpoint conversion keeps another layout on disk
+than in memory, such as the experts of MoE families (stacked `gate_up_proj` in memory, one
+`gate_proj`/`up_proj`/`down_proj` per expert in a Hub directory).
 """
 
 from __future__ import annotations
@@ -45,10 +47,28 @@ class Part:
     experts: bool = False
     """A stack of `rows` experts (bigtrain's (experts, in, out)), each its own nn.Linear weight
     (out, in) in the HF files: `hf_name` has an `{e}` for the expert's index (Mixtral)."""
+    joined: tuple[str, ...] = ()
+    """An expert stack of a transformers MoE family (`experts` set): expert e's slice is its HF
+    tensors `joined[j].format(e=e)` concatenated on their first dim, as they are (no
+    transpose): the gate and up projections of `gate_up_proj`, the down projection alone."""
 
     def expert_names(self) -> list[str]:
         """The HF tensors of an expert stack, in expert order."""
-        return [self.hf_name.format(e=e) for e in range(self.rows)]
+        return [n for e in range(self.rows) for n in self.expert_parts(e)]
+
+    def expert_parts(self, e: int) -> list[str]:
+        """The HF tensors of expert `e`, in the order they make its slice."""
+        return [t.format(e=e) for t in self.joined] or [self.hf_name.format(e=e)]
+
+    def expert_slice(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Expert e's slice of the stack from its HF tensors (expert_parts(e)'s)."""
+        return torch.cat(tensors) if self.joined else tensors[0].T
+
+    def expert_tensors(self, expert: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of expert_slice: the HF tensors of one expert's slice."""
+        if not self.joined:
+            return [expert.T.contiguous()]
+        return [t.contiguous() for t in expert.chunk(len(self.joined))]
 
 
 @dataclass
@@ -79,7 +99,10 @@ class HFMapping:
         for name, shape in self.shapes.items():
             part = self.parts[name]
             if part.experts:
-                out.update(dict.fromkeys(part.expert_names(), shape[:0:-1]))
+                inner = shape[1:] if part.joined else shape[:0:-1]
+                if part.joined:
+                    inner = (inner[0] // len(part.joined), *inner[1:])
+                out.update(dict.fromkeys(part.expert_names(), inner))
                 continue
             whole = (rows[part.hf_name], *shape[1:]) if shape else ()
             out[part.hf_name] = whole[::-1] if part.transpose else whole
@@ -102,9 +125,9 @@ class HFMapping:
                     f"made for {self.shapes[name]}"
                 )
             part = self.parts[name]
-            if part.experts:  # one Linear weight per expert
-                for hf_name, expert in zip(part.expert_names(), tensor, strict=True):
-                    yield hf_name, expert.T.contiguous()
+            if part.experts:  # one Linear weight (or a few) per expert
+                for e, expert in enumerate(tensor):
+                    yield from zip(part.expert_parts(e), part.expert_tensors(expert), strict=True)
                 continue
             if part.rows == rows[part.hf_name]:  # the whole HF tensor (also 0-d ones)
                 piece = tensor.T if part.transpose else tensor
@@ -126,7 +149,12 @@ class HFMapping:
         """Bigtrain tensor `name` rebuilt from its HF tensor (`read_hf(hf_name)`)."""
         part = self.parts[name]
         if part.experts:
-            return torch.stack([read_hf(n).T for n in part.expert_names()])
+            return torch.stack(
+                [
+                    part.expert_slice([read_hf(n) for n in part.expert_parts(e)])
+                    for e in range(part.rows)
+                ]
+            )
         t = read_hf(part.hf_name)
         t = t.T if part.transpose else t
         if t.dim():  # 0-d tensors are whole
@@ -430,9 +458,80 @@ def mapping_for_hf(hf_config, shapes: dict[str, Shape]) -> HFMapping:
     config = hf_config.to_dict()
     config.pop("_name_or_path", None)  # where the model was loaded from: a local path, maybe
     config.update(architectures=[architecture], dtype="float32")
+    parts = hub_parts(hf_config, names)
     return HFMapping(
         architecture,
         config,
         {f"hf.{n}": s for n, s in names.items()},
-        {f"hf.{n}": Part(n, s[0] if s else 1) for n, s in names.items()},
+        {f"hf.{n}": part for n, part in parts.items()},
     )
+
+
+def hub_parts(hf_config, names: dict[str, Shape]) -> dict[str, Part]:
+    """Where each tensor of a transformers model (by its name in memory) lies in the model's
+    directory as `save_pretrained` writes it: transformers' own reverse checkpoint conversion
+    (`revert_weight_conversion`), run tensor by tensor on the meta device, gives the names and
+    shapes on disk. A tensor saved as itself or renamed (Mixtral's `block_sparse_moe`) is a
+    plain part; one saved as one tensor per expert is an expert stack (`Part.joined`), checked
+    against transformers' conversion of a small probe. Any other layout is a ConfigError naming
+    the family and the tensor."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    parts = {}
+    for name, shape in names.items():
+        disk = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+        if len(disk) == 1:
+            ((disk_name, tensor),) = disk.items()
+            if tuple(tensor.shape) == shape:
+                parts[name] = Part(disk_name, shape[0] if shape else 1)
+                continue
+        parts[name] = _expert_stack(
+            model, name, shape, {k: tuple(v.shape) for k, v in disk.items()}
+        )
+    return parts
+
+
+def _expert_stack(model, name: str, shape: Shape, disk: dict[str, Shape]) -> Part:
+    """The Part of a stacked experts tensor saved as `disk` (hub_parts): each expert's slice the
+    concatenation of a few per-expert tensors, found by converting a probe of 2 experts whose
+    values say where each element came from."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(
+            f"the transformers family {model.config.model_type!r} saves '{name}' {shape} as "
+            f"{len(disk)} tensors ({next(iter(disk))}, ...) that bigtrain cannot map: {why}"
+        )
+
+    experts, pieces = shape[0] if shape else 0, len(disk) // max(shape[0] if shape else 1, 1)
+    if not experts or len(disk) != experts * pieces or len(shape) < 2 or shape[1] % pieces:
+        raise refuse("not a few tensors per expert")
+    probe = torch.arange(2 * pieces * 3 * 5, dtype=torch.float32).reshape(2, pieces * 3, 5)
+    probe = probe[..., 0] if len(shape) == 2 else probe
+    templates: dict[int, list[str]] = {}
+    for key, tensor in revert_weight_conversion(model, {name: probe}).items():
+        where = [
+            (e, j)
+            for e in range(2)
+            for j, chunk in enumerate(probe[e].chunk(pieces))
+            if chunk.shape == tensor.shape and torch.equal(chunk, tensor)
+        ]
+        if len(where) != 1:
+            raise refuse(f"{key} is not one expert's piece of it")
+        templates.setdefault(where[0][1], [None, None])[where[0][0]] = key  # type: ignore[list-item]
+    joined = []
+    for j in range(pieces):
+        first, second = templates.get(j) or (None, None)
+        a, b = str(first).split("."), str(second).split(".")
+        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+        if len(a) != len(b) or len(differ) != 1 or (a[differ[0]], b[differ[0]]) != ("0", "1"):
+            raise refuse(f"no expert index between {first} and {second}")
+        a[differ[0]] = "{e}"
+        joined.append(".".join(a))
+    part = Part(joined[0], experts, experts=True, joined=tuple(joined))
+    if set(part.expert_names()) != set(disk):
+        raise refuse("its tensors are not one per expert and piece")
+    return part

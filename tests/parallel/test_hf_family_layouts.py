@@ -12,6 +12,12 @@ Expert parallelism 2 for DeepSeek-V3 by its declared ep plan: each rank holds 2 
 layer's 4 experts, its dense first layer and shared expert stay whole, and the tokens of both
 ranks reach their experts through the family's own expert math (parallel/experts.py).
 
+Every run starts from a Hub directory that transformers saved (`model.init_from`; DeepSeek-V3's
+experts one tensor per expert on disk, stacked in memory): each layout loads the weights
+transformers loads (the init_from event's fingerprint). The DeepSeek-V3 expert-parallel run's
+last checkpoint goes back out: `bigtrain export --hf --check` passes, the export has the Hub
+directory's tensor names, and `bigtrain generate`'s greedy ids are transformers' own.
+
 Llama's plan: tests/parallel/test_tp_hf.py; every family and layout: bench/families.py."""
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import by_step, mesh_run_args, run_distributed, train_run, train_run_probed
-from tests.hf_families import hf_config_override
+from tests.hf_families import hub_fingerprint, round_trip, save_hub_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -49,15 +55,17 @@ def runs(tmp_path_factory, corpus_files, cache_dir):
     tmp = tmp_path_factory.mktemp("hffam")
     out = {}
     for family in TP_FAMILIES:
+        hub = save_hub_dir(family, tmp / f"{family}-hub")
+        out[family, "hub"] = hub, hub_fingerprint(hub)
 
-        def args(name: str, *extra: str, family=family) -> list[str]:
+        def args(name: str, *extra: str, family=family, hub=hub) -> list[str]:
             return mesh_run_args(
                 tmp,
                 f"{family}-{name}",
                 corpus_files,
                 cache_dir,
                 "model.kind=hf",
-                hf_config_override(family),
+                f"model.init_from={hub}",
                 f"train.max_steps={STEPS}",
                 "parallel.backend=fsdp",
                 *extra,
@@ -66,10 +74,17 @@ def runs(tmp_path_factory, corpus_files, cache_dir):
         out[family, "local"] = train_run(args("local", "parallel.backend=local"))
         out[family, "tp"] = run_distributed(train_run, 2, args("tp", "parallel.tensor_parallel=2"))
         if family in EP_FAMILIES:
-            out[family, "ep"] = run_distributed(
-                train_run_probed, 2, args("ep", "parallel.expert_parallel=2"), family_experts
-            )
+            ep_args = args("ep", "parallel.expert_parallel=2", f"checkpoint.every={STEPS}")
+            out[family, "ep"] = run_distributed(train_run_probed, 2, ep_args, family_experts)
+            checkpoint = tmp / f"{family}-ep" / "checkpoints" / f"step_{STEPS:08d}"
+            out[family, "round_trip"] = round_trip(checkpoint, hub, tmp / f"{family}-out")
     return out
+
+
+def loaded_the_hub_weights(runs, family: str, run: dict) -> None:
+    init = next(e for e in run["events"] if e["kind"] == "init_from")
+    assert init["source"] == "huggingface"
+    assert init["fingerprint"] == runs[family, "hub"][1]
 
 
 def same_steps(local: dict, parallel: dict) -> None:
@@ -84,6 +99,8 @@ def same_steps(local: dict, parallel: dict) -> None:
 def test_tp2_by_the_declared_plan_trains_like_one_process(runs, family):
     tp = runs[family, "tp"]
     assert tp[0]["final"]["fingerprint"] == tp[1]["final"]["fingerprint"]
+    loaded_the_hub_weights(runs, family, runs[family, "local"])
+    loaded_the_hub_weights(runs, family, tp[0])
     same_steps(runs[family, "local"], tp[0])
     start = next(e for e in tp[0]["events"] if e["kind"] == "start")
     assert start["world_size"] == 2
@@ -93,6 +110,7 @@ def test_tp2_by_the_declared_plan_trains_like_one_process(runs, family):
 def test_ep2_by_the_declared_plan_trains_like_one_process(runs, family):
     ep = runs[family, "ep"]
     assert ep[0]["final"]["fingerprint"] == ep[1]["final"]["fingerprint"]
+    loaded_the_hub_weights(runs, family, ep[0])
     same_steps(runs[family, "local"], ep[0])
     # layer 0 dense; layer 1: experts 0-1 on rank 0, 2-3 on rank 1, each counting its 2
     rank0, rank1 = (r["probe"]["experts"] for r in ep)
@@ -101,3 +119,16 @@ def test_ep2_by_the_declared_plan_trains_like_one_process(runs, family):
     (offset1, shape1), local1 = rank1[1]
     assert (offset0[0], shape0[0], local0) == (0, 2, 2)
     assert (offset1[0], shape1[0], local1) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("family", EP_FAMILIES)
+def test_an_expert_parallel_checkpoint_exports_to_the_hub_layout_and_generates(runs, family):
+    result = runs[family, "round_trip"]
+    assert result["export"] == 0 and result["check"]["ok"], result["check"]
+    assert result["check"]["max_rel_diff"] <= 1e-5
+    assert result["same_names"]  # one tensor per expert, as the Hub directory it came from
+    # the router's score correction (a persistent buffer, random in the Hub directory) came in
+    # and went out as it was; every trained weight changed
+    assert result["unchanged"] == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert result["generate"] == 0 and result["ours"] == result["theirs"]
+    assert len(result["ours"]) > 0

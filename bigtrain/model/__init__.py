@@ -42,7 +42,8 @@ def model_flops_per_token(model: nn.Module, cfg: ModelConfig) -> float:
     n_layers = getattr(hf_cfg, "num_hidden_layers", getattr(hf_cfg, "n_layer", 0))
     d_model = getattr(hf_cfg, "hidden_size", getattr(hf_cfg, "n_embd", 0))
     tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
-    n = num_params(model) - sum(t.numel() for t in tables)
+    # an MoE family's token goes through top_k of each layer's experts (model/routed.py)
+    n = num_params(model, active=True) - sum(t.numel() for t in tables)
     out = model.hf.get_output_embeddings()  # type: ignore[union-attr]
     if out is not None and any(out.weight is t for t in tables):
         n += out.weight.numel()  # a tied table still does the output matmul

@@ -22,6 +22,7 @@ from bigtrain.config.model import moe_blocks
 from bigtrain.config.schema import ModelConfig, default_d_ff
 from bigtrain.model.init import initial_value
 from bigtrain.model.moe import MoE
+from bigtrain.model.routed import routed_experts
 from bigtrain.utils.tensors import autocast_off
 
 
@@ -479,9 +480,7 @@ def num_params(model: nn.Module, non_embedding: bool = False, active: bool = Fal
     experts the top_k one token goes through."""
     total = sum(p.numel() for p in model.parameters())
     if active:
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            routed = sum(p.numel() for p in moe.experts.parameters())
-            total -= routed - routed * moe.cfg.top_k // moe.cfg.experts
+        total -= sum(r.params - r.active for r in routed_experts(model))
     if non_embedding:
         for name in ("tok_emb", "pos_emb"):
             table = getattr(model, name, None)

@@ -21,8 +21,11 @@ requested layout stops the run with the family and the layout named (`require`).
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch import nn
 
 from bigtrain.config.parallel import TP_STYLES
 from bigtrain.errors import ConfigError
@@ -59,6 +62,8 @@ class FamilyPlans:
     skipped: dict[str, str] = field(default_factory=dict)
     """Declared tensor-parallel entries outside the decoder layers (an embedding split), which
     bigtrain leaves whole."""
+    layers: str = "model.layers"
+    """The decoder layers' container, as a path under the transformers model."""
 
     @property
     def source(self) -> str:
@@ -70,7 +75,9 @@ def family_plans(hf_model: Any) -> FamilyPlans:
     config = hf_model.config
     model_type = config.model_type
     if model_type == "gpt2":
-        return FamilyPlans("gpt2", dict(GPT2_TP_PLAN), GPT2_STAGES, own=True)
+        return FamilyPlans(
+            "gpt2", dict(GPT2_TP_PLAN), GPT2_STAGES, own=True, layers="transformer.h"
+        )
     prefix = getattr(hf_model, "base_model_prefix", "model") or "model"
     pp = dict(getattr(config, "base_model_pp_plan", None) or {})
     layers = next((k for k, (inputs, _) in pp.items() if "hidden_states" in inputs), "layers")
@@ -85,7 +92,7 @@ def family_plans(hf_model: Any) -> FamilyPlans:
         )
     tp, skipped = _in_layers(getattr(config, "base_model_tp_plan", None) or {}, layers)
     ep, _ = _in_layers(getattr(config, "base_model_ep_plan", None) or {}, layers)
-    return FamilyPlans(model_type, tp, stages, ep, skipped=skipped)
+    return FamilyPlans(model_type, tp, stages, ep, skipped=skipped, layers=f"{prefix}.{layers}")
 
 
 def _in_layers(plan: dict[str, str], layers: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -141,3 +148,38 @@ def _version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def family_experts(hf_model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """The experts modules a family's ep plan declares (`ep_dispatch_experts`) in module order:
+    (path under the transformers model, module, its stacked weights' names: the `grouped_gemm`
+    entries). Empty for a dense family, and for a dense layer of an MoE family (DeepSeek-V3's
+    first). A decoder layer wrapped for activation checkpointing matches too."""
+    plans = family_plans(hf_model)
+    dispatch = [rel for rel, style in plans.ep.items() if style == "ep_dispatch_experts"]
+    out = []
+    for name, module in hf_model.named_modules():
+        rel = next(
+            (r for r in dispatch if fnmatch.fnmatchcase(name, f"{plans.layers}.*.{r}")), None
+        )
+        if rel is not None:
+            weights = [
+                w
+                for w, _ in module.named_parameters(recurse=False)
+                if plans.ep.get(f"{rel}.{w}") == "grouped_gemm"
+            ]
+            out.append((name, module, weights))
+    return out
+
+
+def experts_per_token(hf_model: nn.Module) -> int:
+    """The experts each token goes through in a family's MoE layers (its config's top k)."""
+    config = hf_model.config
+    for key in ("num_experts_per_tok", "moe_topk", "top_k"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(
+        f"the transformers family {config.model_type!r} declares experts but its config states "
+        "no experts per token (num_experts_per_tok): bigtrain cannot count its active parameters"
+    )

@@ -15,7 +15,6 @@ expert's gradient is the mean over the same tokens as every other parameter's.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterator
 
 import torch
@@ -26,10 +25,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from bigtrain.errors import ConfigError
 from bigtrain.model.hf import HFCausalLM
-from bigtrain.model.hf_plans import family_plans, require
+from bigtrain.model.hf_plans import family_experts, family_plans, require
 from bigtrain.model.moe import dispatch_order, expert_parallel, moe_layers
 from bigtrain.parallel.layout import Layout
-from bigtrain.parallel.transforms import transformer_blocks
 from bigtrain.utils.tensors import local_tensor
 
 
@@ -88,33 +86,22 @@ def apply_family_expert_parallel(
     and its forward given the tokens of every ep rank for its experts (`FamilyDispatch`)."""
     plans = family_plans(model.hf)  # type: ignore[union-attr]
     require(plans, "parallel.expert_parallel", layout.ep)
-    dispatch = [p for p, style in plans.ep.items() if style == "ep_dispatch_experts"]
-    found = 0
-    for block in transformer_blocks(model):
-        block = getattr(block, "_checkpoint_wrapped_module", block)
-        for name, module in block.named_modules():
-            if not any(fnmatch.fnmatchcase(name, p) for p in dispatch):
-                continue  # DeepSeek-V3's first layers are dense: no experts there
-            weights = [
-                w
-                for w, _ in module.named_parameters(recurse=False)
-                if plans.ep.get(f"{name}.{w}") == "grouped_gemm"
-            ]
-            experts = weights and module.get_parameter(weights[0]).shape[0]
-            if not experts or experts % layout.ep:
-                raise ConfigError(
-                    f"key 'parallel.expert_parallel' ({layout.ep}) must divide the experts of "
-                    f"{plans.model_type!r}'s {name} ({experts}): each rank of an expert-parallel "
-                    "group holds as many"
-                )
-            FamilyDispatch(module, experts, layout.expert_mesh.get_group("ep"))  # type: ignore[union-attr]
-            _split(module, weights, layout, mp, reshard)
-            found += 1
+    found = family_experts(model.hf)  # type: ignore[union-attr]
     if not found:
         raise ConfigError(
             f"key 'parallel.expert_parallel' ({layout.ep}): no module of the transformers family "
-            f"{plans.model_type!r} matches its declared ep_dispatch_experts entries {dispatch}"
+            f"{plans.model_type!r} matches its declared ep plan {plans.ep}"
         )
+    for name, module, weights in found:
+        experts = weights and module.get_parameter(weights[0]).shape[0]
+        if not experts or experts % layout.ep:
+            raise ConfigError(
+                f"key 'parallel.expert_parallel' ({layout.ep}) must divide the experts of "
+                f"{plans.model_type!r}'s {name} ({experts}): each rank of an expert-parallel "
+                "group holds as many"
+            )
+        FamilyDispatch(module, experts, layout.expert_mesh.get_group("ep"))  # type: ignore[union-attr]
+        _split(module, weights, layout, mp, reshard)
 
 
 class FamilyDispatch:

@@ -17,31 +17,45 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from bigtrain.config.model import moe_blocks
 from bigtrain.config.schema import ModelConfig
-from bigtrain.model.moe import Experts
+from bigtrain.model.routed import routed_experts
 from bigtrain.parallel.layout import Layout
+from bigtrain.parallel.transforms import transformer_blocks
 from bigtrain.plan.comm import AxisTraffic, ring_bytes
 
 
 @dataclass(frozen=True)
 class ExpertCount:
     total: int  # every parameter
-    experts: int  # the routed experts' (all MoE blocks)
+    experts: int  # the routed experts' (all MoE layers)
     active: int  # per token: total - experts + top_k / experts of them
-    layers: int  # MoE blocks
-    per_layer: int  # one MoE block's routed experts
+    layers: int  # MoE layers
+    per_layer: int  # one MoE layer's routed experts
+    routed: int  # experts of an MoE layer
+    top_k: int  # of them, those one token goes through
+    blocks: int  # transformer blocks, MoE or dense
 
 
-def count_experts(model: nn.Module, m: ModelConfig) -> ExpertCount | None:
-    """The parameter counts of a (meta-device) MoE GPT; None for a dense model."""
-    if not moe_blocks(m):
+def count_experts(model: nn.Module) -> ExpertCount | None:
+    """The parameter counts of a (meta-device) MoE model, bigtrain's GPT or a transformers MoE
+    family (its declared experts: model/routed.py); None for a dense model."""
+    routed = routed_experts(model)
+    if not routed:
         return None
-    stacks = [x for x in model.modules() if isinstance(x, Experts)]
-    experts = sum(p.numel() for x in stacks for p in x.parameters())
+    experts = sum(r.params for r in routed)
     total = sum(p.numel() for p in model.parameters())
-    active = total - experts + experts * m.moe.top_k // m.moe.experts
-    return ExpertCount(total, experts, active, len(stacks), experts // len(stacks))
+    active = total - sum(r.params - r.active for r in routed)
+    first, blocks = routed[0], len(transformer_blocks(model))
+    return ExpertCount(
+        total,
+        experts,
+        active,
+        len(routed),
+        experts // len(routed),
+        first.experts,
+        first.top_k,
+        blocks,
+    )
 
 
 def _count(n: float) -> str:
@@ -49,16 +63,21 @@ def _count(n: float) -> str:
 
 
 def all_to_all_bytes(
-    m: ModelConfig, tokens_per_micro_batch: int, accum: int, ep: int, itemsize: int
+    count: ExpertCount | None,
+    tokens_per_micro_batch: int,
+    accum: int,
+    ep: int,
+    itemsize: int,
+    d_model: int,
 ) -> float:
     """Bytes a rank sends (and receives) per optimizer step in the MoE layers' all-to-alls:
     per layer and micro-batch, dispatch and combine in forward and in backward, of the pairs
     whose expert is on another of the ep ranks (balanced routing)."""
-    if ep <= 1:
+    if ep <= 1 or count is None:
         return 0.0
-    pairs = tokens_per_micro_batch * m.moe.top_k * (ep - 1) / ep
-    per_layer = 4 * pairs * m.d_model * itemsize  # (dispatch + combine) x (forward + backward)
-    return per_layer * len(moe_blocks(m)) * accum
+    pairs = tokens_per_micro_batch * count.top_k * (ep - 1) / ep
+    per_layer = 4 * pairs * d_model * itemsize  # (dispatch + combine) x (forward + backward)
+    return per_layer * count.layers * accum
 
 
 def expert_traffic(
@@ -85,27 +104,28 @@ def expert_lines(
     ep: int,
     shard: int,
     itemsize: int,
+    d_model: int,
     fmt_bytes,
 ) -> list[str]:
     """The plan's MoE section; nothing for a dense model."""
     if count is None:
         return []
-    e = m.moe
     share = count.active / count.total
+    e = m.moe if m.kind == "gpt" else None  # a transformers family's experts are dropless
     lines = [
         "",
-        f"mixture of experts: {e.experts} experts, top {e.top_k}, in {count.layers} of "
-        f"{m.n_layers} blocks"
-        + (f", {e.shared_experts} shared" if e.shared_experts else "")
-        + (f", capacity factor {e.capacity_factor}" if e.capacity_factor else ", dropless")
+        f"mixture of experts: {count.routed} experts, top {count.top_k}, in {count.layers} of "
+        f"{count.blocks} blocks"
+        + (f", {e.shared_experts} shared" if e and e.shared_experts else "")
+        + (f", capacity factor {e.capacity_factor}" if e and e.capacity_factor else ", dropless")
         + ":",
         f"  parameters     total {_count(count.total)}, active per token "
         f"{_count(count.active)} ({share:.0%}); routed experts {_count(count.experts)}",
-        f"  per rank       {e.experts // ep} experts of each MoE block (expert_parallel {ep}), "
+        f"  per rank       {count.routed // ep} experts of each MoE block (expert_parallel {ep}), "
         f"sharded over {shard // ep} ranks: a gathered MoE block holds "
         f"{_count(count.per_layer / ep)} expert parameters" + ("" if ep > 1 else " (all of them)"),
     ]
-    moved = all_to_all_bytes(m, tokens, accum, ep, itemsize)
+    moved = all_to_all_bytes(count, tokens, accum, ep, itemsize, d_model)
     if ep > 1:
         lines.append(
             f"  all-to-all     {fmt_bytes(moved)} per rank and optimizer step (dispatch + "

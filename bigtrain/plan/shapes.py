@@ -11,7 +11,7 @@ from bigtrain.config.data import DataConfig
 from bigtrain.config.schema import ModelConfig
 from bigtrain.data.read.prepared import PreparedData
 from bigtrain.model import build_model, num_params
-from bigtrain.model.moe import Experts
+from bigtrain.model.routed import routed_experts
 from bigtrain.parallel.transforms import transformer_blocks
 
 
@@ -37,10 +37,10 @@ def gathered_block_params(model: torch.nn.Module, ep: int = 1) -> list[float]:
     """Each transformer block's parameters as one rank gathers it: under expert parallelism `ep`
     an MoE block's routed experts are gathered over its rank's 1/ep of them."""
 
+    routed = {id(r.module): r.params for r in routed_experts(model)}
+
     def gathered(block: torch.nn.Module) -> float:
-        experts = sum(
-            p.numel() for m in block.modules() if isinstance(m, Experts) for p in m.parameters()
-        )
+        experts = sum(routed.get(id(m), 0) for m in block.modules())
         return num_params(block) - experts + experts / ep
 
     return [gathered(b) for b in transformer_blocks(model)]

@@ -90,7 +90,7 @@ def rank_traffic(run: PlannedRun) -> list[AxisTraffic]:
         activations = train.micro_batch_size * run.shape.seq_len * run.shape.d_model / layout.cp
         gathers = accum * (2 if reshards_after_forward(cfg.parallel) else 1)
         gathered, reduced = gathered_dtype_bytes(policy), policy.reduce_dtype.itemsize
-        experts = count_experts(run.model, cfg.model)
+        experts = count_experts(run.model)
         sharded, expert_axis = expert_traffic(experts, layout, gathers, gathered, reduced)
         traffic = fsdp_traffic(
             cfg.parallel,
@@ -179,11 +179,12 @@ def step_time(run: PlannedRun) -> StepTime:
         parts["cp"] = moved / (NVLINK_BYTES_S if node else NETWORK_BYTES_S)
     if layout.ep > 1:
         moved = all_to_all_bytes(
-            cfg.model,
+            count_experts(run.model),
             train.micro_batch_size * run.shape.seq_len,
             train.grad_accum_steps,
             layout.ep,
             run.policy.compute_dtype.itemsize,
+            run.shape.d_model,
         )
         node = layout.tp * layout.ep <= GPUS_PER_NODE
         share = _stage_share(run)[1] if layout.pp > 1 else 1.0

@@ -182,13 +182,14 @@ def plan_text(run: PlannedRun, gpu_memory: int | None = None, propose: bool = Fa
     lines += pipeline_lines(run, fmt_bytes)
     layout, train = run.layout, cfg.train
     lines += expert_lines(
-        count_experts(run.model, cfg.model),
+        count_experts(run.model),
         cfg.model,
         train.micro_batch_size * run.shape.seq_len,
         train.grad_accum_steps,
         layout.ep,
         layout.shard,
         policy.compute_dtype.itemsize,
+        run.shape.d_model,
         fmt_bytes,
     )
     lines += step_lines(run)

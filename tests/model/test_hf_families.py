@@ -9,9 +9,12 @@ import torch
 
 from bigtrain.config.parallel import TP_STYLES
 from bigtrain.errors import ConfigError
+from bigtrain.model.gpt import num_params
 from bigtrain.model.hf import HFCausalLM, build_hf
 from bigtrain.model.hf_plans import family_plans, require
+from bigtrain.model.routed import routed_experts
 from bigtrain.parallel.pipeline.split import stage_module
+from bigtrain.plan.experts import count_experts
 from tests.hf_families import FAMILIES, MOE, tiny_config
 
 pytestmark = pytest.mark.unit
@@ -79,3 +82,26 @@ def test_two_stages_in_one_process_give_the_whole_models_logits(model_type):
     staged = [n for s in (first, last) for n, _ in s.named_parameters()]
     tied = model.hf.config.tie_word_embeddings
     assert set(staged) == names and len(staged) == len(names) + tied
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_active_parameters_are_those_one_token_trains(model_type):
+    """The count the planner and the FLOPs per token use (model/routed.py, from the declared ep
+    plan) against a measurement: one token's backward gives a gradient to every parameter but
+    the routed experts it was not sent to (top k of each MoE layer's)."""
+    model = build(model_type)
+    total = sum(p.numel() for p in model.parameters())
+    count = count_experts(model)
+    assert (count is not None) == (model_type in MOE)
+    model(torch.tensor([[5]])).sum().backward()
+    trained = 0
+    stacked = {id(r.module.get_parameter(w)) for r in routed_experts(model) for w in r.weights}
+    for p in model.parameters():
+        if id(p) in stacked:  # count the experts whose slice got a gradient
+            trained += sum(g.numel() for g in p.grad if g.any())
+        else:
+            trained += p.numel()
+    assert num_params(model, active=True) == trained
+    if count is not None:
+        assert (count.total, count.active) == (total, trained)
+        assert count.top_k == 2 and count.routed == 4

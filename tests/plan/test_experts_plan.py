@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from bigtrain.config.schema import ModelConfig
 from bigtrain.model import model_flops_per_token, num_params
 from bigtrain.model.gpt import GPT, flops_per_token
 from bigtrain.model.moe import moe_layers
@@ -22,7 +21,7 @@ def test_active_parameters_count_top_k_of_each_blocks_experts():
     model = GPT(cfg)
     total = sum(p.numel() for p in model.parameters())
     routed = [sum(p.numel() for p in m.experts.parameters()) for m in moe_layers(model)]
-    count = count_experts(model, cfg)
+    count = count_experts(model)
     assert (count.total, count.experts, count.layers) == (total, sum(routed), 2)
     assert count.active == total - sum(r - r // 4 for r in routed)
     assert num_params(model, active=True) == count.active
@@ -34,15 +33,16 @@ def test_active_parameters_count_top_k_of_each_blocks_experts():
     _, block = count_params(model)
     _, block_ep = count_params(model, ep=2)
     assert block - block_ep == routed[0] // 2
-    assert count_experts(GPT(model_cfg(experts=0)), ModelConfig(n_layers=3)) is None
+    assert count_experts(GPT(model_cfg(experts=0))) is None
 
 
 def test_all_to_all_bytes_per_rank_and_step():
     cfg = model_cfg(experts=8, top_k=2)  # 3 MoE blocks, d_model 16
     # per layer and micro-batch: dispatch + combine, forward + backward, of 7/8 of the pairs
     expected = 4 * (1024 * 2 * 7 / 8) * 16 * 2 * 3 * 4
-    assert all_to_all_bytes(cfg, 1024, 4, 8, 2) == pytest.approx(expected)
-    assert all_to_all_bytes(cfg, 1024, 4, 1, 2) == 0.0
+    count = count_experts(GPT(cfg))
+    assert all_to_all_bytes(count, 1024, 4, 8, 2, cfg.d_model) == pytest.approx(expected)
+    assert all_to_all_bytes(count, 1024, 4, 1, 2, cfg.d_model) == 0.0
 
 
 def test_plan_prints_the_moe_recipes_split_and_traffic():

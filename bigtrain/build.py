@@ -109,8 +109,11 @@ def make_monitor(
     use_kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
     use_kernel = use_kernel and triton_available(device)
     names, replicas = backend.monitored()
-    blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
-    routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
+    if model is not None and model.kind == "hf":  # a transformers MoE family's router probes
+        routers = RouterStats.of_family([backend.model], gather=layout.pp > 1)
+    else:
+        blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
+        routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
     riders = [r for r in (routers, fp8) if r is not None]
     return GradMonitor(cfg, names, device, use_kernel, replicas, layout, riders=riders)
 

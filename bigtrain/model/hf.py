@@ -11,6 +11,8 @@ from torch import nn
 
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import SequenceChunks
+from bigtrain.model.hf_routers import attach_router_probes
+from bigtrain.model.moe import AttachAux, AuxLosses
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -20,8 +22,14 @@ WEIGHT_FILES = (
 )
 
 
-class HFCausalLM(nn.Module):
-    """Wraps a transformers `*ForCausalLM` so that forward(ids) returns logits, without a KV cache."""
+class HFCausalLM(nn.Module, AuxLosses):
+    """Wraps a transformers `*ForCausalLM` so that forward(ids) returns logits, without a KV cache.
+
+    An MoE family whose config sets `output_router_logits` (transformers' own switch for training
+    with its load-balancing loss) gets that loss in training forwards: the family computes it
+    (`aux_loss`, its own formula over every layer's router logits) and it is attached to the
+    logits with `router_aux_loss_coef` (`AttachAux`), so its gradient is the one transformers'
+    `loss + router_aux_loss_coef * aux_loss` gives, on every backend."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -30,13 +38,27 @@ class HFCausalLM(nn.Module):
         """Set by context parallelism (parallel/context/hf.py): forward takes whole sequences
         and feeds transformers this rank's chunks of them with their true position ids."""
 
+    @property
+    def trains_router_loss(self) -> bool:
+        """Whether training forwards add the family's load-balancing loss (class docstring)."""
+        return bool(getattr(self.hf.config, "output_router_logits", False))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        options: dict = {"use_cache": False}
+        aux = self.training and torch.is_grad_enabled() and self.trains_router_loss
+        if aux:
+            options["output_router_logits"] = True
         if self.context is None:
-            return self.hf(input_ids=idx, use_cache=False).logits
-        positions = self.context.local(torch.arange(idx.shape[1], device=idx.device), dim=0)
-        return self.hf(
-            input_ids=self.context.local(idx), position_ids=positions.unsqueeze(0), use_cache=False
-        ).logits
+            out = self.hf(input_ids=idx, **options)
+        else:
+            positions = self.context.local(torch.arange(idx.shape[1], device=idx.device), dim=0)
+            out = self.hf(
+                input_ids=self.context.local(idx), position_ids=positions.unsqueeze(0), **options
+            )
+        if aux and getattr(out, "aux_loss", None) is not None:
+            weighted = self.hf.config.router_aux_loss_coef * out.aux_loss
+            return AttachAux.apply(out.logits, weighted, self.aux_grad_scale)
+        return out.logits
 
 
 def build_hf(
@@ -85,6 +107,7 @@ def build_hf(
         raise ConfigError(
             f"model.hf_config/hf_path: vocab_size {model.config.vocab_size} is smaller than the tokenizer's {vocab_size}"
         )
+    attach_router_probes(model)  # an MoE family's routers, watched by the monitor
     return HFCausalLM(model)
 
 

@@ -54,7 +54,7 @@ def aux_grad_scale(model: nn.Module, factor: float) -> Iterator[None]:
     """Around one micro-batch's forward and backward of `model`: the factor its loss is
     multiplied by before backward (the loss scale over the micro-batches), which the MoE layers'
     auxiliary losses get as their gradient. Each training forward takes it to its backward."""
-    layers = moe_layers(model)
+    layers = [m for m in model.modules() if isinstance(m, AuxLosses)]
     previous = [layer.aux_grad_scale for layer in layers]
     for layer in layers:
         layer.aux_grad_scale = factor
@@ -63,6 +63,15 @@ def aux_grad_scale(model: nn.Module, factor: float) -> Iterator[None]:
     finally:
         for layer, value in zip(layers, previous, strict=True):
             layer.aux_grad_scale = value
+
+
+class AuxLosses:
+    """A module whose training forward attaches auxiliary losses to its output (`AttachAux`):
+    bigtrain's MoE layers, and a transformers MoE family's load-balancing loss (model/hf.py).
+    `aux_grad_scale` sets their factor around each micro-batch."""
+
+    aux_grad_scale: float | None = None
+    """The gradient of the auxiliary losses, set by `aux_grad_scale` for one micro-batch."""
 
 
 class AttachAux(torch.autograd.Function):
@@ -203,7 +212,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, d_model))
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, AuxLosses):
     """The MLP of an MoE block: router, routed experts, optional shared expert."""
 
     def __init__(
@@ -262,9 +271,7 @@ class MoE(nn.Module):
         losses = self.cfg.aux_loss_coef * r.aux + self.cfg.z_loss_coef * r.z
         if losses.requires_grad:
             out = AttachAux.apply(out, losses, self.aux_grad_scale)
-        # Training forwards only, and not their recomputation in backward (activation
-        # checkpointing): backward runs inside a graph task.
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if recording(self):
             self._record(r, r.experts.numel() - order.numel())
         if self.shared is not None:
             out = out + self.shared(flat)
@@ -277,18 +284,29 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.cfg.capacity_factor * tokens * self.cfg.top_k / self.cfg.experts)
 
-    @torch.no_grad()
     def _record(self, r: Routing, dropped: int) -> None:
-        n = self.cfg.experts
-        self.stats[:n] += r.load
-        self.stats[n] += r.aux
-        self.stats[n + 1] += r.z
-        self.stats[n + 2 : n + 4] += torch.as_tensor(
-            [float(dropped), 1.0], device=self.stats.device
-        )
-        self.stats[n + 4 :] += r.score_std
-        both = torch.cat([r.importance, 1.0 - r.importance]).to(self.extremes.dtype)
-        torch.maximum(self.extremes, both, out=self.extremes)
+        record_routing(self.stats, self.extremes, r, dropped)
+
+
+def recording(module: nn.Module) -> bool:
+    """Whether a router's forward is one whose routing the monitor counts: a training forward,
+    not its recomputation in backward (activation checkpointing: backward runs inside a graph
+    task)."""
+    return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+@torch.no_grad()
+def record_routing(stats: torch.Tensor, extremes: torch.Tensor, r: Routing, dropped: int) -> None:
+    """One forward's routing into an MoE layer's `stats` and `extremes` (their layout:
+    STATS_EXTRA, MoE's buffers; monitor/routers.py reads them). No host sync."""
+    n = r.load.numel()
+    stats[:n] += r.load
+    stats[n] += r.aux
+    stats[n + 1] += r.z
+    stats[n + 2 : n + 4] += torch.as_tensor([float(dropped), 1.0], device=stats.device)
+    stats[n + 4 :] += r.score_std
+    both = torch.cat([r.importance, 1.0 - r.importance]).to(extremes.dtype)
+    torch.maximum(extremes, both, out=extremes)
 
 
 def expert_parallel(

@@ -26,8 +26,11 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from bigtrain.errors import ConfigError
+from bigtrain.model.hf_routers import RouterProbe
 from bigtrain.model.moe import STATS_EXTRA, MoE
 from bigtrain.monitor.slots import HostValues, Slot
 from bigtrain.utils.names import canonical_name
@@ -53,8 +56,25 @@ LAYER_LOAD = "moe_layer_load"
 
 
 def block_of(name: str) -> str:
-    """`blocks.3.moe` -> `blocks.3`: the block a router belongs to."""
+    """`blocks.3.moe` -> `blocks.3`: the block a router belongs to; a transformers family's
+    probe `hf.model.layers.1.mlp.router_probe` -> its MoE block `hf.model.layers.1.mlp`."""
     return name.rsplit(".", 1)[0]
+
+
+def router_layers(modules: list[nn.Module]) -> dict[str, nn.Module]:
+    """The MoE layers (bigtrain's) and router probes (a transformers family's) in `modules`, by
+    the name of the block each belongs to."""
+    layers = {}
+    for module in modules:
+        for name, sub in module.named_modules():
+            if isinstance(sub, (MoE, RouterProbe)):
+                layers[block_of(canonical_name(name))] = sub
+    return layers
+
+
+def natural_key(name: str) -> tuple:
+    """`layers.10` after `layers.9`."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in name.split("."))
 
 
 def spread(
@@ -79,12 +99,29 @@ class RouterStats:
         a dense model."""
         if not names:
             return None
-        layers = {}
-        for module in modules:
-            for name, sub in module.named_modules():
-                if isinstance(sub, MoE):
-                    layers[block_of(canonical_name(name))] = sub
-        return cls(layers, names, experts)
+        return cls(router_layers(modules), names, experts)
+
+    @classmethod
+    def of_family(cls, modules: list[nn.Module], gather: bool) -> RouterStats | None:
+        """Over the router probes of a transformers MoE family (model/hf_routers.py), named by
+        the family's MoE blocks (`hf.model.layers.1.mlp`); None for a dense family. `gather`:
+        this rank holds some of the layers only (pipeline stages): every rank's names are
+        gathered (a collective) so that the layout is the whole model's on every rank."""
+        layers = router_layers(modules)
+        held = [(name, layer.experts) for name, layer in layers.items()]
+        if gather:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, held)
+            held = sorted({x for rank in every for x in rank}, key=lambda x: natural_key(x[0]))
+        if not held:
+            return None
+        counts = {experts for _, experts in held}
+        if len(counts) != 1:
+            raise ConfigError(
+                f"the MoE layers of this transformers model have different numbers of experts "
+                f"({sorted(counts)}): bigtrain's router telemetry needs one"
+            )
+        return cls(layers, [name for name, _ in held], counts.pop())
 
     @property
     def size(self) -> int:

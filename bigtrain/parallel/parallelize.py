@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
+from bigtrain.errors import ConfigError
 from bigtrain.model.hf import HFCausalLM
 from bigtrain.model.hf_plans import family_plans, require
 from bigtrain.parallel.backends.base import Backend
@@ -135,6 +136,14 @@ def _pipelined(
     num_stages = layout.pp * chunks_per_rank
     if isinstance(model, HFCausalLM):  # a family without a pipeline plan: named, with the degree
         require(family_plans(model.hf), "parallel.pipeline_parallel", layout.pp)
+        if model.trains_router_loss:  # the family computes it over every layer at once
+            raise ConfigError(
+                f"key 'parallel.pipeline_parallel' ({layout.pp}): the transformers family "
+                f"{model.hf.config.model_type!r} trains with its load-balancing loss "
+                "(output_router_logits in model.hf_config), which it computes over every "
+                "layer's router logits at once, across pipeline stages; set output_router_logits: "
+                "false or parallel.pipeline_parallel=1"
+            )
     bounds = stage_bounds(model, num_stages, p.pp_split, seq_len)
     stages = rank_stages(p.pp_schedule, layout.pp, chunks_per_rank, layout.coord("pp"))
     on_meta = any(t.is_meta for t in model.parameters())  # bigtrain's GPT; transformers: whole

@@ -250,7 +250,7 @@ def select_fp8_layers(
     """The linear layers to convert, as (module name, canonical name, layer), and the excluded
     ones by canonical name with the reason each stays in BF16. `auto`: FP8 was turned on by the
     policy, which then also leaves out layers too small for FP8 to pay."""
-    from bigtrain.precision.int8 import Int8Layer
+    from bigtrain.precision.int8 import Int8Layer, routes_tokens
 
     chosen, excluded = [], {}
     modules = dict(model.named_modules())
@@ -268,11 +268,10 @@ def select_fp8_layers(
         if is_fp8_linear(module) or not any(fnmatch.fnmatchcase(cname, p) for p in cfg.modules):
             continue
         pattern = next((p for p in cfg.exclude if fnmatch.fnmatchcase(cname, p)), None)
-        parent = modules.get(name.rpartition(".")[0]) if "." in name else model
         out_features, in_features = module.weight.shape
         if pattern is not None:
             excluded[cname] = f"precision.fp8.exclude '{pattern}'"
-        elif parent is not None and hasattr(parent, "experts"):
+        elif routes_tokens(model, name):
             excluded[cname] = "MoE router: its logits choose the experts"
         elif isinstance(module, Int8Layer):
             raise ConfigError(

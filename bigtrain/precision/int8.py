@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from bigtrain.config.schema import Int8Config
 from bigtrain.errors import ConfigError
+from bigtrain.model.hf import HFCausalLM
+from bigtrain.model.hf_routers import router_modules
 from bigtrain.precision.int8_tp import (
     Split,
     all_reduce_max,
@@ -330,6 +332,8 @@ def convert_to_int8(
             continue
         if any(fnmatch.fnmatchcase(cname, p) for p in cfg.exclude):
             continue
+        if routes_tokens(model, name):  # its logits choose the experts: left out, as by FP8
+            continue
         inside_fp32 = [
             p for p in fp32_patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors(cname))
         ]
@@ -355,3 +359,18 @@ def convert_to_int8(
         setattr(parent, child, layer)
         converted[cname] = layer
     return converted
+
+
+def routes_tokens(model: nn.Module, name: str) -> bool:
+    """Whether module `name` of `model` is (in) an MoE router: a linear layer beside a layer's
+    experts (a family's gate), or inside the router class a transformers family declares
+    (model/hf_routers.py). INT8 and FP8 leave them out whatever the patterns say."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if hasattr(parent, "experts"):
+        return True
+    owner = model.hf if isinstance(model, HFCausalLM) else None
+    if owner is None:
+        return False
+    inner = name.removeprefix("hf.")
+    return any(inner == r or inner.startswith(r + ".") for r, _ in router_modules(owner))

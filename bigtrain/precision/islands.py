@@ -3,6 +3,10 @@
 Hooks applied from outside the model: before a matching module runs, autocast is switched off and
 its floating inputs are cast to FP32; after it, autocast is restored. The set of patterns can
 change between precision phases.
+
+A transformers MoE family's routers are islands in every phase, found by type (the router class
+the family declares: model/hf_routers.py), as bigtrain's own MoE router is one by construction:
+their logits choose the experts, and low-precision logits tie and flip choices.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 from torch import nn
 
 from bigtrain.errors import ConfigError
+from bigtrain.model.hf import HFCausalLM
+from bigtrain.model.hf_routers import router_modules
 from bigtrain.utils.names import canonical_name
 
 
@@ -31,14 +37,22 @@ class FP32Islands:
         holds only its part of it); `model` by default."""
         self.model, self.device_type = model, device_type
         self.whole = whole if whole is not None else model
-        self.patterns: tuple[str, ...] = ()
+        self.patterns: tuple[str, ...] | None = None
         self.names: list[str] = []
         self._handles: list = []
+        self.routers = [
+            (canonical_name(f"{path}.hf.{n}" if path else f"hf.{n}"), m)
+            for path, owner in model.named_modules()
+            if isinstance(owner, HFCausalLM)  # the model, or a pipeline rank's stages
+            for n, m in router_modules(owner.hf)
+        ]
+        """A transformers MoE family's routers: islands in every phase (module docstring)."""
 
     def set(self, patterns: tuple[str, ...]) -> None:
         if patterns == self.patterns:
             return
         matched = self.check(patterns)  # before anything changes: a rejected set changes nothing
+        matched += [(n, m) for n, m in self.routers if all(m is not o for _, o in matched)]
         for handle in self._handles:
             handle.remove()
         self._handles, self.patterns = [], patterns

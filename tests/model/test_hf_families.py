@@ -8,13 +8,19 @@ import pytest
 import torch
 
 from bigtrain.config.parallel import TP_STYLES
+from bigtrain.config.schema import Fp8Config, Int8Config
 from bigtrain.errors import ConfigError
 from bigtrain.model.gpt import num_params
 from bigtrain.model.hf import HFCausalLM, build_hf
 from bigtrain.model.hf_plans import family_plans, require
+from bigtrain.model.hf_routers import router_modules
+from bigtrain.model.moe import aux_grad_scale
 from bigtrain.model.routed import routed_experts
 from bigtrain.parallel.pipeline.split import stage_module
 from bigtrain.plan.experts import count_experts
+from bigtrain.precision.fp8 import select_fp8_layers
+from bigtrain.precision.int8 import convert_to_int8
+from bigtrain.precision.islands import FP32Islands
 from tests.hf_families import FAMILIES, MOE, tiny_config
 
 pytestmark = pytest.mark.unit
@@ -105,3 +111,69 @@ def test_active_parameters_are_those_one_token_trains(model_type):
     if count is not None:
         assert (count.total, count.active) == (total, trained)
         assert count.top_k == 2 and count.routed == 4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_familys_load_balancing_loss_trains_as_transformers_adds_it(model_type):
+    """With output_router_logits (the family's switch), a training forward attaches the family's
+    own load-balancing loss with router_aux_loss_coef: every gradient equals that of
+    transformers' `loss + router_aux_loss_coef * aux_loss` (1e-6), and the routers' differ from
+    a forward without it."""
+    torch.manual_seed(0)
+    config = {**tiny_config(model_type), "output_router_logits": True, "router_aux_loss_coef": 0.5}
+    model = build_hf(config, None, None)
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with aux_grad_scale(model, 1.0):
+        logits = model(ids)
+        ours = grads(
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        )
+    theirs = grads(
+        model.hf(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False).loss
+    )
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+    model.hf.config.output_router_logits = False
+    with aux_grad_scale(model, 1.0):
+        logits = model(ids)
+        plain = grads(
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        )
+    router = next(n for n in ours if n.endswith("mlp.gate.weight"))
+    assert not torch.allclose(plain[router], ours[router])
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_low_precision_layers_and_fp32_islands_are_resolved_per_family(model_type):
+    """INT8 and FP8 (every nn.Linear by default) leave out each family's embeddings, output layer
+    and routers (found by the router class the family declares, and a linear gate beside the
+    experts); the routers are FP32 islands in every phase: under BF16 autocast their logits come
+    out in FP32."""
+    model = build(model_type)
+    routers = [f"hf.{n}" for n, _ in router_modules(model.hf)]
+    assert bool(routers) == (model_type in MOE)
+    chosen, excluded = select_fp8_layers(model, Fp8Config(enabled=True), auto=False)
+    fp8 = [cname for _, cname, _ in chosen]
+    int8 = list(convert_to_int8(build(model_type), Int8Config(enabled=True)))
+    for names in (fp8, int8):
+        assert any(n.endswith(("q_proj", "qkv_proj", "q_a_proj")) or ".q_" in n for n in names)
+        assert not [n for n in names if "embed" in n or "lm_head" in n], names
+        assert not [n for n in names if any(n == r or n.startswith(r + ".") for r in routers)]
+    islands = FP32Islands(model, "cpu")
+    islands.set(())
+    assert islands.names == routers
+    if routers:
+        seen = []
+        router = model.hf.get_submodule(routers[0].removeprefix("hf."))
+        handle = router.register_forward_hook(lambda m, a, out: seen.append(out[0].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.tensor([[5, 6, 7]]))
+        handle.remove()
+        assert seen == [torch.float32]

@@ -112,6 +112,16 @@ def test_ep2_by_the_declared_plan_trains_like_one_process(runs, family):
     assert ep[0]["final"]["fingerprint"] == ep[1]["final"]["fingerprint"]
     loaded_the_hub_weights(runs, family, ep[0])
     same_steps(runs[family, "local"], ep[0])
+    # the routers watched on both (model/hf_routers.py): the same loads, reduced over the ranks
+    for key in ("moe_load_max_mean", "moe_load_entropy", "moe_z_loss"):
+        ref, got = by_step(runs[family, "local"], key), by_step(ep[0], key)
+        assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1)), key
+        for step, value in ref.items():
+            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+    layers = {m["step"]: m["moe_layer_load"] for m in ep[0]["metrics"] if "moe_layer_load" in m}
+    assert list(layers[1]) == ["hf.model.layers.1.mlp"]  # the family's name of its MoE block
+    norms = next(m["layer_grad_norm"] for m in ep[0]["metrics"] if "layer_grad_norm" in m)
+    assert {"hf.model.layers.0", "hf.model.layers.1"} <= set(norms)  # per decoder layer
     # layer 0 dense; layer 1: experts 0-1 on rank 0, 2-3 on rank 1, each counting its 2
     rank0, rank1 = (r["probe"]["experts"] for r in ep)
     assert rank0[0] is None and rank1[0] is None

@@ -20,6 +20,14 @@ of 8 sequences of 32 tokens: once on one process, then on 2 gloo ranks in each l
 
     python bench/families.py [--families llama qwen3 ...] [--layouts fsdp2 tp2 pp2 ep2]
         [--no-round-trip] [--steps N]
+    python bench/families.py --healthy 300 [--ranks 2] [--families qwen3_moe ...]
+
+`--healthy STEPS` measures instead the router rules on healthy runs of the MoE families (their
+routers watched by bigtrain/model/hf_routers.py): each family trains STEPS steps (default
+settings: the rules on, BF16, FSDP2 over `--ranks` ranks with 4 micro-batches each, or one
+process), and a line per family gives the anomalies, rollbacks and replays it had and the
+worst ratio of the router z-loss and of the router spread to their 50-step running median
+(the `router_logits` rule fires at 4x, `router_spread` at 8x).
 
 The last line is JSON: {"families": {family: {layout: cell}}, "steps": N}; the table before it
 is Markdown (docs/models.md holds the one of the last run).
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -115,13 +124,62 @@ def trip(family: str, tmp: Path, args) -> str:
     return f"ok ({layout})" if not failed else "failed: " + ", ".join(failed)
 
 
+def healthy(family: str, tmp: Path, files, cache, steps: int, ranks: int) -> dict:
+    """One healthy run of an MoE family for `--healthy` (module docstring)."""
+    args = micro_overrides(tmp / family, files, cache) + [
+        "model.kind=hf",
+        hf_config_override(family),
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "train.micro_batch_size=2",
+        f"train.global_batch_size={8 * ranks}",
+        *(["parallel.backend=fsdp"] if ranks > 1 else []),
+    ]
+    result = run_distributed(train_run, ranks, args)[0]
+    flagged = ("anomaly", "rollback", "suspicion", "replay")
+    events = [e for e in result["events"] if e["kind"] in flagged]
+    metrics = result["metrics"]
+
+    def worst_ratio(key: str) -> float:
+        values = [m[key] for m in metrics if key in m]
+        ratios = [
+            v / statistics.median(values[max(0, i - 50) : i])
+            for i, v in enumerate(values)
+            if i and statistics.median(values[max(0, i - 50) : i]) > 0
+        ]
+        return round(max(ratios, default=0.0), 2)
+
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    return {
+        "family": family,
+        "ranks": ranks,
+        "steps": len(losses),
+        "loss": [round(losses[0], 3), round(losses[-1], 3)],
+        "flagged": [(e["kind"], e.get("step")) for e in events],
+        "z_loss_ratio": worst_ratio("moe_z_loss_max"),
+        "spread_ratio": worst_ratio("moe_router_spread"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--no-round-trip", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--healthy", type=int, default=0, metavar="STEPS")
+    parser.add_argument("--ranks", type=int, default=2)
     a = parser.parse_args()
+    if a.healthy:
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            tmp = Path(tmp_dir)
+            files = write_corpus(tmp)
+            for family in [f for f in a.families if f in MOE]:
+                line = healthy(family, tmp, files, tmp / "cache", a.healthy, a.ranks)
+                print(json.dumps({"bench": "families-healthy", **line}), flush=True)
+        return
     table: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from bigtrain.config.parallel import pp_microbatches, pp_stages_per_rank, reshards_after_forward
 from bigtrain.config.schema import Config, ParallelConfig, TrainConfig
 from bigtrain.errors import ConfigError
 from bigtrain.model.hf import HFCausalLM
 from bigtrain.model.hf_plans import family_plans, require
+from bigtrain.model.hf_routers import router_modules
 from bigtrain.parallel.backends.base import Backend
 from bigtrain.parallel.backends.fsdp import FSDPBackend, fsdp_mixed_precision
 from bigtrain.parallel.backends.local import LocalBackend
@@ -109,6 +110,11 @@ def _fully_sharded(
     reshard = reshards_after_forward(parallel)
     if layout.ep > 1:  # the experts first: each MoE layer's its own FSDP2 group
         apply_expert_parallel(model, layout, mp, reshard)
+    # A transformers MoE family's routers are FP32 islands (precision/islands.py): their own
+    # groups, gathered in FP32 whatever the rest is gathered in.
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp.reduce_dtype)
+    for router in family_routers(model):
+        fully_shard(router, mesh=data_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root holds embeddings, final norm and lm_head (tied weights stay in one group).
@@ -171,3 +177,8 @@ def _pipelined(
     if not on_meta:  # a transformers model's whole build: its storage goes, the stages hold theirs
         model.to("meta")
     return pipeline
+
+
+def family_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of a transformers MoE family (model/hf_routers.py); none for other models."""
+    return [m for _, m in router_modules(model.hf)] if isinstance(model, HFCausalLM) else []

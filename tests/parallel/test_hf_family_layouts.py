@@ -22,6 +22,8 @@ Llama's plan: tests/parallel/test_tp_hf.py; every family and layout: bench/famil
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.distributed import by_step, mesh_run_args, run_distributed, train_run, train_run_probed
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 4
 TP_FAMILIES = ("qwen3", "phi3", "deepseek_v3")
 EP_FAMILIES = ("deepseek_v3",)
+BF16_FAMILIES = ("deepseek_v3",)
 
 
 def family_experts(trainer) -> dict:
@@ -47,6 +50,22 @@ def family_experts(trainer) -> dict:
             else None
             for layer in layers
         ]
+    }
+
+
+def router_gathers(trainer) -> dict:
+    """A probe: the dtype FSDP2 gathers each router and each decoder layer in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def gathered(module) -> str | None:
+        if not isinstance(module, FSDPModule):
+            return None
+        return str(module._get_fsdp_state()._mp_policy.param_dtype)
+
+    hf = trainer.backend.model.hf
+    return {
+        "routers": [gathered(layer.mlp.gate) for layer in hf.model.layers[1:]],
+        "layers": [gathered(layer) for layer in hf.model.layers],
     }
 
 
@@ -73,6 +92,9 @@ def runs(tmp_path_factory, corpus_files, cache_dir):
 
         out[family, "local"] = train_run(args("local", "parallel.backend=local"))
         out[family, "tp"] = run_distributed(train_run, 2, args("tp", "parallel.tensor_parallel=2"))
+        if family in BF16_FAMILIES:  # the routers gathered in FP32 beside BF16 layers
+            bf16 = args("bf16", "precision.compute_dtype=bf16", "train.max_steps=2")
+            out[family, "bf16"] = run_distributed(train_run_probed, 2, bf16, router_gathers)
         if family in EP_FAMILIES:
             ep_args = args("ep", "parallel.expert_parallel=2", f"checkpoint.every={STEPS}")
             out[family, "ep"] = run_distributed(train_run_probed, 2, ep_args, family_experts)
@@ -142,3 +164,15 @@ def test_an_expert_parallel_checkpoint_exports_to_the_hub_layout_and_generates(r
     assert result["unchanged"] == ["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert result["generate"] == 0 and result["ours"] == result["theirs"]
     assert len(result["ours"]) > 0
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_the_routers_are_fp32_islands_beside_bf16_layers(runs, family):
+    """BF16 compute on FSDP2: the decoder layers are gathered in BF16, the routers (FP32 islands
+    by type: precision/islands.py) in FP32 in groups of their own; the run trains."""
+    result = runs[family, "bf16"][0]
+    assert result["probe"]["routers"] == ["torch.float32"]
+    assert set(result["probe"]["layers"]) == {"torch.bfloat16"}
+    losses = by_step(result, "loss")
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert "moe_z_loss" in result["metrics"][-1]

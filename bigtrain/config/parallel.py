@@ -78,11 +78,11 @@ class ParallelConfig:
     by each block's parameter and FLOP share, the embedding counted with the first stage and
     the final norm and output layer with the last (parallel/pipeline/split.py)."""
     expert_parallel: int = 1
-    """fsdp with an MoE model (model.moe): the experts of each MoE block split over this many
-    consecutive shard ranks, tokens sent to their experts' rank and back with all-to-all
-    (docs/moe.md). Must divide model.moe.experts and the shard degree; the experts are then
-    FSDP2-sharded over the remaining shard / expert_parallel ranks, everything else over all
-    of them. At start."""
+    """fsdp with an MoE model (model.moe, or a transformers MoE family by its declared ep plan:
+    docs/models.md): the experts of each MoE block split over this many consecutive shard
+    ranks, tokens sent to their experts' rank and back with all-to-all (docs/moe.md). Must
+    divide the experts and the shard degree; the experts are then FSDP2-sharded over the
+    remaining shard / expert_parallel ranks, everything else over all of them. At start."""
     context_parallel: int = 1
     """fsdp: context-parallel degree, the mesh axis `cp` between shard and tp: each sequence is
     split over this many ranks of one model copy, which share its loss and attend across each

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from bigtrain.model.hf_plans import family_experts
-from bigtrain.model.moe import STATS_EXTRA, Routing, record_routing, recording
+from bigtrain.model.moe import STATS_EXTRA, MoE, Routing, record_routing, recording
 
 PROBE = "router_probe"
 """The probe's name in its MoE block (`hf.model.layers.1.mlp.router_probe`)."""
@@ -102,3 +102,9 @@ def attach_router_probes(hf_model: nn.Module) -> int:
         experts.register_forward_pre_hook(probe.choice_seen, with_kwargs=True)
         count += 1
     return count
+
+
+def routing_layers(model: nn.Module) -> list[nn.Module]:
+    """What records a model's routing (`stats`, `extremes`): bigtrain's MoE layers and a
+    transformers family's router probes, in module order."""
+    return [m for m in model.modules() if isinstance(m, (MoE, RouterProbe))]

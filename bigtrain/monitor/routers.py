@@ -2,7 +2,8 @@
 
 Each MoE layer sums over the step's training forwards the token-expert pairs routed to each of its
 experts, its load-balancing loss, its z-loss, the pairs a capacity dropped, and how many forwards
-it ran (model/moe.py). `RouterStats.take` lays those of the whole model out in one vector, the same
+it ran (model/moe.py); a transformers MoE family's router probes sum the same numbers
+(model/hf_routers.py). `RouterStats.take` lays those of the whole model out in one vector, the same
 layout on every rank (zeros for the layers this rank does not hold: pipeline stages), which rides
 along the monitor's SUM all-reduce; `read` turns the reduced numbers into the step's router
 metrics, identical on every rank, which the detection rules read: `router_collapse` the worst
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bigtrain.errors import ConfigError
-from bigtrain.model.hf_routers import RouterProbe
-from bigtrain.model.moe import STATS_EXTRA, MoE
+from bigtrain.model.hf_routers import routing_layers
+from bigtrain.model.moe import STATS_EXTRA
 from bigtrain.monitor.slots import HostValues, Slot
 from bigtrain.utils.names import canonical_name
 
@@ -64,12 +65,13 @@ def block_of(name: str) -> str:
 def router_layers(modules: list[nn.Module]) -> dict[str, nn.Module]:
     """The MoE layers (bigtrain's) and router probes (a transformers family's) in `modules`, by
     the name of the block each belongs to."""
-    layers = {}
-    for module in modules:
-        for name, sub in module.named_modules():
-            if isinstance(sub, (MoE, RouterProbe)):
-                layers[block_of(canonical_name(name))] = sub
-    return layers
+    records = {id(m) for module in modules for m in routing_layers(module)}
+    return {
+        block_of(canonical_name(name)): sub
+        for module in modules
+        for name, sub in module.named_modules()
+        if id(sub) in records
+    }
 
 
 def natural_key(name: str) -> tuple:

@@ -10,6 +10,11 @@ sends its tokens to their experts' ranks and back with all-to-all (model/moe.py)
 expert gradient sums the contributions of every ep peer's tokens, while FSDP2 averages over edp
 (and replicate) only: the divide factor is set to every data-parallel rank of the job, so an
 expert's gradient is the mean over the same tokens as every other parameter's.
+
+A transformers MoE family gets the same placement by the plan it declares (its ep plan's
+`grouped_gemm` weights, in the `ep_dispatch_experts` module): `FamilyDispatch` takes the place
+of that module's forward, sends the pairs with the same all-to-all and runs the family's own
+expert math on the rank's experts (docs/models.md).
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from bigtrain.model.gpt import GPT
+from bigtrain.model.hf_routers import routing_layers
 from bigtrain.model.loss import lm_loss
-from bigtrain.model.moe import aux_grad_scale, moe_layers
+from bigtrain.model.moe import aux_grad_scale
 from bigtrain.parallel.layout import Layout
 from bigtrain.parallel.meta_init import shared_params
 from bigtrain.utils.names import canonical_name
@@ -202,7 +203,7 @@ class Pipeline:
                 )
         for chunk in self.root.chunks:
             chunk.zero_grad(set_to_none=True)
-            for layer in moe_layers(chunk):  # nor do its routers' counts
+            for layer in routing_layers(chunk):  # nor do its routers' counts
                 layer.stats.zero_()
         self._ready = True
 

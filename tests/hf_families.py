@@ -130,6 +130,7 @@ def round_trip(checkpoint: Path, hub: Path, out: Path) -> dict[str, Any]:
     import contextlib
     import io
     import json
+    import logging
 
     import torch
     from safetensors import safe_open
@@ -140,9 +141,16 @@ def round_trip(checkpoint: Path, hub: Path, out: Path) -> dict[str, Any]:
     from bigtrain.model.generate import encode_prompt
 
     def cli(*argv: str) -> tuple[int, str]:
+        """The CLI in this process; the console handler it sets on the "bigtrain" logger is taken
+        off again (a module-scoped fixture runs before conftest's restore_bigtrain_logging)."""
+        logger = logging.getLogger("bigtrain")
+        handlers, level = list(logger.handlers), logger.level
         stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            code = main(list(argv))
+        try:
+            with contextlib.redirect_stdout(stdout):
+                code = main(list(argv))
+        finally:
+            logger.handlers[:], logger.level = handlers, level
         return code, stdout.getvalue()
 
     def tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -88,7 +88,7 @@ def test_every_recipe_has_a_row_with_its_parameter_count():
         cfg = load_config([str(ROOT / "configs" / name)])
         model = meta_model(cfg.model, cfg.data)
         total, active = count_params(model)[0], None
-        if (experts := count_experts(model, cfg.model)) is not None:
+        if (experts := count_experts(model)) is not None:
             active = experts.active
         m = re.fullmatch(r"([\d.]+[MB])(?:, ([\d.]+[MB]) active)?", cells[1])
         if m is None or not shown(total, m.group(1)) or (m.group(2) is None) != (active is None):

@@ -105,7 +105,8 @@ def apply_family_expert_parallel(
                 f"{plans.model_type!r}'s {name} ({experts}): each rank of an expert-parallel "
                 "group holds as many"
             )
-        FamilyDispatch(module, experts, layout.expert_mesh.get_group("ep"))  # type: ignore[union-attr]
+        group = layout.expert_mesh.get_group("ep")  # type: ignore[union-attr]
+        FamilyDispatch(module, experts, experts // layout.ep, group)
         _split(module, weights, layout, mp, reshard)
 
 
@@ -117,10 +118,13 @@ class FamilyDispatch:
     forward, with local ids, unit weights and the local slices of its weights), and sums each
     token's weighted outputs back here. The module's `num_experts` becomes the local count."""
 
-    def __init__(self, module: nn.Module, experts: int, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, module: nn.Module, experts: int, local: int, group: dist.ProcessGroup
+    ) -> None:
+        """`experts` of the layer, `local` of them on this rank, split over `group`."""
         self.module, self.experts, self.group = module, experts, group
         self.family_forward = module.forward
-        module.num_experts = experts // dist.get_world_size(group)
+        module.num_experts = local
         module.forward = self
 
     def __call__(

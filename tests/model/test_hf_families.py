@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bigtrain.config import load_config
 from bigtrain.config.parallel import TP_STYLES
 from bigtrain.config.schema import Fp8Config, Int8Config
 from bigtrain.errors import ConfigError
@@ -18,10 +19,11 @@ from bigtrain.model.moe import aux_grad_scale
 from bigtrain.model.routed import routed_experts
 from bigtrain.parallel.pipeline.split import stage_module
 from bigtrain.plan.experts import count_experts
+from bigtrain.plan.shapes import count_params, meta_model
 from bigtrain.precision.fp8 import select_fp8_layers
 from bigtrain.precision.int8 import convert_to_int8
 from bigtrain.precision.islands import FP32Islands
-from tests.hf_families import FAMILIES, MOE, tiny_config
+from tests.hf_families import FAMILIES, MOE, hf_config_override, tiny_config
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +96,8 @@ def test_two_stages_in_one_process_give_the_whole_models_logits(model_type):
 def test_active_parameters_are_those_one_token_trains(model_type):
     """The count the planner and the FLOPs per token use (model/routed.py, from the declared ep
     plan) against a measurement: one token's backward gives a gradient to every parameter but
-    the routed experts it was not sent to (top k of each MoE layer's)."""
+    the routed experts it was not sent to (top k of each MoE layer's). The planner's own build
+    of the config (on the meta device) counts the same."""
     model = build(model_type)
     total = sum(p.numel() for p in model.parameters())
     count = count_experts(model)
@@ -111,6 +114,11 @@ def test_active_parameters_are_those_one_token_trains(model_type):
     if count is not None:
         assert (count.total, count.active) == (total, trained)
         assert count.top_k == 2 and count.routed == 4
+    # `bigtrain plan` builds the model of the config on the meta device: the same counts
+    cfg = load_config([], ["model.kind=hf", hf_config_override(model_type), "model.vocab_size=384"])
+    planned = meta_model(cfg.model, cfg.data)
+    assert count_params(planned)[0] == total
+    assert num_params(planned, active=True) == trained
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

@@ -20,14 +20,17 @@ of 8 sequences of 32 tokens: once on one process, then on 2 gloo ranks in each l
 
     python bench/families.py [--families llama qwen3 ...] [--layouts fsdp2 tp2 pp2 ep2]
         [--no-round-trip] [--steps N]
-    python bench/families.py --healthy 300 [--ranks 2] [--families qwen3_moe ...]
+    python bench/families.py --healthy 300 [--ranks 2] [--router-drill STEP] [--families ...]
 
 `--healthy STEPS` measures instead the router rules on healthy runs of the MoE families (their
 routers watched by bigtrain/model/hf_routers.py): each family trains STEPS steps (default
 settings: the rules on, BF16, FSDP2 over `--ranks` ranks with 4 micro-batches each, or one
 process), and a line per family gives the anomalies, rollbacks and replays it had and the
 worst ratio of the router z-loss and of the router spread to their 50-step running median
-(the `router_logits` rule fires at 4x, `router_spread` at 8x).
+(the `router_logits` rule fires at 4x, `router_spread` at 8x). `--router-drill STEP` (with 2
+ranks) also runs each family with the router-bias drill on rank 1 at STEP (expert 0's logit +10
+in every MoE layer, `drill.router_bias`; the run goes on with `monitor.on_spike=skip`) and
+gives the anomalies it raised: caught at STEP, or not.
 
 The last line is JSON: {"families": {family: {layout: cell}}, "steps": N}; the table before it
 is Markdown (docs/models.md holds the one of the last run).
@@ -124,20 +127,38 @@ def trip(family: str, tmp: Path, args) -> str:
     return f"ok ({layout})" if not failed else "failed: " + ", ".join(failed)
 
 
-def healthy(family: str, tmp: Path, files, cache, steps: int, ranks: int) -> dict:
-    """One healthy run of an MoE family for `--healthy` (module docstring)."""
-    args = micro_overrides(tmp / family, files, cache) + [
+def healthy(family: str, tmp: Path, files, cache, steps: int, ranks: int, drill: int = 0) -> dict:
+    """One healthy run of an MoE family for `--healthy`, or with the router-bias drill at step
+    `drill` (module docstring)."""
+    name = f"{family}-drill" if drill else family
+    drilled = [
+        "drill.router_bias=0",
+        "drill.rank=1",
+        f"drill.router_bias_step=[{drill}]",
+        f"train.stop_at_step={drill + 3}",
+        "monitor.on_spike=skip",
+    ]
+    args = micro_overrides(tmp / name, files, cache) + [
         "model.kind=hf",
         hf_config_override(family),
-        f"train.max_steps={steps}",
+        f"train.max_steps={max(steps, drill + 3)}",
         "train.log_every=1",
         "train.eval_every=0",
         "checkpoint.every=0",
         "train.micro_batch_size=2",
         f"train.global_batch_size={8 * ranks}",
         *(["parallel.backend=fsdp"] if ranks > 1 else []),
+        *(drilled if drill else []),
     ]
     result = run_distributed(train_run, ranks, args)[0]
+    if drill:
+        anomalies = [e for e in result["events"] if e["kind"] == "anomaly"]
+        return {
+            "family": family,
+            "drill_step": drill,
+            "anomalies": [(e.get("step"), e.get("metric")) for e in anomalies],
+            "caught": any(e.get("step") == drill for e in anomalies),
+        }
     flagged = ("anomaly", "rollback", "suspicion", "replay")
     events = [e for e in result["events"] if e["kind"] in flagged]
     metrics = result["metrics"]
@@ -171,6 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--healthy", type=int, default=0, metavar="STEPS")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--router-drill", type=int, default=0, metavar="STEP")
     a = parser.parse_args()
     if a.healthy:
         with tempfile.TemporaryDirectory() as tmp_dir:
@@ -179,6 +201,10 @@ def main() -> None:
             for family in [f for f in a.families if f in MOE]:
                 line = healthy(family, tmp, files, tmp / "cache", a.healthy, a.ranks)
                 print(json.dumps({"bench": "families-healthy", **line}), flush=True)
+                if a.router_drill:
+                    cfg = (family, tmp, files, tmp / "cache", a.healthy, 2, a.router_drill)
+                    line = healthy(*cfg)
+                    print(json.dumps({"bench": "families-router-drill", **line}), flush=True)
         return
     table: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp_dir:

@@ -12,7 +12,7 @@ import torch
 
 from bigtrain.config.schema import DrillConfig
 from bigtrain.errors import ConfigError
-from bigtrain.model.moe import moe_layers
+from bigtrain.model.hf_routers import routed_experts_of, routing_layers
 from bigtrain.train.hooks import Callback
 from bigtrain.train.step import StepResult
 from bigtrain.utils.names import canonical_name
@@ -132,16 +132,20 @@ class Drills(Callback):
             return
         if not trainer.replaying:
             self.biased = self._due("router_bias", self.cfg.router_bias_step, step)
-        layers = moe_layers(trainer.backend.model)
+        layers = routing_layers(trainer.backend.model)  # bigtrain's MoE, a family's probes
         if self.biased and not layers:
-            raise ConfigError("key 'drill.router_bias': the model has no MoE layer (model.moe)")
+            raise ConfigError(
+                "key 'drill.router_bias': the model has no MoE layer (model.moe, or a "
+                "transformers MoE family)"
+            )
         for layer in layers:
-            if expert >= layer.cfg.experts:
+            experts = routed_experts_of(layer)
+            if expert >= experts:
                 raise ConfigError(
                     f"key 'drill.router_bias' ({expert}) must be an expert index below "
-                    f"model.moe.experts ({layer.cfg.experts})"
+                    f"the experts of an MoE layer ({experts})"
                 )
-            bias = torch.zeros(layer.cfg.experts, device=layer.stats.device)
+            bias = torch.zeros(experts, device=layer.stats.device)
             bias[expert] = self.cfg.router_bias_logit
             layer.router_bias = bias if self.biased else None
         if self.biased and not trainer.replaying:

@@ -23,6 +23,7 @@ from torch import nn
 
 from bigtrain.model.hf_plans import family_experts
 from bigtrain.model.moe import STATS_EXTRA, MoE, Routing, record_routing, recording
+from bigtrain.utils.tensors import local_tensor
 
 PROBE = "router_probe"
 """The probe's name in its MoE block (`hf.model.layers.1.mlp.router_probe`)."""
@@ -50,12 +51,27 @@ class RouterProbe(nn.Module):
     """One MoE layer's routing, summed over a step's training forwards in bigtrain MoE's layout
     (`stats`, `extremes`: monitor/routers.py takes and clears them)."""
 
-    def __init__(self, experts: int, index: int) -> None:
+    def __init__(self, experts: int, index: int, router: str) -> None:
+        """`router`: the router's name in the MoE block (`gate`)."""
         super().__init__()
-        self.experts, self.index = experts, index
+        self.experts, self.index, self.router = experts, index, router
         self.register_buffer("stats", torch.zeros(2 * experts + STATS_EXTRA), persistent=False)
         self.register_buffer("extremes", torch.zeros(2 * experts), persistent=False)
         self._logits: torch.Tensor | None = None
+        self.router_bias: torch.Tensor | None = None
+        """Added to the router's logits when set (the `drill.router_bias` drill), through its
+        input (`bias_input`)."""
+
+    def bias_input(self, router: nn.Module, args: tuple) -> tuple | None:
+        """The router's forward pre-hook for the drill: its input moved by pinv(W) @ bias, so
+        that its logits x W^T come out raised by `router_bias` (exactly, the weight's rows being
+        independent: fewer experts than features) while the family computes its own top-k. The
+        experts get the layer's input unchanged."""
+        if self.router_bias is None:
+            return None
+        weight = local_tensor(router.weight).detach().float()
+        shift = torch.linalg.pinv(weight) @ self.router_bias.to(weight.device, torch.float32)
+        return (args[0] + shift.to(args[0].dtype), *args[1:])
 
     def logits_seen(self, router: nn.Module, args: Any, output: Any) -> None:
         """The router's forward hook: its logits, when this forward is one that counts."""
@@ -93,11 +109,13 @@ def attach_router_probes(hf_model: nn.Module) -> int:
     count = 0
     for name, experts, weights in family_experts(hf_model):
         block = hf_model.get_submodule(name.rpartition(".")[0])
-        router = next((m for m in block.children() if isinstance(m, recorder.target_class)), None)
-        if router is None or not weights or hasattr(block, PROBE):
+        found = [(n, m) for n, m in block.named_children() if isinstance(m, recorder.target_class)]
+        if not found or not weights or hasattr(block, PROBE):
             continue
-        probe = RouterProbe(experts.get_parameter(weights[0]).shape[0], recorder.index)
+        (router_name, router), *_ = found
+        probe = RouterProbe(experts.get_parameter(weights[0]).shape[0], recorder.index, router_name)
         block.add_module(PROBE, probe)
+        router.register_forward_pre_hook(probe.bias_input)
         router.register_forward_hook(probe.logits_seen)
         experts.register_forward_pre_hook(probe.choice_seen, with_kwargs=True)
         count += 1
@@ -108,3 +126,8 @@ def routing_layers(model: nn.Module) -> list[nn.Module]:
     """What records a model's routing (`stats`, `extremes`): bigtrain's MoE layers and a
     transformers family's router probes, in module order."""
     return [m for m in model.modules() if isinstance(m, (MoE, RouterProbe))]
+
+
+def routed_experts_of(layer: nn.Module) -> int:
+    """The experts a routing layer (routing_layers') chooses from."""
+    return layer.cfg.experts if isinstance(layer, MoE) else layer.experts

@@ -57,9 +57,21 @@ LAYER_LOAD = "moe_layer_load"
 
 
 def block_of(name: str) -> str:
-    """`blocks.3.moe` -> `blocks.3`: the block a router belongs to; a transformers family's
-    probe `hf.model.layers.1.mlp.router_probe` -> its MoE block `hf.model.layers.1.mlp`."""
+    """`blocks.3.moe` -> `blocks.3`: the block a router belongs to."""
     return name.rsplit(".", 1)[0]
+
+
+def layer_name(name: str, layer: nn.Module) -> str:
+    """What a routing layer's metrics are named by: bigtrain's MoE by its block (`blocks.3`), a
+    transformers family's probe (`hf.model.layers.1.mlp.router_probe`) by its router's own
+    name (`hf.model.layers.1.mlp.gate`)."""
+    router = getattr(layer, "router", None)
+    return f"{block_of(name)}.{router}" if isinstance(router, str) else block_of(name)
+
+
+def router_weight(layer: str) -> str:
+    """The router weight of a layer named by `layer_name`: the culprit a router rule names."""
+    return f"{layer}.moe.router.weight" if layer.startswith("blocks.") else f"{layer}.weight"
 
 
 def router_layers(modules: list[nn.Module]) -> dict[str, nn.Module]:
@@ -67,7 +79,7 @@ def router_layers(modules: list[nn.Module]) -> dict[str, nn.Module]:
     the name of the block each belongs to."""
     records = {id(m) for module in modules for m in routing_layers(module)}
     return {
-        block_of(canonical_name(name)): sub
+        layer_name(canonical_name(name), sub): sub
         for module in modules
         for name, sub in module.named_modules()
         if id(sub) in records
@@ -106,7 +118,7 @@ class RouterStats:
     @classmethod
     def of_family(cls, modules: list[nn.Module], gather: bool) -> RouterStats | None:
         """Over the router probes of a transformers MoE family (model/hf_routers.py), named by
-        the family's MoE blocks (`hf.model.layers.1.mlp`); None for a dense family. `gather`:
+        the family's routers (`hf.model.layers.1.mlp.gate`); None for a dense family. `gather`:
         this rank holds some of the layers only (pipeline stages): every rank's names are
         gathered (a collective) so that the layout is the whole model's on every rank."""
         layers = router_layers(modules)

@@ -22,6 +22,7 @@ from bigtrain.monitor.routers import (
     LAYER_Z_LOSS,
     ROUTER_SPREAD,
     Z_LOSS_MAX,
+    router_weight,
 )
 from bigtrain.monitor.stats import ranked
 from bigtrain.resilience.rules import SpikeRule, TensorHistory
@@ -84,7 +85,7 @@ def _router_of(metric: str, telemetry: dict[str, Any]) -> str | None:
     """A router rule's culprit: the router weight of the block whose value it read (None for
     the other rules: the per-tensor jumps name theirs)."""
     by_block = telemetry.get(ROUTER_SERIES.get(metric, ""), {})
-    return f"{max(by_block, key=by_block.get)}.moe.router.weight" if by_block else None
+    return router_weight(max(by_block, key=by_block.get)) if by_block else None
 
 
 class Detector:

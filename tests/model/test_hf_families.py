@@ -17,6 +17,7 @@ from bigtrain.model.hf_plans import family_plans, require
 from bigtrain.model.hf_routers import router_modules
 from bigtrain.model.moe import aux_grad_scale
 from bigtrain.model.routed import routed_experts
+from bigtrain.monitor.routers import router_layers, router_weight
 from bigtrain.parallel.pipeline.split import stage_module
 from bigtrain.plan.experts import count_experts
 from bigtrain.plan.shapes import count_params, meta_model
@@ -185,3 +186,33 @@ def test_low_precision_layers_and_fp32_islands_are_resolved_per_family(model_typ
             model(torch.tensor([[5, 6, 7]]))
         handle.remove()
         assert seen == [torch.float32]
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_the_router_bias_drill_raises_one_experts_logit_through_the_routers_input(model_type):
+    """drill.router_bias on a family's router (model/hf_routers.py): its logits come out raised by
+    the bias (through its input), where the family computes its own top-k."""
+    model = build(model_type).train()
+    (name, router), *_ = router_modules(model.hf)
+    probe = model.hf.get_submodule(name.rpartition(".")[0]).router_probe
+    seen = []
+    router.register_forward_hook(lambda m, a, out: seen.append(out[0].detach().float()))
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+        probe.router_bias = torch.tensor([10.0, 0.0, 0.0, 0.0])
+        model(ids)
+    torch.testing.assert_close(
+        seen[1] - seen[0], probe.router_bias.expand_as(seen[0]), atol=1e-3, rtol=0
+    )
+
+
+def test_router_metrics_and_culprits_are_named_by_the_familys_routers():
+    """A family's probe reports under its router's name, and a router rule's anomaly names that
+    router's weight (bigtrain's MoE: its block, and the block's router weight)."""
+    model = build("qwen3_moe")
+    layers = router_layers([model])
+    assert list(layers) == ["hf.model.layers.0.mlp.gate", "hf.model.layers.1.mlp.gate"]
+    names = {n for n, _ in model.named_parameters()}
+    assert all(router_weight(layer) in names for layer in layers)
+    assert router_weight("blocks.3") == "blocks.3.moe.router.weight"

@@ -144,7 +144,7 @@ def test_ep2_by_the_declared_plan_trains_like_one_process(runs, family):
         for step, value in ref.items():
             assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
     layers = {m["step"]: m["moe_layer_load"] for m in ep[0]["metrics"] if "moe_layer_load" in m}
-    assert list(layers[1]) == ["hf.model.layers.1.mlp"]  # the family's name of its MoE block
+    assert list(layers[1]) == ["hf.model.layers.1.mlp.gate"]  # the family's name of its router
     norms = next(m["layer_grad_norm"] for m in ep[0]["metrics"] if "layer_grad_norm" in m)
     assert {"hf.model.layers.0", "hf.model.layers.1"} <= set(norms)  # per decoder layer
     # layer 0 dense; layer 1: experts 0-1 on rank 0, 2-3 on rank 1, each counting its 2

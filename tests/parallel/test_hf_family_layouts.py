@@ -97,7 +97,7 @@ def runs(tmp_path_factory, corpus_files, cache_dir):
             out[family, "tp"] = run_distributed(train_run, 2, tp)
         if family in BF16_FAMILIES:  # the routers gathered in FP32 beside BF16 layers
             bf16 = args("bf16", "precision.compute_dtype=bf16", "train.max_steps=2")
-            out[family, "bf16"] = train_run_probed(bf16, router_gathers)  # FSDP2 on 1 rank
+            out[family, "bf16"] = run_distributed(train_run_probed, 1, bf16, router_gathers)[0]
         if family in EP_FAMILIES:
             ep_args = args("ep", "parallel.expert_parallel=2", f"checkpoint.every={STEPS}")
             out[family, "ep"] = run_distributed(train_run_probed, 2, ep_args, family_experts)
@@ -171,7 +171,7 @@ def test_an_expert_parallel_checkpoint_exports_to_the_hub_layout_and_generates(r
 
 @pytest.mark.parametrize("family", BF16_FAMILIES)
 def test_the_routers_are_fp32_islands_beside_bf16_layers(runs, family):
-    """BF16 compute on FSDP2 (one rank): the decoder layers are gathered in BF16, the routers
+    """BF16 compute on FSDP2 (one spawned rank): the decoder layers are gathered in BF16, the routers
     (FP32 islands by type: precision/islands.py) in FP32 in groups of their own; the run trains
     (Qwen3-MoE's router multiplies its input by its weight in the compute dtype: gathered in
     BF16 under the FP32 island, it failed)."""

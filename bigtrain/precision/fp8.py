@@ -250,9 +250,9 @@ def select_fp8_layers(
     """The linear layers to convert, as (module name, canonical name, layer), and the excluded
     ones by canonical name with the reason each stays in BF16. `auto`: FP8 was turned on by the
     policy, which then also leaves out layers too small for FP8 to pay."""
-    from bigtrain.precision.int8 import Int8Layer, routes_tokens
+    from bigtrain.precision.int8 import Int8Layer, token_routers
 
-    chosen, excluded = [], {}
+    chosen, excluded, routes = [], {}, token_routers(model)
     modules = dict(model.named_modules())
     for name, module in modules.items():
         cname = canonical_name(name)
@@ -271,7 +271,7 @@ def select_fp8_layers(
         out_features, in_features = module.weight.shape
         if pattern is not None:
             excluded[cname] = f"precision.fp8.exclude '{pattern}'"
-        elif routes_tokens(model, name):
+        elif routes(name):
             excluded[cname] = "MoE router: its logits choose the experts"
         elif isinstance(module, Int8Layer):
             raise ConfigError(

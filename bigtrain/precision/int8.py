@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -322,7 +323,7 @@ def convert_to_int8(
             f"precision.int8.weight_scheme got {cfg.weight_scheme!r}, expected symmetric "
             "(per output channel)"
         )
-    candidates = []
+    candidates, routes = [], token_routers(model)
     for name, module in model.named_modules():
         cname = canonical_name(name)
         transposed = _linear_kind(module)
@@ -332,7 +333,7 @@ def convert_to_int8(
             continue
         if any(fnmatch.fnmatchcase(cname, p) for p in cfg.exclude):
             continue
-        if routes_tokens(model, name):  # its logits choose the experts: left out, as by FP8
+        if routes(name):  # its logits choose the experts: left out, as by FP8
             continue
         inside_fp32 = [
             p for p in fp32_patterns if any(fnmatch.fnmatchcase(a, p) for a in ancestors(cname))
@@ -361,16 +362,19 @@ def convert_to_int8(
     return converted
 
 
-def routes_tokens(model: nn.Module, name: str) -> bool:
+def token_routers(model: nn.Module) -> Callable[[str], bool]:
     """Whether module `name` of `model` is (in) an MoE router: a linear layer beside a layer's
     experts (a family's gate), or inside the router class a transformers family declares
-    (model/hf_routers.py). INT8 and FP8 leave them out whatever the patterns say."""
-    parent_name = name.rpartition(".")[0]
-    parent = model.get_submodule(parent_name) if parent_name else model
-    if hasattr(parent, "experts"):
-        return True
+    (model/hf_routers.py, found once here). INT8 and FP8 leave them out whatever the patterns
+    say."""
     owner = model.hf if isinstance(model, HFCausalLM) else None
-    if owner is None:
-        return False
-    inner = name.removeprefix("hf.")
-    return any(inner == r or inner.startswith(r + ".") for r, _ in router_modules(owner))
+    routers = [f"hf.{n}" for n, _ in router_modules(owner)] if owner is not None else []
+
+    def routes(name: str) -> bool:
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        return hasattr(parent, "experts") or any(
+            name == r or name.startswith(r + ".") for r in routers
+        )
+
+    return routes

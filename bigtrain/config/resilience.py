@@ -63,6 +63,11 @@ class SuspicionConfig:
     excursion: float = 1.0
     """A jump must also exceed this many times the largest rise over its median that the
     series' window holds (the tensor's own recent healthy excursions); 0: off."""
+    lone_share: float = 0.5
+    """A tensor one rank holds whole (one process, DDP, a small tensor) has no split: its split
+    series is its own rise, whose history carries every move of its rank's gradient that the
+    alone series takes out. Its jump must exceed this share of that history's margins (the
+    excursion's and the sigmas'; never less than `factor`); 1: the margins of a split."""
     lead: float = 1.75
     """How many times a suspicious tensor's jump (the lesser of its split's and its alone's, in
     log squares) must exceed any other tensor's in the same step (>= 1): one tensor moved, not a
@@ -203,7 +208,8 @@ class ResilienceConfig:
     the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""
 
 
-SUSPICION_NONNEGATIVE = ("alone_sigmas", "pair_sigmas", "excursion", "rival_share")
+SUSPICION_NONNEGATIVE = ("alone_sigmas", "pair_sigmas", "excursion", "lone_share")
+SUSPICION_NONNEGATIVE += ("rival_share",)
 
 
 def check_rules(monitor: MonitorConfig) -> None:

@@ -22,7 +22,9 @@ A tensor is suspicious when all three are above the median of their last `window
 2 log(factor) (the factors apply to norms, the values are log squares: `factor`, `alone_factor`,
 `pair_factor`), by the largest rise over that median the window holds (`excursion` times: the
 tensor's own recent healthy excursions) and, once `min_values` are known, by `sigmas`
-(`alone_sigmas`, `pair_sigmas`) robust standard deviations; and when it rose alone in the step:
+(`alone_sigmas`, `pair_sigmas`) robust standard deviations (a lone holder's split, its own rise,
+by `lone_share` of the excursion's and the sigmas' margins: that history holds every move of the
+rank's gradient, which the alone series takes out); and when it rose alone in the step:
 its jump (the lesser of split and alone) exceeds `lead` times any other tensor's that reached
 `rival_share` of its own margins (a volatile tensor's ordinary noise hides nothing). Each series
 alone mistakes healthy moves for corruption: a head that wakes up rises alone across ranks but
@@ -54,9 +56,9 @@ def series(shards: list[float], unlike: np.ndarray | None = None) -> np.ndarray:
     where unknown (no rank holds the tensor, or no history yet). `unlike` tensors (rows that need
     not move together) have their largest rise as their split."""
     rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
-    high, low, alone, pair = rows[0], -rows[1], rows[2], rows[3]
+    high, alone, pair = rows[0], rows[2], rows[3]
     known = rows[0] > EMPTY / 2
-    split = np.where(high > low, high - low, high)  # equal: one holder (or equal rises)
+    split = np.where(lone_holders(shards), high, high + rows[1])  # high minus the lowest rise
     if unlike is not None:
         split = np.where(unlike, high, split)
     return np.stack(
@@ -66,6 +68,13 @@ def series(shards: list[float], unlike: np.ndarray | None = None) -> np.ndarray:
             np.where(pair > EMPTY / 2, pair, np.nan),
         ]
     )
+
+
+def lone_holders(shards: list[float]) -> np.ndarray:
+    """Per tensor whether its largest and smallest rise are one: one rank holds it whole (or the
+    ranks' rises are equal), so its split is its rise."""
+    rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
+    return ~(rows[0] > -rows[1])
 
 
 class Suspicion:
@@ -107,8 +116,11 @@ class Suspicion:
             return []
         center, margin = self.baseline()
         jump = series(shards, self.unlike) - center
+        needed = margin.copy()  # a lone holder's rise: a share of its history's margins
+        shared = np.fmax(self.factors[0], self.cfg.lone_share * margin[0])
+        needed[0] = np.where(lone_holders(shards), shared, margin[0])
         with np.errstate(invalid="ignore"):
-            above = (np.nan_to_num(jump - margin, nan=-1.0) > 0).all(axis=0)
+            above = (np.nan_to_num(jump - needed, nan=-1.0) > 0).all(axis=0)
             moved = np.nan_to_num(jump[:2].min(axis=0), nan=-np.inf)  # split and alone
             reach = np.nan_to_num((jump[:2] / margin[:2]).min(axis=0), nan=-np.inf)
         moved = np.where(self.watched, moved, -np.inf)

@@ -151,6 +151,41 @@ def test_a_tensor_is_suspected_only_when_it_jumps_past_all_three_series_limits()
 
 
 @pytest.mark.unit
+def test_a_lone_holders_rise_needs_lone_share_of_its_historys_margins():
+    """One process (or DDP, or a small tensor on one rank) has no second shard: the split is the
+    tensor's own rise, whose history holds its rank's every move. Its rise must pass
+    `lone_share` (0.5) of the excursion and sigma margins, never less than `factor`; a tensor
+    two ranks hold keeps the whole margins, and lone_share 1 gives a lone holder the same."""
+    names = ["a", "b", "c"]
+    rng = np.random.default_rng(5)
+    rises = []
+    for step in range(20):  # b's rise once went 12 over its median: a wide excursion margin
+        b = 12.0 if step == 7 else float(rng.normal(0, 0.1))
+        rises.append([float(rng.normal(0, 0.1)), b, float(rng.normal(0, 0.1))])
+    watch = Suspicion(SuspicionConfig(), names)
+    for r in rises:
+        watch.add(shards(r, r, r))  # one holder: largest rise == smallest
+    center, margin = watch.baseline()
+    assert margin[0, 1] > 11.0  # the excursion, far over the factor's 2 ln 5 = 3.2
+    jump = center[0, 1] + 0.6 * margin[0, 1]  # over half the margin, under the whole
+    alone = center[1:, 1].max() + 2.0 * margin[1:, 1].max()
+    lone = [0.0, jump, 0.0]
+    assert watch.check(shards(lone, lone, [0.0, alone, 0.0]))[0][0] == "b"
+    whole = Suspicion(SuspicionConfig(lone_share=1.0), names)
+    whole.values = watch.values
+    assert whole.check(shards(lone, lone, [0.0, alone, 0.0])) == []
+    under = [0.0, center[0, 1] + 0.4 * margin[0, 1], 0.0]  # under half: still within
+    assert watch.check(shards(under, under, [0.0, alone, 0.0])) == []
+    split = Suspicion(SuspicionConfig(), names)  # two holders, the same history of splits
+    for r in rises:
+        split.add(shards(r, [0.0] * 3, r))  # largest rise r, smallest 0: split r
+    c2, m2 = split.baseline()
+    assert m2[0, 1] == pytest.approx(margin[0, 1])
+    jump2 = c2[0, 1] + 0.6 * m2[0, 1]
+    assert split.check(shards([0.0, jump2, 0.0], [0.0] * 3, [0.0, alone, 0.0])) == []
+
+
+@pytest.mark.unit
 def test_a_tensor_that_rose_with_another_is_not_suspected():
     """A layer waking up in warm-up (or a loss spike) moves several tensors at once: the one that
     rose most must lead the next by `lead` (1.75) times its jump (here alone: without the veto

@@ -439,3 +439,9 @@ def test_a_healthy_warm_up_is_not_suspected_and_one_corrupted_tensor_in_it_is():
         faulty[-1, names.index(tensor), 0] *= factor**2
         found = judge_trace(faulty, held, names)
         assert list(found) == [step] and found[step][0][0] == tensor
+    # On one process a head waking at step 12 left a wide excursion in its q weight's own rise:
+    # x50 there passes half of that margin (lone_share 0.5), not the whole one (1: as a split).
+    faulty = whole[0][:12].copy()
+    faulty[-1, names.index("blocks.2.attn.q.weight"), 0] *= 50**2
+    assert judge_trace(faulty, whole[1], names)[12][0][0] == "blocks.2.attn.q.weight"
+    assert judge_trace(faulty, whole[1], names, SuspicionConfig(lone_share=1.0)) == {}

@@ -69,9 +69,9 @@ class SuspicionConfig:
     alone series takes out. Its jump must exceed this share of that history's margins (the
     excursion's and the sigmas'; never less than `factor`); 1: the margins of a split."""
     lead: float = 1.75
-    """How many times a suspicious tensor's jump (the lesser of its split's and its alone's, in
-    log squares) must exceed any other tensor's in the same step (>= 1): one tensor moved, not a
-    layer waking up or a loss spike."""
+    """How many times a suspicious tensor's jump must exceed any other tensor's in the same step
+    (>= 1), each jump measured in its own tensor's margins (the lesser of its split's and its
+    alone's jump over their margins): one tensor moved, not a layer waking up or a loss spike."""
     rival_share: float = 0.5
     """Another tensor counts against a lead only when its split and alone jumps reached this
     share of their own margins (0: every tensor): a volatile tensor's ordinary noise, far within

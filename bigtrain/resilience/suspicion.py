@@ -25,8 +25,9 @@ tensor's own recent healthy excursions) and, once `min_values` are known, by `si
 (`alone_sigmas`, `pair_sigmas`) robust standard deviations (a lone holder's split, its own rise,
 by `lone_share` of the excursion's and the sigmas' margins: that history holds every move of the
 rank's gradient, which the alone series takes out); and when it rose alone in the step:
-its jump (the lesser of split and alone) exceeds `lead` times any other tensor's that reached
-`rival_share` of its own margins (a volatile tensor's ordinary noise hides nothing). Each series
+its jump as a share of its margins (the lesser of split's and alone's) exceeds `lead` times any
+other tensor's that reached `rival_share` of its own margins (a volatile tensor's moves, however
+large, count for what they are to that tensor: its ordinary noise hides nothing). Each series
 alone mistakes healthy moves for corruption: a head that wakes up rises alone across ranks but
 with its layer on its rank, and with its partner (q with k); the other rank's head falling
 silent makes a split without any rise beyond the rank; a loss spike or a layer waking in warm-up
@@ -121,9 +122,8 @@ class Suspicion:
         needed[0] = np.where(lone_holders(shards), shared, margin[0])
         with np.errstate(invalid="ignore"):
             above = (np.nan_to_num(jump - needed, nan=-1.0) > 0).all(axis=0)
-            moved = np.nan_to_num(jump[:2].min(axis=0), nan=-np.inf)  # split and alone
             reach = np.nan_to_num((jump[:2] / margin[:2]).min(axis=0), nan=-np.inf)
-        moved = np.where(self.watched, moved, -np.inf)
+        moved = np.where(self.watched, reach, -np.inf)  # split and alone, in their margins
         rivals = np.where(reach >= self.cfg.rival_share, moved, -np.inf)
         led = moved > self.cfg.lead * np.maximum(runner_up(rivals), 0.0)  # never an inert one
         company = np.where(self.watched, reach, -np.inf) >= self.cfg.company

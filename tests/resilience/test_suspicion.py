@@ -199,20 +199,26 @@ def test_a_tensor_that_rose_with_another_is_not_suspected():
     solo = Suspicion(SuspicionConfig(lead=1.0, company=math.inf), ["q", "k", "mlp"])
     solo.values = watch.values  # lead 1: the larger of two rises is enough
     assert solo.check(shards([big, 0.8 * big, 0.0], low, [big, 0.8 * big, 0.0]))[0][0] == "q"
-    # A tensor whose own history is noisy (its margins wide) is no rival while within half of
-    # them: its ordinary noise does not hide a corruption of another tensor (one process here).
+    # Jumps are compared in their own tensors' margins. A tensor whose history is noisy (its
+    # margins wide) rising further than q in log squares, but within 85% of its margins, leaves
+    # q the lead (one process here): its ordinary moves hide no corruption of a quiet tensor.
     noisy = Suspicion(SuspicionConfig(), ["q", "k", "mlp"])
     rng = np.random.default_rng(3)
     for _ in range(20):
         rises = [rng.normal(0, 0.1), rng.normal(0, 8.0), rng.normal(0, 0.1)]
         noisy.add(shards(rises, rises, rises))
     center, margin = noisy.baseline()
-    k_jump = center[:2, 1].max() + 0.45 * margin[:2, 1].min()  # within 45% of k's margins
+    k_jump = center[:2, 1].max() + 0.85 * margin[:2, 1].max()  # within 85% of k's margins
+    share = lambda t, v: ((v - center[:2, t]) / margin[:2, t]).min()  # noqa: E731
+    assert k_jump > big and 2.0 < share(0, big) < 3.0 and 0.8 < share(1, k_jump) < 0.9
     rises = [big, k_jump, 0.0]
     assert noisy.check(shards(rises, rises, rises))[0][0] == "q"
-    strict = Suspicion(SuspicionConfig(rival_share=0.0), ["q", "k", "mlp"])
-    strict.values = noisy.values
-    assert strict.check(shards(rises, rises, rises)) == []  # as a rival, k's rise vetoes q
+    picky = Suspicion(SuspicionConfig(lead=3.5), ["q", "k", "mlp"])
+    picky.values = noisy.values
+    assert picky.check(shards(rises, rises, rises)) == []  # 3.5 x k's share is more than q's
+    aside = Suspicion(SuspicionConfig(lead=3.5, rival_share=0.95), ["q", "k", "mlp"])
+    aside.values = noisy.values
+    assert aside.check(shards(rises, rises, rises))[0][0] == "q"  # k within 95%: no rival
 
 
 @pytest.mark.unit

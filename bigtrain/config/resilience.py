@@ -208,8 +208,13 @@ class ResilienceConfig:
     the median step time (at least 300 s) after 20 steps, parallel.timeout_s before."""
 
 
-SUSPICION_NONNEGATIVE = ("alone_sigmas", "pair_sigmas", "excursion", "lone_share")
-SUSPICION_NONNEGATIVE += ("rival_share",)
+SUSPICION_NONNEGATIVE = (
+    "alone_sigmas",
+    "pair_sigmas",
+    "excursion",
+    "lone_share",
+    "rival_share",
+)
 
 
 def check_rules(monitor: MonitorConfig) -> None:

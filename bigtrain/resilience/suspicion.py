@@ -57,9 +57,9 @@ def series(shards: list[float], unlike: np.ndarray | None = None) -> np.ndarray:
     where unknown (no rank holds the tensor, or no history yet). `unlike` tensors (rows that need
     not move together) have their largest rise as their split."""
     rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
-    high, alone, pair = rows[0], rows[2], rows[3]
+    high, low, alone, pair = rows[0], -rows[1], rows[2], rows[3]
     known = rows[0] > EMPTY / 2
-    split = np.where(lone_holders(shards), high, high + rows[1])  # high minus the lowest rise
+    split = np.where(high > low, high - low, high)  # equal: one holder (or equal rises)
     if unlike is not None:
         split = np.where(unlike, high, split)
     return np.stack(
@@ -73,7 +73,7 @@ def series(shards: list[float], unlike: np.ndarray | None = None) -> np.ndarray:
 
 def lone_holders(shards: list[float]) -> np.ndarray:
     """Per tensor whether its largest and smallest rise are one: one rank holds it whole (or the
-    ranks' rises are equal), so its split is its rise."""
+    ranks' rises are equal), so its split is its rise (`series`)."""
     rows = np.asarray(shards, dtype=np.float64).reshape(SERIES + 1, -1)
     return ~(rows[0] > -rows[1])
 

@@ -137,6 +137,10 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'monitor.suspicion.excursion' got -1.0, expected a value >= 0",
         ),
         (
+            ["monitor.suspicion.lone_share=-0.5"],
+            "key 'monitor.suspicion.lone_share' got -0.5, expected a value >= 0",
+        ),
+        (
             ["monitor.suspicion.rival_share=-0.5"],
             "key 'monitor.suspicion.rival_share' got -0.5, expected a value >= 0",
         ),

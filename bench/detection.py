@@ -22,8 +22,10 @@
    (a bad batch), of the reported loss only and of one gradient tensor (first execution only:
    silent data corruption), bit flips of one gradient value, on either rank, at every step of
    [2, 300], warm-up included: the detection rate per kind at the faulty step. A first-execution
-   fault counts as caught by an anomaly or by a suspicion (bigtrain/resilience/suspicion.py), whose
-   replay comes out clean; `suspicions_per_1k` is the healthy steps the suspicion tier replays
+   fault counts as caught by an anomaly, by a suspicion (bigtrain/resilience/suspicion.py) or by
+   a gradient checksum mismatch (bigtrain/monitor/checksums.py, on the steps they check: the
+   runs record each tensor's and row half's healthy residual, and the faulty one follows from it,
+   detection_sim.scaled_check), whose replay comes out clean; `suspicions_per_1k` is the healthy steps the suspicion tier replays
    over every step of every run, both sweeps (simulated on the 2 emulated ranks; the runs' own,
    one process each, beside it, and their transient verdicts, each of which would be false);
    the one-tensor faults are also simulated on one process (`one_process`: the tensor's whole
@@ -327,6 +329,12 @@ def print_table(result: dict, seconds: dict[str, float]) -> None:
         f"{num(result['suspicions_real_per_1k'])} in the runs (one process); transient verdicts: "
         f"{result['transient_verdicts']}"
     )
+    c = result["checksums"]
+    print(
+        f"  gradient checksums: {c['checked_steps']} healthy steps checked (until step "
+        f"{c['until_step']}), largest residual {c['largest_healthy_residual']:.2g} "
+        f"(tolerance {c['tolerance']}; {c['where']})"
+    )
     for name, s in result["sweeps"].items():
         r, solo = s["detection_rate"], s["detection_rate_one_process"]
         print(
@@ -436,10 +444,35 @@ def sweep_summary(traces: list[Trace], sims, solo) -> dict:
             [t.name, s] for t, sim in zip(traces, sims, strict=True) for s in sim.suspicions
         ],
         "suspicion_steps_real": [
-            [t.name, e["step"], e["tensors"][0][0]] for t in traces for e in t.suspicions
+            [t.name, e["step"], (e["tensors"] or e.get("checksums") or [[None]])[0][0]]
+            for t in traces
+            for e in t.suspicions
         ],
         "detection_rate": rates([s.caught for s in sims], TIER_KINDS) if sims else {},
         "detection_rate_one_process": rates([s.caught for s in solo], ONE_TENSOR) if solo else {},
+    }
+
+
+def checksum_margin(traces: list[Trace], monitor) -> dict:
+    """The gradient checksums on the healthy runs: steps checked, and the largest residual of
+    any tensor or row half (against monitor.checksum.tolerance: each above it a false alarm)."""
+    worst, where, checked = 0.0, None, 0
+    for trace in traces:
+        for step, (halves, whole) in enumerate(zip(trace.checks, trace.checks_whole, strict=True)):
+            if not np.isfinite(whole).any():
+                continue
+            checked += 1
+            values = np.concatenate([halves.ravel(), whole])
+            top = float(np.nanmax(values))
+            if top > worst:
+                tensor = int(np.nanargmax(np.nanmax(halves, axis=1)))
+                worst, where = top, [trace.name, step + 1, trace.names[tensor]]
+    return {
+        "tolerance": monitor.checksum.tolerance,
+        "until_step": monitor.checksum.until_step,
+        "checked_steps": checked,
+        "largest_healthy_residual": worst,
+        "where": where,
     }
 
 
@@ -489,6 +522,7 @@ def summary(args, sweeps: dict, checked: dict, found: dict) -> dict:
             e["verdict"] == "transient" for t in traces for e in t.suspicions
         ),
         "false_alarm_events": alarms,
+        "checksums": checksum_margin(traces, monitor),
         "detection_rate": rates(caught, order),
         "one_process": {"detection_rate": rates([s.caught for s in solo], ONE_TENSOR)},
         "sweeps": {name: sweep_summary(*parts) for name, parts in sweeps.items() if parts[0]},
@@ -513,6 +547,9 @@ def loaded(args: argparse.Namespace, long_specs: list, short_specs: list) -> tup
     settings: the simulation's numbers are this checkout's; the runs' own events (their
     suspicions and alarms) were the recording's, and are dropped."""
     saved = {t.name: t for path in args.load_traces for t in pickle.loads(path.read_bytes())}
+    for trace in saved.values():  # recorded before the gradient checksums: none were checked
+        trace.__dict__.setdefault("checks", [])
+        trace.__dict__.setdefault("checks_whole", [])
     missing = [s.name for s in long_specs + short_specs if s.name not in saved]
     if missing:
         raise SystemExit(f"--load-traces: no trace of {', '.join(missing)}")

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from bigtrain.build import build
 from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor.checksums import FLOOR
 from bigtrain.parallel.env import DistEnv, free_port, read_env, shutdown
 from bigtrain.resilience.detect import ROUTER_VALUES
 
@@ -155,6 +156,11 @@ class Trace:
     anomalies: list[dict] = field(default_factory=list)  # the run's anomaly events
     suspicions: list[dict] = field(default_factory=list)  # its suspicion events (replays)
     fp8_fallbacks: list[dict] = field(default_factory=list)  # its fp8_fallback events
+    checks: list[np.ndarray] = field(default_factory=list)
+    """[step] -> [tensor, rank]: the gradient checksums' residual of each row half (NaN:
+    unchecked tensor or step; monitor/checksums.py)."""
+    checks_whole: list[np.ndarray] = field(default_factory=list)
+    """[step] -> [tensor]: the residual of the whole tensor, as the run's monitor read it."""
     seconds: float = 0.0
 
     @property
@@ -181,8 +187,8 @@ class Recorder:
             self.micro.append(loss)
             return loss
 
-        def recorded_check(named_grads, local_loss, grad_factor, full, stop_requested=False):
-            health = check(named_grads, local_loss, grad_factor, full, stop_requested)
+        def recorded_check(named_grads, local_loss, grad_factor, full, **kwargs):
+            health = check(named_grads, local_loss, grad_factor, full, **kwargs)
             self._record(named_grads, health)
             return health
 
@@ -209,11 +215,38 @@ class Recorder:
             host[:RANKS],
             sum_sq,
             routers,
+            *self._checks(named_grads, health),
         )
+
+    def _checks(self, named_grads, health) -> tuple[np.ndarray, np.ndarray]:
+        """The checksums' residuals of the step per row half (the emulated ranks' shards) and
+        of each whole tensor; NaN where unchecked."""
+        n = len(self.trace.names)
+        halves, whole = np.full((n, RANKS), np.nan), np.full(n, np.nan)
+        checksums = self.trainer.monitor.checksums
+        if health.checksums is None or checksums is None:
+            return halves, whole
+        floor = FLOOR * health.host_grad_norm
+        for index, (name, grad) in enumerate(named_grads):
+            entry = checksums.entries.get(name)
+            if entry is None:
+                continue
+            whole[index] = health.checksums[index]
+            observed = grad.detach().float().reshape(entry.rows, entry.cols)
+            observed = observed @ checksums.probes[entry.cols]
+            expected = checksums.expected.narrow(0, entry.start, entry.rows)
+            for rank, (o, e) in enumerate(
+                zip(observed.chunk(RANKS), expected.chunk(RANKS), strict=True)
+            ):
+                scale = max(float(o.norm()), float(e.norm()), floor)  # the bench's own sync
+                halves[index, rank] = float((o - e).norm()) / scale if scale else 0.0
+        return halves, whole
 
     def finish(self) -> Trace:
         for step in sorted(self.by_step):
-            loss, norm, micro, halves, routers = self.by_step[step]
+            loss, norm, micro, halves, routers, checks, whole = self.by_step[step]
+            self.trace.checks.append(checks)
+            self.trace.checks_whole.append(whole)
             self.trace.routers.append(routers)
             self.trace.loss.append(loss)
             self.trace.grad_norm.append(norm)

@@ -22,7 +22,11 @@ Kinds, as the drills of bigtrain/callbacks/drills.py inject them on rank r:
                          others shrink one value, harmless)
 
 A step is caught by an anomaly, or, for the first-execution-only kinds, by a suspicion (the
-suspicion tier, bigtrain/resilience/suspicion.py: its replay comes out clean, a transient).
+suspicion tier, bigtrain/resilience/suspicion.py: its replay comes out clean, a transient) or by
+a gradient checksum mismatch (bigtrain/monitor/checksums.py) on the steps the run checked: the
+trace holds each tensor half's healthy residual, and a fault's residual follows from it as a
+lower bound (scaled_check, flipped_check). A bad batch (spike_xF) scales what the checksums
+compare on both sides alike: it leaves them as recorded.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from detection_runs import RANKS, STYLES, TINY, Trace
 from bigtrain.config import load_config
 from bigtrain.config.schema import MonitorConfig
 from bigtrain.model.gpt import gradient_roles
+from bigtrain.monitor.checksums import mismatched
 from bigtrain.monitor.monitor import Health
 from bigtrain.monitor.shards import EMPTY, PAIR_MIN_VALUES
 from bigtrain.resilience.detect import Detector
@@ -60,6 +65,24 @@ class Faulty:
     halves: np.ndarray  # [..., tensor, rank] sums of squares
     nonfinite: np.ndarray  # [..., tensor] non-finite values
     telemetry: dict = field(default_factory=dict)  # an MoE step's router numbers (unchanged)
+    checks: np.ndarray | None = None
+    """[tensor, rank] the gradient checksums' residual of each half (NaN: unchecked)."""
+
+    def covered(self) -> list[int]:
+        """The tensors whose checksums this step checks."""
+        if self.checks is None:
+            return []
+        return [int(t) for t in np.flatnonzero(np.isfinite(self.checks).any(axis=-1))]
+
+    def mismatches(self, names: list[str], tolerance: float) -> list[list]:
+        """The checksum mismatches the monitor would report (monitor/checksums.py): per tensor
+        the largest residual of its halves."""
+        covered = self.covered()
+        if not covered:
+            return []
+        worst = np.full(len(names), np.nan)
+        worst[covered] = np.nanmax(self.checks[covered], axis=-1)
+        return mismatched(names, worst.tolist(), covered, tolerance)
 
     def health(self, ranks: RankShards | None = None) -> Health:
         """The monitor's reduced numbers (monitor.py: SUM over ranks, loss / world size; with
@@ -181,16 +204,47 @@ def inject(kind: str, step: Faulty, rank: int, sizes: np.ndarray, tensor: int = 
     elif name == "loss_spike":
         loss[..., rank] *= factor
     else:
-        halves[..., first if name == "grad_spike_first" else tensor, rank] *= factor**2
-    return Faulty(loss, halves, nonfinite, step.telemetry)
+        hit = first if name == "grad_spike_first" else tensor
+        halves[..., hit, rank] *= factor**2
+        return Faulty(
+            loss, halves, nonfinite, step.telemetry, scaled_check(step, hit, rank, factor)
+        )
+    return Faulty(loss, halves, nonfinite, step.telemetry, step.checks)
+
+
+def scaled_check(step: Faulty, tensor: int, rank: int, factor: float) -> np.ndarray | None:
+    """The checksums' residual of a tensor half whose gradient a fault multiplied by `factor`.
+    Observed O = E + d with |d| = rho max(|O|, |E|) (the healthy residual rho) becomes F O, so
+    |F O - E| >= (F - 1)|E| - F|d| over max(F|O|, |E|) <= F(|E| + |d|): at least
+    ((F - 1) - F rho) / (F (1 + rho)), the value taken (a lower bound: never an easier catch)."""
+    if step.checks is None:
+        return None
+    checks = step.checks.copy()
+    rho = checks[..., tensor, rank]
+    checks[..., tensor, rank] = np.maximum(((factor - 1) - factor * rho) / (factor * (1 + rho)), 0)
+    return checks
+
+
+def flipped_check(step: Faulty, tensor: int, rank: int, change: float) -> np.ndarray | None:
+    """The residual of a half one of whose values moved by `change`: its check vector moves by
+    |change| in one row, against a vector whose norm is about the half's gradient norm (a ±1
+    probe), less the healthy residual (a lower bound)."""
+    if step.checks is None:
+        return None
+    checks = step.checks.copy()
+    norm_sq = step.halves[tensor, rank]
+    moved = abs(change) / math.sqrt(norm_sq + change * change)
+    checks[tensor, rank] = max(moved - checks[tensor, rank], 0.0)
+    return checks
 
 
 def healthy_steps(trace: Trace) -> list[Faulty]:
     n = len(trace.names)
     routers = trace.routers or [{}] * len(trace.loss)
+    checks = trace.checks or [None] * len(trace.loss)
     return [
-        Faulty(np.asarray(m), h, np.zeros(n), r)
-        for m, h, r in zip(trace.micro_loss, trace.halves, routers, strict=True)
+        Faulty(np.asarray(m), h, np.zeros(n), r, c)
+        for m, h, r, c in zip(trace.micro_loss, trace.halves, routers, checks, strict=True)
     ]
 
 
@@ -228,6 +282,10 @@ def simulate(trace: Trace, cfg: MonitorConfig, kinds: tuple[str, ...] = KINDS) -
     detector = Detector(cfg, trace.names, gradient_roles(trace.names, model))
     cache_thresholds(detector)
     steps, ranks = healthy_steps(trace), range(trace.sizes.shape[1])
+    check = cfg.checksum
+    for step, faulty in enumerate(steps, start=1):  # the checksums of these settings' steps
+        if not check.enabled or 0 <= check.until_step < step:
+            faulty.checks = None
     shards = RankShards(trace.sizes, cfg.suspicion.window, cfg.suspicion.neighbours)
     out = Simulated()
     caught = {k: [] for k in kinds}
@@ -240,8 +298,9 @@ def simulate(trace: Trace, cfg: MonitorConfig, kinds: tuple[str, ...] = KINDS) -
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
             out.false_alarms.append(step)
         else:
-            if detector.suspects(health):  # replayed, reproduced, applied
-                out.suspicions.append(step)
+            tolerance = cfg.checksum.tolerance
+            if detector.suspects(health) or healthy.mismatches(trace.names, tolerance):
+                out.suspicions.append(step)  # replayed, reproduced, applied
             detector.add(health)
             shards.accept(healthy.halves)
     out.caught = {k: np.asarray(v) for k, v in caught.items()}
@@ -256,6 +315,7 @@ def one_process(trace: Trace) -> Trace:
         micro_loss=[[float(np.mean(m))] for m in trace.micro_loss],
         halves=[h.sum(axis=1, keepdims=True) for h in trace.halves],
         sizes=trace.sizes.sum(axis=1, keepdims=True),
+        checks=[w[:, None] for w in trace.checks_whole],  # the whole tensor's, as the run's
     )
 
 
@@ -265,12 +325,15 @@ def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, shards: R
 
     replay_clears = kind.partition("_x")[0] in FIRST_RUN_ONLY
     sizes = shards.sizes
+    names, tolerance = detector.names, detector.cfg.checksum.tolerance
 
     def found(faulty: Faulty) -> bool:
         health = faulty.health(shards)
         if detector.verdict(health, loss_scaled=False).anomaly is not None:
             return True
-        return replay_clears and bool(detector.suspects(health))
+        if not replay_clears:
+            return False
+        return bool(detector.suspects(health) or faulty.mismatches(names, tolerance))
 
     def caught(tensor: int = 0) -> bool:
         return found(inject(kind, healthy, rank, sizes, tensor))
@@ -285,9 +348,11 @@ def _caught(detector: Detector, kind: str, healthy: Faulty, rank: int, shards: R
                 continue
             halves = healthy.halves.copy()
             halves[tensor, rank] += new * new - value * value
-            hits.append(
-                found(Faulty(healthy.micro_loss, halves, healthy.nonfinite, healthy.telemetry))
+            checks = flipped_check(healthy, tensor, rank, new - value)
+            faulty = Faulty(
+                healthy.micro_loss, halves, healthy.nonfinite, healthy.telemetry, checks
             )
+            hits.append(found(faulty))
         return float(np.mean(hits)) if hits else math.nan
 
     # A tensor whose exact gradient is 0 (attention's key bias) is not drilled: nothing the model

@@ -8,7 +8,10 @@ correct mixed-precision loop does (autocast, FP32 loss, clip, AdamW).
 
     python bench/overhead.py [CONFIG ...] [key=value ...] [--steps N] [--rounds R]
 
-Prints tokens/s of both and the ratio (goal: bigtrain >= 0.95 of the raw loop); the last line is
+Prints tokens/s of both and the ratio (goal: bigtrain >= 0.95 of the raw loop). A third arm, the
+same bigtrain run with the gradient checksums off (monitor.checksum.enabled=false), runs in the
+same rounds: `checksum_cost` is what checking every step costs (they check steps 1-200 by
+default, monitor.checksum.until_step; the endless run's steps all lie within). The last line is
 JSON.
 """
 
@@ -77,29 +80,38 @@ def main() -> None:
     args = step_bench.parse(__doc__.splitlines()[0], "steps per round and loop")
     cfg = step_bench.endless_config(args.items, "wandb.mode=disabled")
     trainer = build_trainer(cfg, DistEnv())
+    unchecked = build_trainer(
+        step_bench.endless_config(
+            args.items, "wandb.mode=disabled", "monitor.checksum.enabled=false"
+        ),
+        DistEnv(),
+    )
+    assert trainer.monitor.checksums is not None, "the checksums are off in this layout"
     policy = trainer.setup.policy
     from bigtrain.data import prepare_corpus
 
     corpus = prepare_corpus(cfg.data)
     raw = raw_loop(cfg, corpus.vocab_size, np.asarray(corpus.tokens), policy.compute_dtype)
 
-    def bigtrain_steps(n: int) -> float:
+    def bigtrain_steps(n: int, which=trainer) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            result = trainer.train_step()
-            trainer.callbacks.on_step_end(trainer, result)
+            result = which.train_step()
+            which.callbacks.on_step_end(which, result)
         return time.perf_counter() - start
 
-    bigtrain_steps(3)  # warm-up both (allocator, autocast caches)
+    def unchecked_steps(n: int) -> float:
+        return bigtrain_steps(n, unchecked)
+
+    bigtrain_steps(3)  # warm-up all three (allocator, autocast caches)
+    unchecked_steps(3)
     raw(3)
-    t_big, t_raw = [], []
-    for r in range(args.rounds):  # alternate which loop goes first, so neither always runs warm
-        if r % 2:
-            t_raw.append(raw(args.steps))
-            t_big.append(bigtrain_steps(args.steps))
-        else:
-            t_big.append(bigtrain_steps(args.steps))
-            t_raw.append(raw(args.steps))
+    times: dict = {bigtrain_steps: [], raw: [], unchecked_steps: []}
+    arms = list(times)
+    for r in range(args.rounds):  # rotate which loop goes first, so none always runs warm
+        for arm in arms[r % 3 :] + arms[: r % 3]:
+            times[arm].append(arm(args.steps))
+    t_big, t_raw, t_off = times[bigtrain_steps], times[raw], times[unchecked_steps]
     tokens = args.steps * trainer.tokens_per_step
     # Median over rounds: a 2-core VM has bursts of noise that a sum would charge to one side.
     t_big_med, t_raw_med = float(np.median(t_big)), float(np.median(t_raw))
@@ -111,10 +123,17 @@ def main() -> None:
         "compute_dtype": str(policy.compute_dtype).replace("torch.", ""),
         "steps": args.rounds * args.steps,
         "ratio_per_round": [round(a / b, 3) for a, b in zip(t_raw, t_big, strict=True)],
+        "unchecked_tokens_per_s": tokens / float(np.median(t_off)),
+        "checksum_cost": float(np.median(np.array(t_big) / np.array(t_off))) - 1,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
     }
     trainer.callbacks.close()
+    unchecked.callbacks.close()
     print(f"bigtrain: {result['bigtrain_tokens_per_s']:.0f} tokens/s")
+    print(
+        f"bigtrain without gradient checksums: {result['unchecked_tokens_per_s']:.0f} tokens/s "
+        f"(checking costs {result['checksum_cost']:+.1%} per step)"
+    )
     print(f"raw loop: {result['raw_tokens_per_s']:.0f} tokens/s")
     print(f"ratio bigtrain / raw: {result['ratio']:.3f} (goal >= 0.95)")
     print(json.dumps(result))

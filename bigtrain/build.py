@@ -31,7 +31,15 @@ from bigtrain.callbacks.sink_logger import SinkLogger, make_sinks
 from bigtrain.callbacks.straggler import StragglerReport
 from bigtrain.callbacks.watchdog import HangWatchdog, enable_nccl_flight_recorder
 from bigtrain.checkpoint.manager import CheckpointManager, corrupt_newest_checkpoint
-from bigtrain.config import Config, DataConfig, ModelConfig, TrainConfig, to_dict, to_yaml
+from bigtrain.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    to_dict,
+    to_yaml,
+)
 from bigtrain.config.model import moe_blocks
 from bigtrain.config.resilience import MonitorConfig
 from bigtrain.data import (
@@ -46,6 +54,7 @@ from bigtrain.data.prepare.cache import cache_root
 from bigtrain.data.read.sources import check_length, open_mixture
 from bigtrain.errors import AbortRun, ConfigError, ReplicaMismatch, SharedConfigError
 from bigtrain.model.gpt import gradient_roles
+from bigtrain.monitor.checksums import Coverage, GradChecksums, unsupported
 from bigtrain.monitor.fp8 import Fp8Stats
 from bigtrain.monitor.monitor import GradMonitor
 from bigtrain.monitor.routers import RouterStats
@@ -97,6 +106,7 @@ def make_monitor(
     device: torch.device,
     model: ModelConfig | None = None,
     fp8: Fp8Stats | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> GradMonitor:
     """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs;
     with an MoE `model`, its routers' numbers too; with FP8 layers, their statistics."""
@@ -115,7 +125,38 @@ def make_monitor(
         blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
         routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
     riders = [r for r in (routers, fp8) if r is not None]
-    return GradMonitor(cfg, names, device, use_kernel, replicas, layout, riders=riders)
+    checksums = make_checksums(cfg, backend, layout, device, names, replicas, model, parallel)
+    return GradMonitor(
+        cfg, names, device, use_kernel, replicas, layout, riders=riders, checksums=checksums
+    )
+
+
+def make_checksums(
+    cfg: MonitorConfig,
+    backend: Backend,
+    layout: Layout,
+    device: torch.device,
+    names: list[str],
+    replicas: list[int],
+    model: ModelConfig | None,
+    parallel: ParallelConfig | None,
+) -> GradChecksums | Coverage:
+    """The gradient checksums (monitor/checksums.py) where the layout lets them check; else
+    the reason they are off (logged, and in the start event)."""
+    if not cfg.checksum.enabled:
+        return Coverage(reason="monitor.checksum.enabled=false")
+    compiled = parallel is not None and parallel.compile
+    reason = unsupported(layout, backend.name, compiled)
+    if not reason and model is not None and model.kind == "hf":
+        reason = "model.kind=hf: transformers' modules are not checked yet"
+    if reason:
+        logger.info("gradient checksums off: %s", reason)
+        return Coverage(reason=reason)
+    checksums = GradChecksums(
+        cfg.checksum, backend.model, names, replicas, layout.replicate * layout.shard, device
+    )
+    checksums.mark_checkpointed(backend.model)
+    return checksums
 
 
 @dataclass(frozen=True)
@@ -378,7 +419,7 @@ def _assemble(
     if layout.tp > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
     fp8 = Fp8Stats(facts.fp8_layers) if facts.fp8_layers else None
-    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model, fp8)
+    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model, fp8, cfg.parallel)
     clock.mark("model")
     setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
     ledger = CostLedger(clock)

@@ -103,6 +103,7 @@ def setup_events(built: Run, env: DistEnv) -> None:
         peak_flops=setup.peak_flops,
         peak_flops_source=setup.peak_flops_source,
         corpus=setup.corpus.to_event(),
+        **trainer.monitor.checksum_record(),
     )
     if built.lock is not None and built.lock.taken_over is not None:
         taken = built.lock.taken_over

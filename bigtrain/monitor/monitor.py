@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bigtrain.config.schema import MonitorConfig
+from bigtrain.monitor.checksums import Coverage, GradChecksums
 from bigtrain.monitor.shards import SHARDS, ShardHistory, shard_levels, shard_slot
 from bigtrain.monitor.slots import HostValues, Pack, Slot, SlotLayout
 from bigtrain.monitor.stats import (
@@ -39,8 +40,9 @@ from bigtrain.monitor.stats import (
 )
 from bigtrain.parallel.layout import Layout
 
-STOP, REPLICAS, GRAD_NORM = "stop", "replicas", "grad_norm"
-"""The preemption request's slot, the HSDP probe's (full steps), and the norm's host value."""
+STOP, REPLICAS, GRAD_NORM, CHECKSUMS = "stop", "replicas", "grad_norm", "checksums"
+"""The preemption request's slot, the HSDP probe's (full steps), the norm's host value and the
+checksums' residuals (host value, checked steps)."""
 
 AcrossGroups = Callable[
     [torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
@@ -91,6 +93,8 @@ class Health:
     grad_factor: float = 1.0  # the loss scale the gradients still carried
     levels: torch.Tensor | None = None
     """With the suspicion tier: this rank's shard levels, kept in its history if the step is."""
+    checksums: list[float] | None = None
+    """On checked steps (checksums.py), per tensor its check vectors' residual (0: unchecked)."""
 
     @property
     def loss_finite(self) -> bool:
@@ -118,6 +122,7 @@ class GradMonitor:
         layout: Layout | None = None,
         across_groups: AcrossGroups | None = None,
         riders: Sequence[Rider] = (),
+        checksums: GradChecksums | Coverage | None = None,
     ) -> None:
         """`replication`: per tensor, over how many ranks its gradient is repeated (HSDP's
         replicas hold equal shards): its local statistics are weighted 1/replication before the
@@ -130,7 +135,9 @@ class GradMonitor:
         group's.
         `riders`: numbers that ride along (an MoE model's router sums and extremes, the FP8
         layers' statistics): their SUM slots in the SUM all-reduce, their MAX slots in the MAX
-        one, over ranks and groups."""
+        one, over ranks and groups.
+        `checksums`: the gradient checksums (checksums.py), whose check vectors ride the SUM
+        all-reduce on the steps they check, or why they are off."""
         self.cfg, self.names, self.device, self.use_kernel = cfg, names, device, use_kernel
         self.layout = layout if layout is not None else Layout(world_size=1)
         self.replica_group = self.layout.replica_group
@@ -150,19 +157,50 @@ class GradMonitor:
         self.history = ShardHistory(
             cfg.suspicion.window, len(names), device, cfg.suspicion.neighbours
         )
-        self.layouts: dict[bool, SlotLayout] = {}  # by full step or not (`slots`)
+        self.checksums = checksums if isinstance(checksums, GradChecksums) else None
+        self.checksum_coverage = (
+            checksums.coverage if isinstance(checksums, GradChecksums) else checksums
+        )
+        self.layouts: dict[tuple[bool, bool], SlotLayout] = {}  # by full step, checked (`slots`)
+
+    def begin(self, step: int) -> None:
+        """Before the step's forwards, and a replay's: the checksums' expected side from 0."""
+        if self.checksums is not None:
+            self.checksums.begin(step)
+
+    @property
+    def checking(self) -> bool:
+        """This step's gradients are checked against their checksums."""
+        return self.checksums is not None and self.checksums.active
+
+    def checksum_record(self) -> dict[str, Any]:
+        """What the gradient checksums cover, for the start event ({} when never set up)."""
+        coverage = self.checksum_coverage
+        return coverage.record() if coverage is not None else {}
+
+    def mismatches(self, health: Health) -> list[list]:
+        """[name, residual] of the tensors whose gradient checksums mismatched at the step of
+        `health` (checksums.py), largest first; [] on unchecked steps."""
+        if self.checksums is None or health.checksums is None:
+            return []
+        return self.checksums.mismatches(health.checksums)
+
+    def stop_checking(self, names: list[str]) -> None:
+        """Tensors whose checksums mismatch deterministically (checksums.py `drop`)."""
+        if self.checksums is not None:
+            self.checksums.drop(names)
 
     def full_step(self, step: int, log_step: bool) -> bool:
         """Max |g| per tensor (telemetry, the anomaly report) every `monitor.every` steps and at
         log steps; other steps compute the sums of squares and non-finite counts only."""
         return log_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
-    def slots(self, full: bool) -> SlotLayout:
+    def slots(self, full: bool, checked: bool = False) -> SlotLayout:
         """What a step's collectives carry, declared once per kind of step: the gradient
         statistics and the loss (max |g| on full steps), the preemption request, on full steps
         under HSDP one difference flag per replica, the suspicion tier's shard statistics, the
-        riders' slots."""
-        if full not in self.layouts:
+        riders' slots, on checked steps the checksums' vectors."""
+        if (full, checked) not in self.layouts:
             slots = grad_slots(len(self.names), full) + [Slot(STOP, 1, "sum")]
             if full and self.replica_group is not None:
                 slots.append(Slot(REPLICAS, self.layout.replicate, "sum"))
@@ -170,8 +208,10 @@ class GradMonitor:
                 slots.append(shard_slot(len(self.names)))
             for rider in self.riders:
                 slots += rider.slots()
-            self.layouts[full] = SlotLayout(slots)
-        return self.layouts[full]
+            if checked and self.checksums is not None:
+                slots += self.checksums.slots()
+            self.layouts[(full, checked)] = SlotLayout(slots)
+        return self.layouts[(full, checked)]
 
     def check(
         self,
@@ -180,8 +220,10 @@ class GradMonitor:
         grad_factor: float,
         full: bool,
         stop_requested: bool = False,
+        loss_scale: float = 1.0,
     ) -> Health:
-        """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled)."""
+        """`grad_factor`: the loss scale the gradients still carry (1.0 once unscaled);
+        `loss_scale`: the one the backward ran under (the checksums' expected side carries it)."""
         assert [n for n, _ in named_grads] == self.names, "gradients are aligned on every rank"
         stats = local_grad_stats(named_grads, self.device, full, self.use_kernel, self.stats_kernel)
         # This rank's own numbers, before the reduction: a replay compares them between its runs.
@@ -197,12 +239,20 @@ class GradMonitor:
         levels = self._levels(named_grads, stats.sum_sq, grad_factor)
         if levels is not None:
             values[SHARDS] = self.history.statistics(levels)
-        pack = reduce_grad_stats(self.slots(full).fill(values), self.layout.loss_ranks)
+        checked = self.checking
+        if checked:
+            assert self.checksums is not None
+            values.update(self.checksums.take(named_grads, grad_factor, loss_scale))
+        pack = reduce_grad_stats(self.slots(full, checked).fill(values), self.layout.loss_ranks)
         if self.across_groups is not None:
             pack = self._across_groups(pack)
         stats = scale_stats(packed_stats(self.names, pack), grad_factor)
         norm = stats.global_norm
-        host = pack.replaced(stats_values(stats)).read({GRAD_NORM: norm})
+        extra = {GRAD_NORM: norm}
+        if checked:
+            assert self.checksums is not None
+            extra[CHECKSUMS] = self.checksums.residuals(pack, norm)
+        host = pack.replaced(stats_values(stats)).read(extra)
         sum_sq, nonfinite, max_abs = host[SUM_SQ], host[NONFINITE], host.get(MAX_ABS)
         telemetry: dict[str, Any] = {"grad_nonfinite": weighted_count(sum(nonfinite))}
         for rider in self.riders:
@@ -226,6 +276,7 @@ class GradMonitor:
             grad_factor=grad_factor,
             shards=host.get(SHARDS),
             levels=levels,
+            checksums=host.get(CHECKSUMS),
         )
 
     def _across_groups(self, pack: Pack) -> Pack:

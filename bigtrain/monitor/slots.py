@@ -38,6 +38,9 @@ class Slot:
     name: str
     size: int
     reduce: Reduction
+    host: bool = True
+    """Read to the host with the step's numbers; False: used on the device only (the gradient
+    checksums' vectors, whose residuals are read instead)."""
 
     def __post_init__(self) -> None:
         assert self.size >= 0, f"slot {self.name!r}: a size of at least 0, not {self.size}"
@@ -127,10 +130,12 @@ class Pack:
         return Pack(self.layout, values)
 
     def read(self, extra: Mapping[str, torch.Tensor] | None = None) -> HostValues:
-        """Every slot and the `extra` named tensors on the host, in one device-to-host copy."""
+        """Every slot read on the host (`Slot.host`) and the `extra` named tensors, in one
+        device-to-host copy."""
         extra = extra or {}
         assert not set(extra) & set(self.values), "an extra value is named like a slot"
-        tensors = self.values | {k: v.float().reshape(-1) for k, v in extra.items()}
+        read = {k: v for k, v in self.values.items() if self.layout[k].host}
+        tensors = read | {k: v.float().reshape(-1) for k, v in extra.items()}
         # Expensive device-to-host synchronization: the step's decision, one read per step.
         host = iter(torch.cat(list(tensors.values())).tolist())
         return HostValues({name: list(islice(host, t.numel())) for name, t in tensors.items()})

@@ -12,6 +12,7 @@ The states and transitions are in bigtrain/resilience/__init__.py.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -45,6 +46,8 @@ class StepOutcome(Protocol):
     rolled_back: bool  # written
     checkpoint_now: bool  # written: checkpoint the restored state at once
 
+
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R")  # a step's result, handed through judge unchanged (a replay makes a new one)
 
@@ -147,14 +150,18 @@ class Healer:
         verdict = self.detector.verdict(health, loss_scaled)
         clean = verdict.anomaly is None and not verdict.overflow
         suspects = self.detector.suspects(health) if clean and self.cfg.replay else []
-        if self.replay.wanted(verdict) or suspects:
+        mismatches = self.monitor.mismatches(health) if clean and self.cfg.replay else []
+        if self.replay.wanted(verdict) or suspects or mismatches:
             first = verdict.anomaly
             started = time.perf_counter()
             result, health, moved = self.replay.run(backend, self.monitor, rng, rerun)
             seconds = time.perf_counter() - started
             verdict = self.detector.verdict(health, loss_scaled)
             if first is None:
-                self.replay.report_suspicion(self._replay_report(), suspects, moved, seconds)
+                again = self._mismatches_again(mismatches, health)
+                self.replay.report_suspicion(
+                    self._replay_report(), suspects, moved, seconds, mismatches, again
+                )
             else:
                 self.replay.report(self._replay_report(), first, verdict.anomaly, moved, seconds)
         if verdict.anomaly is not None:
@@ -164,6 +171,23 @@ class Healer:
             self.detector.name_tensors(verdict.anomaly, health, max_abs)
         self.health = health
         return result, health, verdict
+
+    def _mismatches_again(self, first: list[list], health: Health) -> list[list]:
+        """The checksum mismatches of the first run that the replay computed again: the same
+        numbers twice is rounding beyond monitor.checksum.tolerance, not a fault, so those
+        tensors are no longer checked (a warning names them)."""
+        before = {name for name, _ in first}
+        again = [m for m in self.monitor.mismatches(health) if m[0] in before]
+        if again:
+            self.monitor.stop_checking([name for name, _ in again])
+            logger.warning(
+                "gradient checksums: %s mismatched again in the replay (residual %s): rounding "
+                "beyond monitor.checksum.tolerance=%s; no longer checked",
+                ", ".join(name for name, _ in again),
+                ", ".join(f"{r:.3g}" for _, r in again),
+                self.monitor_cfg.checksum.tolerance,
+            )
+        return again
 
     def _replay_report(self) -> ReplayReport:
         return ReplayReport(self.events, self.run.counters, self.run_dir)

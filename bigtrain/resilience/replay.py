@@ -133,13 +133,24 @@ class Replay:
             self._count(to, rank)
 
     def report_suspicion(
-        self, to: ReplayReport, suspects: list[list], moved: list[int], seconds: float
+        self,
+        to: ReplayReport,
+        suspects: list[list],
+        moved: list[int],
+        seconds: float,
+        checksums: list[list] | None = None,
+        again: list[list] | None = None,
     ) -> None:
         """The `suspicion` event of a replayed suspicious step: `transient` when some rank's
         local statistics moved (silent data corruption: the replayed step goes on, the host is
         counted as for any transient fault), else `reproduced` (the data's: the step goes on,
-        and the rules judged the replay as any step)."""
+        and the rules judged the replay as any step). `checksums`: [name, residual] of the
+        tensors whose gradient checksums mismatched (monitor/checksums.py); `again`: those the
+        replay mismatched too."""
         rank = moved[0] if moved else None
+        extra = {}
+        if checksums:
+            extra = {"checksums": checksums[:5], "checksums_again": (again or [])[:5]}
         to.events.event(
             "suspicion",
             verdict="transient" if moved else "reproduced",
@@ -147,6 +158,7 @@ class Replay:
             ranks=sorted(moved),
             tensors=suspects[:5],
             seconds=round(seconds, 4),
+            **extra,
         )
         if rank is not None:
             self._count(to, rank)

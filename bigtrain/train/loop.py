@@ -282,6 +282,7 @@ class Trainer:
     ) -> tuple[StepResult, Health]:
         """Forward and backward of the step's micro-batches, then the monitor's numbers."""
         backend = self.backend
+        self.monitor.begin(step)  # the checksums' expected side, from this step's forwards
         self.callbacks.on_before_forward(self, step)
         self.ranges.begin("forward_backward")
         n = len(micro_batches)
@@ -304,6 +305,7 @@ class Trainer:
             grad_factor,
             full=self.monitor.full_step(step, log_step),
             stop_requested=self.stop_signal is not None,
+            loss_scale=backend.loss_scale() or 1.0,
         )
         self.timer.mark("sync")
         result.local_loss = None

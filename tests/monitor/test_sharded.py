@@ -14,25 +14,33 @@ from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
+CORRUPTED = "blocks.1.attn.k.weight"
+
 
 def first_step_stats(args: list[str]) -> dict:
     """Backward of the first step, then the monitor's reduced per-tensor statistics."""
     trainer = build_trainer(load_config([], args), read_env())
     try:
-        backend = trainer.backend
+        backend, monitor = trainer.backend, trainer.monitor
         batches = trainer.loader.next_step()
+        monitor.begin(1)  # the checksums' expected side from this step's forwards
         losses = [
             backend.forward_backward(x, y, i, len(batches)) for i, (x, y) in enumerate(batches)
         ]
         import torch
 
-        health = trainer.monitor.check(
-            backend.named_grads(),
-            torch.stack(losses).mean(),
-            backend.unscale_grads(),
-            full=True,
-        )
+        loss = torch.stack(losses).mean()
+        health = monitor.check(backend.named_grads(), loss, backend.unscale_grads(), full=True)
+        faulty = None
+        if monitor.checksums is not None:  # x10 in the last rank's shard of one tensor
+            named = dict(backend.named_grads())
+            if read_env().rank == read_env().world_size - 1:
+                named[CORRUPTED].mul_(10.0)
+            faulty = monitor.check(list(named.items()), loss, 1.0, full=False).checksums
         return {
+            "checksums": health.checksums,
+            "checksums_faulty": faulty,
+            "checksum_record": monitor.checksum_record(),
             "names": health.stats.names,
             "max_abs": health.host_max_abs,
             "sum_sq": health.stats.sum_sq.tolist(),
@@ -84,3 +92,19 @@ def test_sharded_stats_equal_the_unsharded_model(
         assert a == pytest.approx(b, rel=1e-4, abs=1e-9), f"{name}: max |g|"
     for name, a, b in zip(r0["names"], r0["sum_sq"], unsharded["sum_sq"], strict=True):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-12), f"{name}: sum of squares"
+    if backend.startswith("zero"):  # DeepSpeed's flat partitions: off, and the start says so
+        assert r0["checksums"] is None and r0["checksum_record"]["checksums"] == "off"
+        assert "parallel.backend=zero" in r0["checksum_record"]["reason"]
+        return
+    # Gradient checksums: every tensor checked on its shards' rows, identical on both ranks;
+    # FP32 rounding far below the tolerance; x10 in one rank's rows of one tensor is 0.9.
+    names = r0["names"]
+    assert r0["checksum_record"] == {"checksums": len(names), "unchecked": []}
+    for run in (r0, unsharded):
+        assert max(run["checksums"]) < 1e-4 and len(run["checksums"]) == len(names)
+    assert r0["checksums_faulty"] == r1["checksums_faulty"]
+    faulty = dict(zip(names, r0["checksums_faulty"], strict=True))
+    assert faulty.pop(CORRUPTED) == pytest.approx(0.9, abs=1e-4)
+    assert max(faulty.values()) < 1e-4
+    whole = dict(zip(names, unsharded["checksums_faulty"], strict=True))
+    assert whole[CORRUPTED] == pytest.approx(0.9, abs=1e-4)  # one process: the whole tensor

@@ -112,3 +112,15 @@ def test_the_host_read_takes_extra_tensors_and_replaced_values_by_name():
     assert host["loss"] == [9.0] and host["grad_norm"] == [4.0]
     assert host["sum_sq"] == [1.0, 2.0, 3.0] and host["shards"] == [-1.0, 0.0]
     assert pack["loss"].tolist() == [2.5]  # replaced in a new pack
+
+
+def test_a_device_only_slot_is_reduced_with_the_others_and_never_read_to_the_host():
+    slots = [*SLOTS, Slot("stop", 1, "sum", host=False)]
+    layout = SlotLayout(slots)
+    mine, theirs = layout.fill(values(0, slots)), layout.fill(values(1, slots))
+    reduction = TwoRanks(theirs)
+    pack = mine.reduce(reduction)
+    assert reduction.calls == [("sum", 5), ("max", 5)]  # in the one SUM all-reduce
+    assert pack["stop"].tolist() == [1.0]  # on the device, reduced
+    host = pack.read()
+    assert "stop" not in host and host["sum_sq"] == [3.0, 6.0, 9.0]

@@ -347,9 +347,26 @@ def test_corruption_is_transient_and_leaves_no_trace_a_data_spike_is_reproduced(
     assert (suspicion["verdict"], suspicion["rank"]) == ("transient", 0)
     assert suspicion["tensors"][0][0] == TENSOR and suspicion["tensors"][0][1] > 100
     assert sdc["fingerprint"] == clean["fingerprint"] and sdc["anomalies"] == 0
+    assert suspicion["checksums"] == [[TENSOR, pytest.approx(0.999, abs=1e-3)]]
+    # x3 at step 6, in warm-up: far within the magnitude tiers' margins (factor 5), the
+    # gradient checksums' residual is 2/3 (monitor/checksums.py): replayed, transient, healed.
+    small, events = local_run(
+        micro,
+        "small",
+        "drill.grad_spike_step=[6]",
+        f"drill.grad_tensor={TENSOR}",
+        "drill.spike_factor=3",
+    )
+    suspicion = at_step(events, "suspicion", 6)
+    assert (suspicion["verdict"], suspicion["tensors"]) == ("transient", [])
+    assert suspicion["checksums"] == [[TENSOR, pytest.approx(2 / 3, abs=1e-3)]]
+    assert small["fingerprint"] == clean["fingerprint"] and small["anomalies"] == 0
     data, events = local_run(micro, "data", "drill.data_spike_step=[18]", *drill)
     suspicion = at_step(events, "suspicion", 18)
     assert (suspicion["verdict"], suspicion["rank"]) == ("reproduced", None)
+    # The drill scales the gradient after backward, which no batch can: the replay mismatches
+    # again, so that tensor is no longer checked (rounding, as far as the checksums can tell).
+    assert suspicion["checksums_again"] == suspicion["checksums"]
     assert data["fingerprint"] != clean["fingerprint"]  # the data's spike was applied
     flip, events = local_run(
         micro, "flip", "drill.bitflip_step=[18]", f"drill.grad_tensor={TENSOR}"

@@ -33,7 +33,9 @@ class DrillConfig:
     out clean)."""
     data_spike_step: list[int] = field(default_factory=list)
     """As `grad_spike_step`, but the replay meets it again: a spike that belongs to the data
-    (must never be called transient)."""
+    (must never be called transient). Scaled after backward, it breaks the tensor's gradient
+    checksum both times, which no batch can: the tensor is then no longer checksummed
+    (monitor/checksums.py)."""
     bitflip_step: list[int] = field(default_factory=list)
     """Steps at which one bit of one value of `rank` flips, on the step's first execution only
     (silent data corruption): of the gradient `grad_tensor` after backward, or with

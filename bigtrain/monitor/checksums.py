@@ -18,9 +18,13 @@ fault 90% apart. Covered, per parameter (the check vector has one value per row)
 - nn.Linear (and the tied output projection): weight dW·r = dYᵀ(X·r); bias db = Σ dY.
 - nn.Embedding: dE·r = Σ_tokens onehot(id)·(dY·r) (an index_add). Tied to the output
   projection, both uses add into the one table's check vector.
-- bigtrain's LayerNorm and RMSNorm: the output is Y = x̂ ⊙ g + b, so the gain's gradient
-  dg = Σ dY ⊙ x̂ satisfies g ⊙ dg = Σ dY ⊙ (Y - b): the output is kept anyway (the next layer's
-  input), nothing is recomputed; bias db = Σ dY.
+- bigtrain's LayerNorm and RMSNorm: gain dg = Σ dY ⊙ x̂, x̂ recomputed in FP32 from the norm's
+  input (which its backward keeps anyway); bias db = Σ dY.
+
+Precision: every sum over tokens is taken in FP32 from the BF16 inputs, never rounded per token. A
+gradient is a sum of per-token terms far larger than itself (their mean is what trains), so a
+BF16 rounding of each token's term (relative 2^-9) adds up to 10-15% of a weight gradient's check
+value in healthy tiny runs; summed in FP32 and rounded once, the two sides stay within about 1%.
 
 Other parameters (MoE experts and routers, INT8 and FP8 linears, transformers models' own
 modules) are left to the magnitude tiers; the run's start event lists the coverage. Each rank's
@@ -43,15 +47,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from bigtrain.config.resilience import ChecksumConfig
 from bigtrain.model.gpt import LayerNorm, RMSNorm, TiedLinear
 from bigtrain.monitor.slots import Pack, Slot
 from bigtrain.parallel.layout import Layout
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import local_tensor
 
 OBSERVED, EXPECTED = "checksum_observed", "checksum_expected"
 """The slots: each covered gradient's check vector as read from it, and as its layer's inputs and
@@ -60,6 +65,12 @@ FLOOR = 1e-5
 """A block's difference is relative to at least this share of the global gradient norm: a
 gradient whose exact value is 0 (attention's key bias) is rounding noise on both sides, whose
 differences are not a fault's."""
+PROBES = 4
+"""Random ±1 vectors a matrix's gradient is checked along. With one, a gradient of low rank whose
+row space lies nearly orthogonal to it (a layer whose input has one dominant direction) has a
+check value far smaller than itself, and rounding of the order of the gradient's own becomes a
+large share of it: a healthy BF16 residual of 0.1 in the tiny model. Four read the layer's input
+and output gradient once each, as one does."""
 SEED = 0x5EED
 """The probe vectors' generator seed: the same ±1 vectors on every rank and in every run."""
 LINEAR_TYPES = (nn.Linear, TiedLinear)
@@ -75,10 +86,10 @@ class Entry:
     start: int  # in the flat check vectors
     rows: int
     cols: int
+    width: int  # check values per row: PROBES for a matrix, 1 for a vector (checked whole)
     local_rows: tuple[int, int]  # (first row, rows) of this rank's gradient shard
     blocks: list[tuple[int, int]]  # (first row, rows) of every rank's shard: judged apart
     weight: float = 1.0  # 1 / replication (HSDP's replicas hold equal shards)
-    gain: torch.Tensor | None = None  # a norm's gain: its check vector is gain ⊙ gradient
 
 
 @dataclass
@@ -161,7 +172,6 @@ class GradChecksums:
         params = {id(p): canonical_name(n) for n, p in model.named_parameters() if p.requires_grad}
         modules: list[tuple[nn.Module, list[str]]] = []
         covered: dict[str, torch.Tensor] = {}
-        gains: set[str] = set()
         for module in model.modules():
             if type(module) not in (*LINEAR_TYPES, nn.Embedding, *NORM_TYPES):
                 continue
@@ -171,8 +181,6 @@ class GradChecksums:
                 continue
             modules.append((module, [n or "" for n in found]))
             covered.update({n: p for n, p in zip(found, own, strict=True) if n})
-            if isinstance(module, NORM_TYPES):
-                gains.add(found[0])
         self.entries: dict[str, Entry] = {}
         start = 0
         for name in names:  # the monitor's order: the flat vectors follow it
@@ -184,25 +192,26 @@ class GradChecksums:
             if shards is None:
                 continue
             weight = 1.0 / replication[index[name]] if replication else 1.0
-            gain = param if name in gains else None
-            self.entries[name] = Entry(index[name], start, rows, cols, *shards, weight, gain)
-            start += rows
+            width = PROBES if cols > 1 else 1
+            self.entries[name] = Entry(index[name], start, rows, cols, width, *shards, weight)
+            start += rows * width
         self.size = start
         self.coverage = Coverage(list(self.entries), [n for n in names if n not in self.entries])
         self.modules = [(m, ns) for m, ns in modules if ns[0] in self.entries]
         generator = torch.Generator().manual_seed(SEED)
         widths = sorted({e.cols for e in self.entries.values()})
-        self.probes = {  # ±1 per column, one vector per width
-            w: (torch.randint(0, 2, (w,), generator=generator) * 2 - 1).float().to(device)
+        self.probes = {  # ±1 per column, PROBES columns per width (one for a vector)
+            w: (torch.randint(0, 2, (w, PROBES if w > 1 else 1), generator=generator) * 2 - 1)
+            .float()
+            .to(device)
             for w in widths
         }
         self.expected = torch.zeros(self.size, device=device)
-        self.cast: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # the last token count's
         self.handles: list[Any] = []
         self.active = False
         self.dropped: set[str] = set()
-        self.recomputed: dict[nn.Module, torch.Tensor] = {}  # a checkpointed norm's output
+        self.recomputed: dict[nn.Module, torch.Tensor] = {}  # a checkpointed norm's input
         self.checkpointed: set[nn.Module] = set()
         self._blocks()
 
@@ -222,8 +231,8 @@ class GradChecksums:
         self.handles = []
 
     def mark_checkpointed(self, model: nn.Module) -> None:
-        """Norms inside activation-checkpointed blocks: their output is taken from the
-        backward's recomputation (a reference from the first forward would keep it alive)."""
+        """Norms inside activation-checkpointed blocks: their input is taken from the backward's
+        recomputation (a reference from the first forward would keep it alive)."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
         for wrapper in model.modules():
@@ -241,27 +250,27 @@ class GradChecksums:
     def _wanted(self, output: Any) -> bool:
         return self.active and isinstance(output, torch.Tensor) and output.requires_grad
 
-    def _add(self, entry: Entry, values: torch.Tensor) -> None:
-        if entry.rows:  # add_ promotes a BF16 vector into the FP32 sums
-            self.expected.narrow(0, entry.start, entry.rows).add_(values)
+    def _rows(self, entry: Entry, vector: torch.Tensor) -> torch.Tensor:
+        """The entry's check values in `vector`, as rows x width."""
+        return vector.narrow(0, entry.start, entry.rows * entry.width).view(entry.rows, -1)
 
-    def probe(self, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """The ±1 probe of a width, in a compute dtype (±1 is exact in every float dtype)."""
-        key = (cols, dtype)
-        if key not in self.cast:
-            self.cast[key] = self.probes[cols].to(dtype)
-        return self.cast[key]
+    def _add(self, entry: Entry, values: torch.Tensor) -> None:
+        if entry.rows:  # rows x width (or rows), FP32
+            self._rows(entry, self.expected).add_(values.reshape(entry.rows, -1))
 
     def _linear_hook(self, weight: Entry, bias: Entry | None) -> Callable:
+        probe = self.probes[weight.cols]
+
         def forward(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._wanted(output) or torch._C._current_graph_task_id() != -1:
                 return  # a checkpointed block's recomputation: its output gets no gradient
             x = args[0].detach().reshape(-1, weight.cols)  # no graph: checkpointing counts it
-            s = x @ self.probe(weight.cols, x.dtype)  # one number per token
+            with _disable_current_modes():  # unseen by selective checkpointing's op cache
+                s = _as_multiplied(x).float() @ probe  # FP32 numbers per token
 
             def backward(dy: torch.Tensor) -> None:
                 d = dy.reshape(-1, weight.rows)
-                self._add(weight, s.to(d.dtype) @ d)  # dYᵀ s, read row by row
+                self._add(weight, _weighted_sums(s, d))
                 if bias is not None:
                     self._add(bias, self.column_sums(d))
 
@@ -278,16 +287,17 @@ class GradChecksums:
         return self.ones[key] @ d
 
     def _embedding_hook(self, weight: Entry) -> Callable:
+        probe = self.probes[weight.cols]
+
         def forward(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._wanted(output) or torch._C._current_graph_task_id() != -1:
                 return
             ids = args[0].detach().reshape(-1)
 
             def backward(dy: torch.Tensor) -> None:
-                per_token = dy.reshape(-1, weight.cols) @ self.probe(weight.cols, dy.dtype)
+                per_token = dy.reshape(-1, weight.cols).float() @ probe
                 if weight.rows:
-                    rows = self.expected.narrow(0, weight.start, weight.rows)
-                    rows.index_add_(0, ids, per_token.float())
+                    self._rows(weight, self.expected).index_add_(0, ids, per_token)
 
             output.register_hook(backward)
 
@@ -295,24 +305,21 @@ class GradChecksums:
 
     def _norm_hook(self, module: nn.Module, weight: Entry, bias: Entry | None) -> Callable:
         checkpointed = module in self.checkpointed
-        shift = getattr(module, "bias", None)
 
         def forward(norm: nn.Module, args: tuple, output: Any) -> None:
             if not self._wanted(output):
                 return
             if torch._C._current_graph_task_id() != -1:  # recomputed in backward
                 if checkpointed:
-                    self.recomputed[norm] = output.detach()
+                    self.recomputed[norm] = args[0].detach()
                 return
-            y = None if checkpointed else output.detach()  # kept anyway: the next layer's input
+            x = None if checkpointed else args[0].detach()  # the norm's backward keeps it too
 
             def backward(dy: torch.Tensor) -> None:
-                out = y if y is not None else self.recomputed.pop(norm)
+                source = x if x is not None else self.recomputed.pop(norm)
                 d = dy.reshape(-1, weight.rows).float()  # FP32 sums over tokens are fast
-                scaled = out.reshape(d.shape).float()
-                if shift is not None:
-                    scaled = scaled - shift.detach().float()
-                self._add(weight, (scaled * d).sum(0))  # g ⊙ dg = Σ dY ⊙ (Y - b)
+                normalized = _normalized(norm, source.reshape(d.shape))
+                self._add(weight, (normalized * d).sum(0))
                 if bias is not None:
                     self._add(bias, d.sum(0))
 
@@ -350,11 +357,9 @@ class GradChecksums:
             first, rows = entry.local_rows if entry is not None else (0, 0)
             if entry is None or not rows or grad.numel() != rows * entry.cols:
                 continue
-            if entry.gain is not None:  # a norm's gain: g ⊙ dg, g's own rows
-                values = grad.float() * local_tensor(entry.gain).detach().float()
-            else:
-                values = grad.reshape(rows, entry.cols).float() @ self.probes[entry.cols]
-            observed.narrow(0, entry.start + first, rows).add_(values, alpha=entry.weight)
+            values = grad.reshape(rows, entry.cols).float() @ self.probes[entry.cols]
+            mine = self._rows(entry, observed).narrow(0, first, rows)
+            mine.add_(values, alpha=entry.weight)
         observed /= grad_factor
         expected = self.expected / (loss_scale * self.data_ranks)
         return {OBSERVED: observed, EXPECTED: expected}
@@ -365,7 +370,7 @@ class GradChecksums:
         block_of, tensor_of = [], []
         for entry in self.entries.values():
             for _, rows in entry.blocks:
-                block_of += [len(tensor_of)] * rows
+                block_of += [len(tensor_of)] * (rows * entry.width)
                 tensor_of.append(entry.index)
         self.block_of = torch.tensor(block_of, dtype=torch.long, device=self.device)
         self.tensor_of = torch.tensor(tensor_of, dtype=torch.long, device=self.device)
@@ -405,3 +410,32 @@ def mismatched(
     (a NaN too: the non-finite check has caught that step first), largest first."""
     out = [[names[i], residuals[i]] for i in covered if not residuals[i] <= tolerance]
     return sorted(out, key=lambda x: -x[1] if x[1] == x[1] else -math.inf)
+
+
+def _as_multiplied(x: torch.Tensor) -> torch.Tensor:
+    """The layer's input as its matmul reads it: under autocast an FP32 input is rounded to the
+    autocast dtype first, and the weight's gradient is made of that rounding."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+def _weighted_sums(s: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """dYᵀ S (S: tokens x probes, FP32) in FP32, as rows x probes, without converting dY: a BF16
+    dY is multiplied by S split into two BF16 parts (S = high + low to 16 bits), so each sum is
+    rounded once, at its end, and never per token."""
+    if d.dtype == torch.float32:
+        return (s.t() @ d).t()
+    high = s.t().to(d.dtype)
+    low = (s.t() - high.float()).to(d.dtype)
+    both = torch.cat([high, low]) @ d  # (2 x probes) x rows, one pass over dY
+    return both.float().view(2, s.shape[1], -1).sum(0).t()
+
+
+def _normalized(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's input normalized without its gain and bias, in FP32 as the norms compute it."""
+    x32 = x.float()
+    if isinstance(norm, RMSNorm):
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return F.layer_norm(x32, norm.normalized_shape, None, None, norm.eps)

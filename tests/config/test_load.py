@@ -145,6 +145,14 @@ def test_tiny_yaml_loads_and_round_trips(tmp_path):
             "key 'monitor.suspicion.rival_share' got -0.5, expected a value >= 0",
         ),
         (
+            ["monitor.checksum.tolerance=1.5"],
+            "key 'monitor.checksum.tolerance' got 1.5, expected a value in (0, 1)",
+        ),
+        (
+            ["monitor.checksum.until_step=-2"],
+            "key 'monitor.checksum.until_step' got -2, expected a step >= 0 or -1",
+        ),
+        (
             ["monitor.suspicion.company=0"],
             "key 'monitor.suspicion.company' got 0.0, expected a value > 0 (inf: off)",
         ),

@@ -234,7 +234,7 @@ class Recorder:
             whole[index] = health.checksums[index]
             observed = grad.detach().float().reshape(entry.rows, entry.cols)
             observed = observed @ checksums.probes[entry.cols]
-            expected = checksums.expected.narrow(0, entry.start, entry.rows)
+            expected = checksums.rows_of(entry, checksums.expected)
             for rank, (o, e) in enumerate(
                 zip(observed.chunk(RANKS), expected.chunk(RANKS), strict=True)
             ):

@@ -5,26 +5,26 @@ The suspicion tier (resilience/suspicion.py) reads magnitudes only, against each
 history. Early in a run that history is short and wild: healthy tensors move 7-400x from step to
 step while attention and the norms wake up, so a corrupted tensor's x10 looks like its neighbours'
 healthy moves (docs/healing.md). A checksum needs no history. For a linear layer the weight's
-gradient is dW = dYᵀX over the step's tokens, so for a fixed random ±1 vector r
+gradient is dW = dYᵀX over the step's tokens, so for fixed random ±1 vectors R (PROBES of them)
 
-    dW·r = dYᵀ(X·r)
+    dW·R = dYᵀ(X·R)
 
-The right side costs two matrix-vector products per layer, computed by hooks as the step runs
-(X·r in forward, one number per token; dYᵀ(X·r) in backward); the left side one product per
-gradient, read after the gradients are reduced. A gradient that a fault scaled, or a bit flip
-moved, no longer matches; rounding leaves them within about 1% of each other (BF16) and a x10
-fault 90% apart. Covered, per parameter (the check vector has one value per row):
+The right side costs two thin matrix products per layer, computed by hooks as the step runs
+(X·R in forward, PROBES numbers per token; dYᵀ(X·R) in backward); the left side one per
+gradient, after the gradients are reduced. A gradient that a fault scaled, or a bit flip moved,
+no longer matches; rounding leaves them within about 1% of each other (BF16) and a x10 fault 90%
+apart. Covered, per parameter (PROBES check values per row of a matrix, a vector checked whole):
 
-- nn.Linear (and the tied output projection): weight dW·r = dYᵀ(X·r); bias db = Σ dY.
-- nn.Embedding: dE·r = Σ_tokens onehot(id)·(dY·r) (an index_add). Tied to the output
+- nn.Linear (and the tied output projection): weight dW·R = dYᵀ(X·R); bias db = Σ dY.
+- nn.Embedding: dE·R = Σ_tokens onehot(id)·(dY·R) (an index_add). Tied to the output
   projection, both uses add into the one table's check vector.
 - bigtrain's LayerNorm and RMSNorm: gain dg = Σ dY ⊙ x̂, x̂ recomputed in FP32 from the norm's
   input (which its backward keeps anyway); bias db = Σ dY.
 
-Precision: every sum over tokens is taken in FP32 from the BF16 inputs, never rounded per token. A
-gradient is a sum of per-token terms far larger than itself (their mean is what trains), so a
-BF16 rounding of each token's term (relative 2^-9) adds up to 10-15% of a weight gradient's check
-value in healthy tiny runs; summed in FP32 and rounded once, the two sides stay within about 1%.
+Precision: every sum over tokens is taken in FP32 from the inputs as the matmul reads them
+(autocast's rounding included), never rounded per token: a gradient is a sum of per-token terms
+far larger than itself (their mean is what trains), so rounding each term would add up. With
+PROBES probes (see there) the two sides of healthy BF16 tiny runs stay within 2% of each other.
 
 Other parameters (MoE experts and routers, INT8 and FP8 linears, transformers models' own
 modules) are left to the magnitude tiers; the run's start event lists the coverage. Each rank's
@@ -250,13 +250,13 @@ class GradChecksums:
     def _wanted(self, output: Any) -> bool:
         return self.active and isinstance(output, torch.Tensor) and output.requires_grad
 
-    def _rows(self, entry: Entry, vector: torch.Tensor) -> torch.Tensor:
+    def rows_of(self, entry: Entry, vector: torch.Tensor) -> torch.Tensor:
         """The entry's check values in `vector`, as rows x width."""
         return vector.narrow(0, entry.start, entry.rows * entry.width).view(entry.rows, -1)
 
     def _add(self, entry: Entry, values: torch.Tensor) -> None:
         if entry.rows:  # rows x width (or rows), FP32
-            self._rows(entry, self.expected).add_(values.reshape(entry.rows, -1))
+            self.rows_of(entry, self.expected).add_(values.reshape(entry.rows, -1))
 
     def _linear_hook(self, weight: Entry, bias: Entry | None) -> Callable:
         probe = self.probes[weight.cols]
@@ -297,7 +297,7 @@ class GradChecksums:
             def backward(dy: torch.Tensor) -> None:
                 per_token = dy.reshape(-1, weight.cols).float() @ probe
                 if weight.rows:
-                    self._rows(weight, self.expected).index_add_(0, ids, per_token)
+                    self.rows_of(weight, self.expected).index_add_(0, ids, per_token)
 
             output.register_hook(backward)
 
@@ -358,7 +358,7 @@ class GradChecksums:
             if entry is None or not rows or grad.numel() != rows * entry.cols:
                 continue
             values = grad.reshape(rows, entry.cols).float() @ self.probes[entry.cols]
-            mine = self._rows(entry, observed).narrow(0, first, rows)
+            mine = self.rows_of(entry, observed).narrow(0, first, rows)
             mine.add_(values, alpha=entry.weight)
         observed /= grad_factor
         expected = self.expected / (loss_scale * self.data_ranks)

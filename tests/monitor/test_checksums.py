@@ -159,3 +159,26 @@ def test_an_moe_models_experts_and_routers_are_left_to_the_magnitude_tiers():
     step(model, monitor)
     healthy = residuals(model, monitor)
     assert max(healthy.values()) < 1e-5 and all(healthy[n] == 0.0 for n in uncovered)
+
+
+def test_a_low_rank_gradient_orthogonal_to_one_probe_is_still_checked_to_its_rounding():
+    """A layer whose input has one dominant direction has a gradient of rank about 1. Along a
+    probe nearly orthogonal to that direction its check value is a tiny share of the gradient,
+    and BF16 rounding of the gradient's own size becomes a large share of it (healthy tiny runs
+    reached 0.1 with one probe); four probes keep the residual to the rounding of the whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    monitor = monitor_of(model)
+    first = monitor.checksums.probes[64][:, 0]
+    direction = torch.randn(64)
+    direction -= (direction @ first) / 64 * first  # orthogonal to the first probe
+    x = torch.randn(512, 1) * direction + 1e-3 * torch.randn(512, 64)
+    monitor.begin(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    (y.float() * torch.randn(512, 32)).sum().backward()
+    grad = model[0].weight.grad
+    along_first = (grad @ first).norm() / (grad.norm() * 64**0.5)
+    assert along_first < 0.01  # what one probe would have judged by
+    health = monitor.check([("0.weight", grad)], torch.tensor(1.0), 1.0, full=False)
+    assert health.checksums[0] < 0.02

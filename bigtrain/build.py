@@ -107,6 +107,7 @@ def make_monitor(
     model: ModelConfig | None = None,
     fp8: Fp8Stats | None = None,
     parallel: ParallelConfig | None = None,
+    replay: bool = True,
 ) -> GradMonitor:
     """The gradient monitor over the backend's (aligned) gradient names; Triton where it runs;
     with an MoE `model`, its routers' numbers too; with FP8 layers, their statistics."""
@@ -125,7 +126,9 @@ def make_monitor(
         blocks = [f"blocks.{i}" for i in moe_blocks(model)] if model is not None else []
         routers = RouterStats.of([backend.model], blocks, model.moe.experts) if model else None
     riders = [r for r in (routers, fp8) if r is not None]
-    checksums = make_checksums(cfg, backend, layout, device, names, replicas, model, parallel)
+    checksums = make_checksums(
+        cfg, backend, layout, device, names, replicas, model, parallel, replay
+    )
     return GradMonitor(
         cfg, names, device, use_kernel, replicas, layout, riders=riders, checksums=checksums
     )
@@ -140,11 +143,14 @@ def make_checksums(
     replicas: list[int],
     model: ModelConfig | None,
     parallel: ParallelConfig | None,
+    replay: bool = True,
 ) -> GradChecksums | Coverage:
     """The gradient checksums (monitor/checksums.py) where the layout lets them check; else
     the reason they are off (logged, and in the start event)."""
     if not cfg.checksum.enabled:
         return Coverage(reason="monitor.checksum.enabled=false")
+    if not replay:  # a mismatch is acted on by a replay
+        return Coverage(reason="resilience.replay=false: a mismatch would replay the step")
     compiled = parallel is not None and parallel.compile
     reason = unsupported(layout, backend.name, compiled)
     if not reason and model is not None and model.kind == "hf":
@@ -419,7 +425,9 @@ def _assemble(
     if layout.tp > 1 and uses_gpt_plan(model):
         torch.manual_seed(dropout_seed(cfg.train.seed, layout.rank))
     fp8 = Fp8Stats(facts.fp8_layers) if facts.fp8_layers else None
-    monitor = make_monitor(cfg.monitor, backend, layout, device, cfg.model, fp8, cfg.parallel)
+    monitor = make_monitor(
+        cfg.monitor, backend, layout, device, cfg.model, fp8, cfg.parallel, cfg.resilience.replay
+    )
     clock.mark("model")
     setup = _run_setup(cfg, layout, device, facts, data, loader, monitor, config_yaml)
     ledger = CostLedger(clock)

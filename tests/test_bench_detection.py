@@ -104,6 +104,15 @@ def test_detection_bench_reports_the_issues_keys(cache_dir, tmp_path, monkeypatc
         assert len(real) == round(sweep["suspicions_real_per_1k"] * sweep["steps"] / 1000)
         assert all(1 < step <= 30 and "." in tensor for _, step, tensor in real)
     assert report["rules"]["suspicion"]["lead"] > 1.0
+    # Gradient checksums (monitor/checksums.py) check every step of these short runs (until step
+    # 200), every tensor of a dense GPT: no healthy residual near the tolerance, and a one-tensor
+    # x10 is 0.9 - a healthy residual away from its check, so every one is caught, on 2 emulated
+    # ranks and on one process.
+    checks = report["checksums"]
+    assert checks["checked_steps"] == report["healthy_steps"]
+    assert checks["largest_healthy_residual"] < checks["tolerance"] / 3
+    for rates in (report["detection_rate"], report["one_process"]["detection_rate"]):
+        assert rates["grad_spike_x10"] == rates["grad_spike_x50"] == 1.0
     # The saved traces judged again (how a rule is studied offline): the same simulated numbers,
     # and none of the runs' own, which the recording's rules made.
     again = detection_bench(

@@ -102,9 +102,11 @@ class ChecksumConfig:
     """Check steps 1..N only (-1: every step): the warm-up, where the suspicion tier's histories
     are short. Each checked step costs two matrix-vector products per covered layer in forward
     and backward (bench/overhead.py measures it); later steps are the suspicion tier's."""
-    tolerance: float = 0.1
+    tolerance: float = 0.2
     """The largest relative difference of a tensor's check vectors (per shard) that is rounding:
-    healthy runs stay below 0.01 in BF16; a x2 fault of one tensor is 0.5, a x10 0.9."""
+    the detection bench's healthy runs stayed below 0.05 (BF16; FP32 below 1e-5); a tensor
+    scaled x1.25 is 0.2, x2 0.5, x10 0.9, so x10 and x50 are caught as with any tolerance up to
+    0.85, and healthy rounding has 4x of room."""
 
 
 @dataclass

@@ -182,3 +182,23 @@ def test_a_low_rank_gradient_orthogonal_to_one_probe_is_still_checked_to_its_rou
     assert along_first < 0.01  # what one probe would have judged by
     health = monitor.check([("0.weight", grad)], torch.tensor(1.0), 1.0, full=False)
     assert health.checksums[0] < 0.02
+
+
+def test_checksums_are_set_up_only_where_a_mismatch_can_be_acted_on():
+    from types import SimpleNamespace
+
+    from bigtrain.build import make_checksums
+    from bigtrain.monitor.checksums import Coverage
+
+    model = model_of()
+    names = names_of(model)
+    backend = SimpleNamespace(name="local", model=model)
+    args = (backend, Layout(world_size=1), torch.device("cpu"), names, [1] * len(names))
+    built = make_checksums(MonitorConfig(), *args, ModelConfig(), None)
+    assert isinstance(built, GradChecksums) and len(built.entries) == len(names)
+    off = make_checksums(MonitorConfig(), *args, ModelConfig(), None, replay=False)
+    assert isinstance(off, Coverage) and "resilience.replay=false" in off.reason
+    hf = make_checksums(MonitorConfig(), *args, ModelConfig(kind="hf"), None)
+    assert off.record()["checksums"] == "off" and "model.kind=hf" in hf.reason
+    disabled = MonitorConfig(checksum=ChecksumConfig(enabled=False))
+    assert make_checksums(disabled, *args, ModelConfig(), None).reason.startswith("monitor.")

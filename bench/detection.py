@@ -465,7 +465,8 @@ def checksum_margin(traces: list[Trace], monitor) -> dict:
             values = np.concatenate([halves.ravel(), whole])
             top = float(np.nanmax(values))
             if top > worst:
-                tensor = int(np.nanargmax(np.nanmax(halves, axis=1)))
+                per_tensor = np.where(np.isfinite(halves), halves, -np.inf).max(axis=1)
+                tensor = int(np.argmax(np.maximum(per_tensor, np.nan_to_num(whole, nan=-np.inf))))
                 worst, where = top, [trace.name, step + 1, trace.names[tensor]]
     return {
         "tolerance": monitor.checksum.tolerance,

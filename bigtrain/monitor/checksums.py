@@ -57,6 +57,7 @@ from bigtrain.model.gpt import LayerNorm, RMSNorm, TiedLinear
 from bigtrain.monitor.slots import Pack, Slot
 from bigtrain.parallel.layout import Layout
 from bigtrain.utils.names import canonical_name
+from bigtrain.utils.tensors import autocast_off
 
 OBSERVED, EXPECTED = "checksum_observed", "checksum_expected"
 """The slots: each covered gradient's check vector as read from it, and as its layer's inputs and
@@ -264,9 +265,11 @@ class GradChecksums:
         def forward(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._wanted(output) or torch._C._current_graph_task_id() != -1:
                 return  # a checkpointed block's recomputation: its output gets no gradient
-            x = args[0].detach().reshape(-1, weight.cols)  # no graph: checkpointing counts it
-            with _disable_current_modes():  # unseen by selective checkpointing's op cache
-                s = _as_multiplied(x).float() @ probe  # FP32 numbers per token
+            x = _as_multiplied(args[0].detach()).reshape(-1, weight.cols)  # no graph
+            # Unseen by selective checkpointing's op cache, and in FP32: autocast would round
+            # each token's number to BF16 again.
+            with _disable_current_modes(), autocast_off(x.device.type):
+                s = x.float() @ probe
 
             def backward(dy: torch.Tensor) -> None:
                 d = dy.reshape(-1, weight.rows)

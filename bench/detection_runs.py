@@ -347,3 +347,27 @@ def _rank_main(rank: int, port: str, trials: list[Trial], out_root: str) -> None
     shutdown(clean=True)
     if rank == 0:
         (Path(out_root) / "results.json").write_text(json.dumps(found))
+
+
+def checksum_margin(traces: list[Trace], monitor) -> dict:
+    """The gradient checksums on the healthy runs: steps checked, and the largest residual of
+    any tensor or row half (against monitor.checksum.tolerance: each above it a false alarm)."""
+    worst, where, checked = 0.0, None, 0
+    for trace in traces:
+        for step, (halves, whole) in enumerate(zip(trace.checks, trace.checks_whole, strict=True)):
+            if not np.isfinite(whole).any():
+                continue
+            checked += 1
+            values = np.concatenate([halves.ravel(), whole])
+            top = float(np.nanmax(values))
+            if top > worst:
+                per_tensor = np.where(np.isfinite(halves), halves, -np.inf).max(axis=1)
+                tensor = int(np.argmax(np.maximum(per_tensor, np.nan_to_num(whole, nan=-np.inf))))
+                worst, where = top, [trace.name, step + 1, trace.names[tensor]]
+    return {
+        "tolerance": monitor.checksum.tolerance,
+        "until_step": monitor.checksum.until_step,
+        "checked_steps": checked,
+        "largest_healthy_residual": worst,
+        "where": where,
+    }

@@ -57,7 +57,7 @@ from bigtrain.model.gpt import LayerNorm, RMSNorm, TiedLinear
 from bigtrain.monitor.slots import Pack, Slot
 from bigtrain.parallel.layout import Layout
 from bigtrain.utils.names import canonical_name
-from bigtrain.utils.tensors import autocast_off
+from bigtrain.utils.tensors import autocast_dtype, autocast_off, local_block
 
 OBSERVED, EXPECTED = "checksum_observed", "checksum_expected"
 """The slots: each covered gradient's check vector as read from it, and as its layer's inputs and
@@ -140,11 +140,7 @@ def _shards(param: torch.Tensor, rows: int) -> tuple[tuple[int, int], list[tuple
         return None
     if dims and param.placements[dims[0]].dim != 0:
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
+    offset, shape = local_block(param)
     mine = (offset[0] if offset else 0, shape[0] if shape else 1)
     if not dims:
         return mine, [(0, rows)]
@@ -418,10 +414,8 @@ def mismatched(
 def _as_multiplied(x: torch.Tensor) -> torch.Tensor:
     """The layer's input as its matmul reads it: under autocast an FP32 input is rounded to the
     autocast dtype first, and the weight's gradient is made of that rounding."""
-    kind = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(kind):
-        return x.to(torch.get_autocast_dtype(kind))
-    return x
+    dtype = autocast_dtype(x.device.type)
+    return x.to(dtype) if dtype is not None and x.is_floating_point() else x
 
 
 def _weighted_sums(s: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
